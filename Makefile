@@ -1,0 +1,41 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - create .venv if missing, install pinned deps, run the demo job
+#   make test   - same set-up, then the test suite (<= 25 min on 2 CPU cores)
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Re-install only when the dependency list changes.
+STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+NPROC  ?= 2
+
+.PHONY: demo test test-all install smoke clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): setup.py | $(PY)
+	# torch first, by exact version: pip takes the CPU wheel on this disk
+	# (a looser spec would download GBs of CUDA wheels).
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m megascale_omni.smoke \
+		--config examples/gpt/tiny.yaml train.steps=60 logging.output_dir=runs/demo-gpt
+
+smoke: install
+	$(PY) -m megascale_omni.smoke --config examples/gpt/tiny.yaml logging.output_dir=runs/smoke
+
+test: install
+	$(PY) -m pytest -m "not slow"
+
+test-all: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,3 @@
+"""megascale-omni: elastic multimodal LLM training on megatron-core."""
+
+__version__ = "0.1.0"

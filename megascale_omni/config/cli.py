@@ -1,0 +1,55 @@
+"""Command-line front end shared by every entry point.
+
+``python pretrain_x.py --config file.yaml [section.field=value ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence, TypeVar
+
+from megascale_omni.config.errors import ConfigError
+from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml
+from megascale_omni.config.schema import JobConfig
+from megascale_omni.config.validate import validate_job
+
+C = TypeVar("C")
+
+
+def parse_job_config(
+    argv: Sequence[str] | None = None,
+    cls: type[C] = JobConfig,  # type: ignore[assignment]
+    description: str = "",
+    world_size: int | None = None,
+) -> C:
+    """Parse ``--config`` + overrides into ``cls`` and validate for the world size.
+
+    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 under plain python).
+    Raises ConfigError; never starts a process group.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML config file (see examples/)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.field=value", help="override any config field, e.g. train.steps=20"
+    )
+    args = parser.parse_args(argv)
+    raw = load_yaml(args.config) if args.config else {}
+    raw = apply_overrides(raw, args.overrides)
+    cfg = from_dict(cls, raw)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_job(cfg, world_size)  # type: ignore[arg-type]
+    return cfg
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """Run ``main``; a ConfigError becomes one stderr line and exit code 2."""
+    try:
+        main()
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            sys.stderr.write(f"{e}\n")
+        sys.exit(2)

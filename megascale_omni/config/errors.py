@@ -1,0 +1,19 @@
+"""The one exception type for invalid configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An invalid setting: names the field, the offending value and the fix.
+
+    Entry points turn it into exit code 2 and a single line on stderr
+    (see :func:`megascale_omni.config.cli.run_cli`).
+    """
+
+    def __init__(self, field: str, value: Any, hint: str):
+        self.field = field
+        self.value = value
+        self.hint = hint
+        super().__init__(f"config error: {field}={value!r}: {hint}")

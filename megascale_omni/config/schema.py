@@ -1,0 +1,232 @@
+"""Typed configuration of a training job.
+
+Each section is a dataclass; every field carries its meaning in the
+docstring-style comment above it. Sections validate their own fields in
+``__post_init__`` (cheap, local checks); checks that need several sections or
+the world size live in :mod:`megascale_omni.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megascale_omni.config.errors import ConfigError
+
+
+def _positive(section: str, name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{section}.{name}", value, f"must be {bound}")
+
+
+@dataclass
+class ModelConfig:
+    """Language-model (decoder) shape. Vision/DiT sections extend this."""
+
+    #: Which trainer this config is for: ``gpt`` (smoke), ``llava`` or ``dit``.
+    family: Literal["gpt", "llava", "dit"] = "gpt"
+    #: Number of transformer layers of the language model.
+    num_layers: int = 4
+    #: Model width (hidden size), elements.
+    hidden_size: int = 64
+    #: Attention heads; must divide ``hidden_size`` and be divisible by TP.
+    num_attention_heads: int = 4
+    #: GQA groups; ``None`` means multi-head attention (groups = heads).
+    num_query_groups: Optional[int] = None
+    #: MLP width; ``None`` means ``4 * hidden_size``.
+    ffn_hidden_size: Optional[int] = None
+    #: Vocabulary size. For LLaVA it is taken from the tokenizer when 0.
+    vocab_size: int = 256
+    #: Tokens per sequence fed to the language model.
+    seq_length: int = 64
+    #: ``learned_absolute`` or ``rope``.
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    #: ``LayerNorm`` or ``RMSNorm``.
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    #: Dropout after attention/MLP blocks (0 makes layouts bitwise comparable).
+    hidden_dropout: float = 0.0
+    #: Dropout on attention probabilities.
+    attention_dropout: float = 0.0
+    #: Std of the normal weight initialisation.
+    init_method_std: float = 0.02
+    #: Tie the input embedding and the output layer.
+    share_embeddings_and_output_weights: bool = False
+    #: Layer implementation: ``auto`` picks transformer-engine on CUDA when installed.
+    layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _positive("model", name, getattr(self, name))
+        _positive("model", "vocab_size", self.vocab_size, allow_zero=self.family != "gpt")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "model.hidden_size",
+                self.hidden_size,
+                f"must be divisible by model.num_attention_heads={self.num_attention_heads}",
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                "model.num_query_groups",
+                self.num_query_groups,
+                f"must divide model.num_attention_heads={self.num_attention_heads}",
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees inside one replica group (megatron vocabulary).
+
+    ``dp`` is derived: ``world_size // (tp * pp * cp)``.
+    """
+
+    #: Tensor-parallel size.
+    tp: int = 1
+    #: Pipeline-parallel size.
+    pp: int = 1
+    #: Context-parallel size.
+    cp: int = 1
+    #: Virtual pipeline stages (model chunks) per pipeline rank; ``None`` = no interleaving.
+    vpp: Optional[int] = None
+    #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).
+    use_distributed_optimizer: bool = False
+    #: Megatron sequence parallelism (requires tp > 1).
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            _positive("parallel", name, getattr(self, name))
+        if self.vpp is not None:
+            if self.vpp < 2:
+                raise ConfigError("parallel.vpp", self.vpp, "must be >= 2, or null to disable interleaving")
+            if self.pp < 2:
+                raise ConfigError("parallel.vpp", self.vpp, "interleaving needs parallel.pp >= 2; set vpp: null")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1; set it to false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and schedule."""
+
+    #: Seed for init, data order and dropout.
+    seed: int = 1234
+    #: Optimizer steps to run.
+    steps: int = 10
+    #: Samples (or packed sequences) per optimizer step, summed over DP ranks.
+    global_batch_size: int = 8
+    #: Samples per micro-batch on one DP rank.
+    micro_batch_size: int = 2
+    #: Peak learning rate.
+    lr: float = 1.0e-3
+    #: Final learning rate of the decay.
+    min_lr: float = 1.0e-4
+    #: Linear warm-up steps.
+    lr_warmup_steps: int = 0
+    #: ``cosine``, ``linear`` or ``constant``.
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    #: Decoupled weight decay.
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    #: Global gradient-norm clip; 0 disables.
+    clip_grad: float = 1.0
+    #: ``auto`` = bf16 on CUDA, fp32 on CPU.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    #: Evaluate every N steps (0 = only at the end, if an eval split exists).
+    eval_interval: int = 0
+    #: Micro-batches per evaluation (0 = the whole held-out split).
+    eval_iters: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            _positive("train", name, getattr(self, name))
+        _positive("train", "lr", self.lr)
+        _positive("train", "min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigError("train.min_lr", self.min_lr, f"must be <= train.lr={self.lr}")
+        for name in ("lr_warmup_steps", "eval_interval", "eval_iters"):
+            _positive("train", name, getattr(self, name), allow_zero=True)
+        _positive("train", "clip_grad", self.clip_grad, allow_zero=True)
+
+
+@dataclass
+class DataConfig:
+    """Where training data comes from."""
+
+    #: Dataset directory; ``null`` uses the embedded default for the model family.
+    path: Optional[str] = None
+    #: Tokenizer file or directory; ``null`` uses the dataset's ``tokenizer.json``.
+    tokenizer: Optional[str] = None
+    #: Data-loader worker processes per rank.
+    num_workers: int = 0
+    #: Abort when skipped (bad) samples exceed this fraction of samples seen.
+    max_bad_sample_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive("data", "num_workers", self.num_workers, allow_zero=True)
+        if not 0.0 <= self.max_bad_sample_fraction <= 1.0:
+            raise ConfigError("data.max_bad_sample_fraction", self.max_bad_sample_fraction, "must be in [0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint locations and cadence."""
+
+    #: Directory for saves; ``null`` disables saving.
+    save_dir: Optional[str] = None
+    #: Save every N steps (0 = only on triggers).
+    interval: int = 0
+    #: Keep this many complete checkpoints.
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "interval", self.interval, allow_zero=True)
+        _positive("checkpoint", "keep_last", self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics and logs go."""
+
+    #: Run directory for JSONL metrics, TensorBoard events and checkpoints by default.
+    output_dir: str = "runs/default"
+    #: Log one line every N steps.
+    log_interval: int = 1
+    #: Write TensorBoard event files under ``output_dir/tensorboard``.
+    tensorboard: bool = True
+    #: Python logging level.
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: Show a progress bar on the logging rank.
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("logging", "log_interval", self.log_interval)
+
+
+@dataclass
+class JobConfig:
+    """A whole training job: one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

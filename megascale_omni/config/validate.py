@@ -1,0 +1,81 @@
+"""Cross-section checks that need the world size.
+
+Called on every rank *before* any process group exists, so a bad layout
+fails in milliseconds with the same message on every rank.
+"""
+
+from __future__ import annotations
+
+from megascale_omni.config.errors import ConfigError
+from megascale_omni.config.schema import JobConfig
+
+
+def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    """DP size of one replica group: ``world_size // (tp * pp * cp)``."""
+    return world_size // cfg.parallel.model_parallel_size
+
+
+def validate_job(cfg: JobConfig, world_size: int) -> None:
+    """Raise ConfigError for the first setting that cannot run on ``world_size`` ranks."""
+    par, model, train = cfg.parallel, cfg.model, cfg.train
+    mp = par.model_parallel_size
+    if world_size % mp:
+        raise ConfigError(
+            "parallel",
+            f"tp={par.tp} pp={par.pp} cp={par.cp}",
+            f"world size {world_size} is not divisible by tp*pp*cp={mp}; "
+            f"launch a multiple of {mp} processes or change the degrees",
+        )
+    if model.num_attention_heads % par.tp:
+        raise ConfigError(
+            "model.num_attention_heads",
+            model.num_attention_heads,
+            f"must be divisible by parallel.tp={par.tp}; use a multiple of {par.tp} heads or a smaller tp",
+        )
+    if model.query_groups % par.tp:
+        raise ConfigError(
+            "model.num_query_groups",
+            model.query_groups,
+            f"must be divisible by parallel.tp={par.tp}",
+        )
+    if model.hidden_size % par.tp:
+        raise ConfigError(
+            "model.hidden_size",
+            model.hidden_size,
+            f"must be divisible by parallel.tp={par.tp}; use a multiple of {par.tp}",
+        )
+    if model.ffn_size % par.tp:
+        raise ConfigError(
+            "model.ffn_hidden_size", model.ffn_size, f"must be divisible by parallel.tp={par.tp}"
+        )
+    chunks = par.pp * (par.vpp or 1)
+    if model.num_layers < chunks:
+        raise ConfigError(
+            "model.num_layers",
+            model.num_layers,
+            f"needs at least pp*vpp={chunks} layers (one per model chunk); add layers or lower pp/vpp",
+        )
+    if model.num_layers % chunks:
+        raise ConfigError(
+            "model.num_layers",
+            model.num_layers,
+            f"must be divisible by pp*vpp={chunks} for a uniform pipeline split",
+        )
+    if model.seq_length % par.cp:
+        raise ConfigError("model.seq_length", model.seq_length, f"must be divisible by parallel.cp={par.cp}")
+    if par.sequence_parallel and model.seq_length % par.tp:
+        raise ConfigError(
+            "model.seq_length", model.seq_length, f"must be divisible by parallel.tp={par.tp} with sequence_parallel"
+        )
+    dp = world_size // mp
+    per_step = train.micro_batch_size * dp
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            "train.global_batch_size",
+            train.global_batch_size,
+            f"must be divisible by micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_step}; "
+            f"use {max(per_step, train.global_batch_size // per_step * per_step)} or change micro_batch_size",
+        )
+    if par.use_distributed_optimizer and par.cp > 1:
+        # Not a megatron restriction; we have not validated it on CPU.
+        raise ConfigError("parallel.use_distributed_optimizer", True, "is not supported together with cp > 1 yet")

@@ -1,0 +1,163 @@
+"""The interchange record for image-text conversation samples.
+
+A :class:`Sample` is what generators produce, what shard writers serialise and
+what shard readers return. It deliberately knows nothing about tokenisation or
+batching: text is kept as whitespace-separated words, images as raw pixels.
+
+Contract
+--------
+* ``images``: list of ``np.uint8`` arrays of shape ``[H, W, 3]`` (RGB), in the
+  order they are referenced in the user text.
+* ``conversation``: alternating turns ``{"role": "user"|"assistant", "text": str}``,
+  starting with a user turn and ending with an assistant turn.
+* The user turns together contain the literal word :data:`IMAGE_PLACEHOLDER`
+  exactly ``len(images)`` times; the i-th occurrence stands for ``images[i]``.
+* ``image_dependent_words``: the answer words (whitespace-split words of the
+  assistant turns, in order) whose correctness depends on the images. They form
+  an ordered subsequence of the answer words; see
+  :meth:`Sample.image_dependent_positions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+IMAGE_PLACEHOLDER = "<image>"
+
+KIND_TEXT_ONLY = "text_only"
+KIND_SINGLE_IMAGE = "single_image"
+KIND_MULTI_IMAGE = "multi_image"
+SAMPLE_KINDS = (KIND_TEXT_ONLY, KIND_SINGLE_IMAGE, KIND_MULTI_IMAGE)
+
+_ROLES = ("user", "assistant")
+
+
+class SampleValidationError(ValueError):
+    """A sample violates the :class:`Sample` contract (raised by ``validate``)."""
+
+
+@dataclass(eq=False)  # arrays make field-wise == ambiguous; use Sample.equals
+class Sample:
+    """One conversation with zero or more images. See the module docstring."""
+
+    id: int
+    kind: str
+    images: list[np.ndarray]
+    conversation: list[dict[str, str]]
+    image_dependent_words: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    @property
+    def user_text(self) -> str:
+        """All user turns joined by a single space."""
+        return " ".join(t["text"] for t in self.conversation if t["role"] == "user")
+
+    @property
+    def answer_text(self) -> str:
+        """All assistant turns joined by a single space."""
+        return " ".join(t["text"] for t in self.conversation if t["role"] == "assistant")
+
+    def image_dependent_positions(self) -> list[int]:
+        """Indices into ``answer_text.split()`` of the image-dependent words.
+
+        Matching is greedy left-to-right, so the result is well defined even if
+        a dependent word also occurs elsewhere in the answer. With a word-level
+        tokenizer these are also the answer-token positions to score.
+        """
+        positions: list[int] = []
+        wanted = self.image_dependent_words
+        for pos, word in enumerate(self.answer_text.split()):
+            if len(positions) < len(wanted) and word == wanted[len(positions)]:
+                positions.append(pos)
+        if len(positions) != len(wanted):
+            raise SampleValidationError(
+                f"sample {self.id}: image_dependent_words {wanted} are not an ordered "
+                f"subsequence of the answer {self.answer_text!r}"
+            )
+        return positions
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check the contract in the module docstring; raise SampleValidationError."""
+        if self.kind not in SAMPLE_KINDS:
+            raise SampleValidationError(f"sample {self.id}: unknown kind {self.kind!r}")
+        if not self.conversation:
+            raise SampleValidationError(f"sample {self.id}: empty conversation")
+        for i, turn in enumerate(self.conversation):
+            if not isinstance(turn, dict) or set(turn) != {"role", "text"}:
+                raise SampleValidationError(
+                    f"sample {self.id}: turn {i} must be a dict with keys 'role' and 'text'"
+                )
+            if turn["role"] != _ROLES[i % 2]:
+                raise SampleValidationError(
+                    f"sample {self.id}: turn {i} has role {turn['role']!r}, "
+                    f"expected {_ROLES[i % 2]!r} (turns alternate, user first)"
+                )
+        if self.conversation[-1]["role"] != "assistant":
+            raise SampleValidationError(f"sample {self.id}: last turn must be the assistant's")
+        for i, img in enumerate(self.images):
+            if not (isinstance(img, np.ndarray) and img.dtype == np.uint8
+                    and img.ndim == 3 and img.shape[2] == 3):
+                raise SampleValidationError(
+                    f"sample {self.id}: image {i} must be np.uint8 [H, W, 3], got "
+                    f"{getattr(img, 'dtype', type(img))} {getattr(img, 'shape', '')}"
+                )
+        n_placeholders = self.user_text.split().count(IMAGE_PLACEHOLDER)
+        if n_placeholders != self.num_images:
+            raise SampleValidationError(
+                f"sample {self.id}: user text has {n_placeholders} {IMAGE_PLACEHOLDER} "
+                f"placeholders but the sample has {self.num_images} images"
+            )
+        if IMAGE_PLACEHOLDER in self.answer_text.split():
+            raise SampleValidationError(f"sample {self.id}: assistant text contains {IMAGE_PLACEHOLDER}")
+        self.image_dependent_positions()  # raises if not a subsequence
+
+    # ---------------------------------------------------------- serialisation
+    def metadata(self) -> dict[str, Any]:
+        """JSON-serialisable fields (everything except pixels)."""
+        return {
+            "id": int(self.id),
+            "kind": self.kind,
+            "conversation": [dict(t) for t in self.conversation],
+            "image_dependent_words": list(self.image_dependent_words),
+            "num_images": self.num_images,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form: :meth:`metadata` plus ``"images"`` (list of arrays)."""
+        out = self.metadata()
+        out["images"] = list(self.images)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        """Inverse of :meth:`to_dict`. Raises KeyError for a missing field and
+        SampleValidationError if the result violates the contract."""
+        sample = cls(
+            id=int(d["id"]),
+            kind=d["kind"],
+            images=list(d.get("images", [])),
+            conversation=[dict(t) for t in d["conversation"]],
+            image_dependent_words=list(d["image_dependent_words"]),
+        )
+        if "num_images" in d and int(d["num_images"]) != sample.num_images:
+            raise SampleValidationError(
+                f"sample {sample.id}: num_images={d['num_images']} but {sample.num_images} images given"
+            )
+        sample.validate()
+        return sample
+
+    def equals(self, other: "Sample") -> bool:
+        """Field-wise equality including pixel values (dataclass ``==`` cannot
+        compare arrays)."""
+        return (
+            self.metadata() == other.metadata()
+            and all(np.array_equal(a, b) for a, b in zip(self.images, other.images))
+        )

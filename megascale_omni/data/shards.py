@@ -1,0 +1,448 @@
+"""WebDataset tar shards of :class:`~megascale_omni.data.sample.Sample` with a
+byte-offset index for O(1) random access.
+
+On-disk layout of a split directory::
+
+    shard-000000.tar      WebDataset tar: <key>.json, <key>.0.png, <key>.1.png, ...
+    shard-000001.tar
+    index.json            ShardIndex: manifest + per-sample member offsets
+
+Members of sample ``key`` (a zero-padded 9-digit position in the split):
+
+* ``<key>.json``: UTF-8 JSON ``{"id", "kind", "conversation",
+  "image_dependent_words", "num_images"}`` (sorted keys, compact separators).
+* ``<key>.<i>.png``: image ``i`` as an 8-bit RGB PNG, ``0 <= i < num_images``.
+
+The shards are ordinary WebDataset tars (streamable with ``webdataset.WebDataset``);
+``index.json`` additionally records, for each member, the byte offset of its
+data and its size, so :class:`ShardedSampleReader` reads a sample with one
+``pread`` per member and never scans a tar. Writes are reproducible: tar
+headers carry fixed mtime/uid/gid/owner names, JSON is canonical and PNG
+encoding is deterministic for a given zlib, so equal samples give
+byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import operator
+import os
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import webdataset
+from PIL import Image
+
+from megascale_omni.data.sample import Sample, SampleValidationError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+INDEX_FILENAME = "index.json"
+SHARD_PREFIX = "shard-"
+_TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its data
+_REQUIRED_JSON_FIELDS = ("id", "kind", "conversation", "image_dependent_words", "num_images")
+_DEFAULT_MISSING_HINT = (
+    "build it with `python tools/make_shapes_dataset.py --out <dataset dir>` "
+    "(or megascale_omni.data.shards.write_shards for your own samples)"
+)
+
+
+class BadSampleError(Exception):
+    """A stored sample cannot be read or decoded.
+
+    Attributes:
+        sample_id: ``Sample.id`` recorded in the index for this sample.
+        shard_path: the shard file that holds (or should hold) it.
+        reason: human-readable cause (corrupt image, missing field, truncated shard, ...).
+    """
+
+    def __init__(self, sample_id: int, shard_path: str | os.PathLike, reason: str):
+        self.sample_id = sample_id
+        self.shard_path = str(shard_path)
+        self.reason = reason
+        super().__init__(f"bad sample id={sample_id} in {self.shard_path}: {reason}")
+
+    def __reduce__(self):  # keep the fields when re-raised across DataLoader workers
+        return (type(self), (self.sample_id, self.shard_path, self.reason))
+
+
+class SampleDecodeError(ValueError):
+    """Raised by :func:`decode_sample` for malformed member bytes."""
+
+
+# --------------------------------------------------------------------- index
+@dataclass(frozen=True)
+class ShardInfo:
+    """Manifest entry of one shard file. ``size`` is in bytes."""
+
+    name: str
+    num_samples: int
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SampleLocation:
+    """Where sample ``key`` lives: shard number and ``member suffix -> (data offset, size)``
+    in bytes; suffixes are ``"json"``, ``"0.png"``, ``"1.png"``, ..."""
+
+    id: int
+    key: str
+    shard: int
+    members: dict[str, tuple[int, int]]
+
+
+@dataclass
+class ShardIndex:
+    """Contents of ``index.json``: the manifest plus one location per sample."""
+
+    format_version: int
+    num_samples: int
+    shards: list[ShardInfo]
+    samples: list[SampleLocation] = field(repr=False)
+
+    def to_json(self) -> str:
+        doc = {
+            "format_version": self.format_version,
+            "num_samples": self.num_samples,
+            "shards": [asdict(s) for s in self.shards],
+            "samples": [
+                {"id": s.id, "key": s.key, "shard": s.shard,
+                 "members": {k: list(v) for k, v in s.members.items()}}
+                for s in self.samples
+            ],
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardIndex":
+        doc = json.loads(text)
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"unsupported shard index format_version {doc.get('format_version')!r} "
+                f"(this code reads {FORMAT_VERSION}); rebuild the dataset"
+            )
+        samples = [
+            SampleLocation(id=s["id"], key=s["key"], shard=s["shard"],
+                           members={k: (int(v[0]), int(v[1])) for k, v in s["members"].items()})
+            for s in doc["samples"]
+        ]
+        index = cls(FORMAT_VERSION, int(doc["num_samples"]), [ShardInfo(**s) for s in doc["shards"]], samples)
+        if index.num_samples != len(samples):
+            raise ValueError(f"index says num_samples={index.num_samples} but lists {len(samples)}")
+        return index
+
+
+# ----------------------------------------------------------- encode / decode
+def encode_image_png(image: np.ndarray) -> bytes:
+    """np.uint8 ``[H, W, 3]`` -> PNG bytes (deterministic, lossless)."""
+    buf = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def encode_sample(sample: Sample) -> dict[str, bytes]:
+    """Member suffix -> bytes for one sample (see module docstring)."""
+    sample.validate()
+    members = {"json": json.dumps(sample.metadata(), sort_keys=True, separators=(",", ":")).encode("utf-8")}
+    for i, image in enumerate(sample.images):
+        members[f"{i}.png"] = encode_image_png(image)
+    return members
+
+
+def decode_sample(members: Mapping[str, bytes]) -> Sample:
+    """Inverse of :func:`encode_sample`. Extra members are ignored.
+
+    Raises:
+        SampleDecodeError: missing/corrupt JSON, missing field or member, or an
+            undecodable image; the message says which.
+    """
+    if "json" not in members:
+        raise SampleDecodeError("member 'json' missing")
+    try:
+        meta = json.loads(members["json"].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SampleDecodeError(f"corrupt json member: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise SampleDecodeError(f"json member is a {type(meta).__name__}, expected an object")
+    missing = [f for f in _REQUIRED_JSON_FIELDS if f not in meta]
+    if missing:
+        raise SampleDecodeError(f"json member lacks field(s) {missing}")
+    images = []
+    for i in range(int(meta["num_images"])):
+        name = f"{i}.png"
+        if name not in members:
+            raise SampleDecodeError(f"member {name!r} missing (json says num_images={meta['num_images']})")
+        try:
+            with Image.open(io.BytesIO(members[name])) as img:
+                images.append(np.asarray(img.convert("RGB"), dtype=np.uint8).copy())
+        # PIL signals malformed input with many types (OSError, SyntaxError,
+        # ValueError, zlib.error, ...); any of them means the member is corrupt.
+        except Exception as exc:  # noqa: BLE001
+            raise SampleDecodeError(f"corrupt image member {name!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        return Sample.from_dict({**meta, "images": images})
+    except (SampleValidationError, KeyError, TypeError, ValueError) as exc:
+        raise SampleDecodeError(f"invalid sample: {exc}") from exc
+
+
+# -------------------------------------------------------------------- writer
+def shard_name(shard_number: int) -> str:
+    return f"{SHARD_PREFIX}{shard_number:06d}.tar"
+
+
+def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_per_shard: int,
+                 overwrite: bool = False) -> ShardIndex:
+    """Write ``samples`` to ``out_dir/shard-%06d.tar`` and build ``index.json``.
+
+    Sample keys are their 0-based positions in ``samples``. Shards hold
+    ``samples_per_shard`` samples each (the last may hold fewer).
+
+    Raises:
+        FileExistsError: ``out_dir`` already holds shards or an index and
+            ``overwrite`` is False (stale shards would silently mix in).
+    """
+    if samples_per_shard <= 0:
+        raise ValueError(f"samples_per_shard must be > 0, got {samples_per_shard}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = sorted(out.glob(f"{SHARD_PREFIX}*.tar"))
+    if (out / INDEX_FILENAME).exists():
+        stale.append(out / INDEX_FILENAME)
+    if stale:
+        if not overwrite:
+            raise FileExistsError(f"{out} already contains a sharded dataset ({stale[0].name}, ...); "
+                                  f"pass overwrite=True or use an empty directory")
+        for path in stale:
+            path.unlink()
+
+    names: list[str] = []
+    fileobj = writer = None
+    try:
+        for pos, sample in enumerate(samples):
+            if pos % samples_per_shard == 0:
+                if writer is not None:
+                    writer.close()
+                    fileobj.close()
+                names.append(shard_name(len(names)))
+                fileobj = open(out / names[-1], "wb")
+                # Fixed metadata so identical samples give byte-identical tars.
+                writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444,
+                                              compress=False, encoder=False, mtime=0.0)
+            writer.write({"__key__": f"{pos:09d}", **encode_sample(sample)})
+    finally:
+        if writer is not None:
+            writer.close()
+            fileobj.close()
+    return index_shards(out, names)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = None) -> ShardIndex:
+    """Scan tar shards and (re)write ``out_dir/index.json``; returns the index.
+
+    Works for any uncompressed WebDataset tar whose members are ``<key>.<suffix>`` with a
+    dot-free key, e.g. shards written by ``webdataset.ShardWriter``. Sample
+    ids come from each sample's JSON ``id`` (falling back to its position if
+    the JSON is unreadable, so a bad sample is still indexed and reported
+    as :class:`BadSampleError` on read, not at index time).
+
+    Args:
+        shard_names: file names inside ``out_dir``, in order; default: all
+            ``shard-*.tar`` sorted by name.
+    """
+    out = Path(out_dir)
+    if shard_names is None:
+        shard_names = sorted(p.name for p in out.glob(f"{SHARD_PREFIX}*.tar"))
+    shards: list[ShardInfo] = []
+    samples: list[SampleLocation] = []
+    seen_keys: set[str] = set()
+    for shard_number, name in enumerate(shard_names):
+        path = out / name
+        first = len(samples)
+        current_key = None
+        with tarfile.open(path, mode="r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, dot, suffix = member.name.partition(".")
+                if len(member.name.encode("utf-8")) >= 100:
+                    # Longer names need a pax/GNU extension header, and the reader's
+                    # header check relies on the plain ustar name field.
+                    raise ValueError(f"{path}: member name {member.name!r} must be < 100 bytes")
+                if not dot:
+                    raise ValueError(f"{path}: member {member.name!r} has no '.<suffix>'")
+                if key != current_key:
+                    if key in seen_keys:
+                        raise ValueError(f"{path}: key {key!r} is not contiguous / appears twice")
+                    seen_keys.add(key)
+                    current_key = key
+                    samples.append(SampleLocation(id=len(samples), key=key, shard=shard_number, members={}))
+                loc = samples[-1]
+                loc.members[suffix] = (member.offset_data, member.size)
+                if suffix == "json":
+                    try:
+                        sample_id = int(json.loads(tar.extractfile(member).read())["id"])
+                        samples[-1] = SampleLocation(sample_id, loc.key, loc.shard, loc.members)
+                    except (ValueError, KeyError, TypeError):
+                        pass  # reported with the position as id when the sample is read
+        shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
+                                size=path.stat().st_size, sha256=_sha256_of(path)))
+    index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples)
+    tmp = out / f".{INDEX_FILENAME}.tmp-{os.getpid()}"
+    tmp.write_text(index.to_json(), encoding="utf-8")
+    os.replace(tmp, out / INDEX_FILENAME)  # readers never see a half-written index
+    logger.info("indexed %d samples in %d shards under %s", len(samples), len(shards), out)
+    return index
+
+
+# -------------------------------------------------------------------- reader
+class ShardedSampleReader:
+    """Random access to a split directory written by :func:`write_shards`.
+
+    ``reader[i]`` reads each member of sample ``i`` with one ``os.pread`` at
+    the offset recorded in ``index.json`` and decodes it (PNG -> np.uint8
+    ``[H, W, 3]``). Shard file descriptors are opened lazily and cached. pread
+    does not move a shared file offset, so descriptors inherited through
+    ``fork`` stay safe; pickling drops them (they are reopened on demand).
+
+    Every member read also checks the tar header in front of the data (name,
+    size, checksum), so a shard rewritten after indexing is reported instead
+    of silently yielding wrong bytes.
+
+    Raises (from ``__init__``):
+        FileNotFoundError: ``root`` or ``root/index.json`` is missing; the
+            message names the path and how to build the dataset.
+    Raises (from ``__getitem__``):
+        IndexError: out-of-range index.
+        BadSampleError: missing/unreadable/truncated shard, missing member,
+            corrupt JSON or image, or a sample violating the Sample contract.
+    """
+
+    def __init__(self, root: str | os.PathLike, missing_hint: str = _DEFAULT_MISSING_HINT):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"dataset directory {str(self.root)!r} does not exist; {missing_hint}")
+        index_path = self.root / INDEX_FILENAME
+        if not index_path.is_file():
+            raise FileNotFoundError(f"shard index {str(index_path)!r} does not exist; {missing_hint}")
+        self.index = ShardIndex.from_json(index_path.read_text(encoding="utf-8"))
+        self._fds: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def __getitem__(self, idx: int) -> Sample:
+        idx = operator.index(idx)
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError(f"sample index {idx} out of range for {n} samples in {self.root}")
+        loc = self.index.samples[idx]
+        shard_path = self.root / self.index.shards[loc.shard].name
+        members = {suffix: self._read_member(loc, shard_path, suffix, offset, size)
+                   for suffix, (offset, size) in loc.members.items()}
+        try:
+            return decode_sample(members)
+        except SampleDecodeError as exc:
+            raise BadSampleError(loc.id, shard_path, str(exc)) from exc
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def _fd(self, loc: SampleLocation, shard_path: Path) -> int:
+        fd = self._fds.get(loc.shard)
+        if fd is None:
+            try:
+                fd = os.open(shard_path, os.O_RDONLY)
+            except OSError as exc:
+                raise BadSampleError(loc.id, shard_path, f"shard file missing or unreadable: {exc}") from exc
+            # setdefault: if another thread won the race, use its fd and drop ours.
+            kept = self._fds.setdefault(loc.shard, fd)
+            if kept != fd:
+                os.close(fd)
+            fd = kept
+        return fd
+
+    def _read_member(self, loc: SampleLocation, shard_path: Path, suffix: str, offset: int, size: int) -> bytes:
+        fd = self._fd(loc, shard_path)
+        start = offset - _TAR_BLOCK
+        try:
+            buf = os.pread(fd, _TAR_BLOCK + size, start)
+        except OSError as exc:
+            raise BadSampleError(loc.id, shard_path, f"reading member {suffix!r} failed: {exc}") from exc
+        if len(buf) < _TAR_BLOCK + size:
+            raise BadSampleError(loc.id, shard_path,
+                                 f"truncated shard: member {suffix!r} needs bytes [{start}, {offset + size}) "
+                                 f"but the file has only {start + len(buf)}")
+        expected_name = f"{loc.key}.{suffix}"
+        try:
+            header = tarfile.TarInfo.frombuf(buf[:_TAR_BLOCK], "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            header = None
+            detail = f"invalid tar header ({exc})"
+        else:
+            detail = f"header says {header.name!r} with {header.size} bytes"
+        if header is None or header.name != expected_name or header.size != size:
+            raise BadSampleError(loc.id, shard_path,
+                                 f"index does not match shard at member {expected_name!r} "
+                                 f"({detail}); the shard changed after indexing - "
+                                 f"rebuild it or re-run index_shards()")
+        return buf[_TAR_BLOCK:]
+
+    def verify_shards(self) -> dict[str, str]:
+        """Check every shard's size and sha256 against the manifest.
+
+        Returns ``{shard name: problem}`` for each bad shard (empty if all good).
+        Reads every byte, so use it in tools and tests, not in the hot path.
+        """
+        problems = {}
+        for info in self.index.shards:
+            path = self.root / info.name
+            if not path.is_file():
+                problems[info.name] = "missing"
+            elif path.stat().st_size != info.size:
+                problems[info.name] = f"size {path.stat().st_size} != manifest {info.size}"
+            elif _sha256_of(path) != info.sha256:
+                problems[info.name] = "sha256 mismatch"
+        return problems
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> "ShardedSampleReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing useful to do
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fds"] = {}  # descriptor numbers mean nothing in another process
+        return state
+
+    def __repr__(self) -> str:
+        return f"ShardedSampleReader({str(self.root)!r}, samples={len(self)}, shards={len(self.index.shards)})"

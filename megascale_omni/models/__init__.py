@@ -1,0 +1,1 @@
+"""Model builders on megatron-core: GPT (smoke and LLaVA's LM), LLaVA, DiT."""

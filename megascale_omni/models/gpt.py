@@ -1,0 +1,97 @@
+"""GPT language model on megatron-core: config translation and chunk building."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megascale_omni.config import ModelConfig, ParallelConfig
+from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    *,
+    num_layers: Optional[int] = None,
+    calculate_per_token_loss: bool = True,
+    variable_seq_lengths: bool = False,
+) -> TransformerConfig:
+    """megatron ``TransformerConfig`` for the language model.
+
+    ``calculate_per_token_loss`` makes the schedules sum token losses and
+    divide by the global token count across DP in ``finalize_model_grads``,
+    so every DP/PP layout optimises exactly the same objective even when
+    micro-batches carry different numbers of loss tokens.
+    """
+    return TransformerConfig(
+        num_layers=num_layers or model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        ffn_hidden_size=model.ffn_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        normalization=model.normalization,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # The values are overwritten by the layout-invariant init, but
+        # megatron's init functions are also what tag weights with
+        # ``tensor_model_parallel``; without the tag the grad norm silently
+        # drops TP shards on TP ranks > 0. CPU init slices a full master
+        # weight, which is cheap next to the rest of start-up.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        calculate_per_token_loss=calculate_per_token_loss,
+        variable_seq_lengths=variable_seq_lengths,
+        # gloo has no use for batched p2p and megatron's batched path
+        # synchronises CUDA; the unbatched path is correct everywhere.
+        batch_p2p_comm=torch.cuda.is_available(),
+    )
+
+
+def build_gpt_chunks(
+    model: ModelConfig,
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+) -> list[GPTModel]:
+    """Build this rank's model chunks (every rank; ``vpp`` chunks when interleaved).
+
+    Chunk ``v`` gets ``pre_process``/``post_process`` from its virtual stage,
+    so the embedding lives on the first virtual stage of PP rank 0 and the
+    output layer on the last virtual stage of the last PP rank.
+    """
+    impl = resolve_layer_impl(model.layer_impl)
+    spec = gpt_layer_spec(impl, model.normalization)
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for v in range(vpp):
+        vp_stage = v if vpp > 1 else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+                position_embedding_type=model.position_embedding_type,
+                vp_stage=vp_stage,
+            )
+        )
+    return chunks

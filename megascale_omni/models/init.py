@@ -1,0 +1,93 @@
+"""Layout-invariant weight initialisation.
+
+megatron initialises each rank's shard from that rank's RNG stream, so the
+full weights of a TP2 model differ from the TP1 model with the same seed, and
+PP stages draw in a different order than a single stage would. To compare
+layouts numerically (and to make a run reproducible whatever its layout) we
+initialise every parameter from its *global* identity instead:
+
+    full = N(0, std) drawn from a generator seeded by (seed, checkpoint key)
+    shard = full[global_offset : global_offset + local_shape]
+
+megatron's ``sharded_state_dict`` already names every parameter by its
+layout-independent checkpoint key, with the global shape and this rank's
+offset, so it is the natural index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.transformer.module import MegatronModule
+
+
+def _key_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _is_norm_or_bias(key: str) -> tuple[bool, bool]:
+    leaf = key.rsplit(".", 1)[-1]
+    # Local specs name norms "input_layernorm.weight"; fused TE specs fold
+    # them into the next linear as "layer_norm_weight".
+    is_norm = "norm" in leaf or key.rsplit(".", 2)[-2].endswith("norm")
+    return is_norm, leaf.endswith("bias")
+
+
+def _full_init(key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+    is_norm, is_bias = _is_norm_or_bias(key)
+    if is_norm and not is_bias:
+        return torch.ones(shape)
+    if is_bias or is_norm:
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(_key_seed(seed, key))
+    # GPT-2 style: scale output projections of residual branches by depth.
+    if key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight"):
+        std = std / math.sqrt(2.0 * max(num_layers, 1))
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_layout_invariant(
+    chunks: Iterable[MegatronModule], seed: int, std: float, num_layers: int
+) -> int:
+    """Overwrite every parameter of ``chunks`` from (seed, global key) (every rank).
+
+    Norm weights become 1, biases 0, matrices N(0, std) with output
+    projections scaled by ``1/sqrt(2 * num_layers)``. Returns the number of
+    tensors initialised. Call before wrapping in DDP so grad buffers are
+    created from the final values.
+    """
+    count = 0
+    for chunk in chunks:
+        sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
+        for sh in _iter_sharded(sharded):
+            if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
+                continue
+            # Leading "prepend" axes index stacked layers: each layer is drawn
+            # on its own so only one layer's full tensor is materialised.
+            npre = sh.prepend_axis_num
+            layer_key = sh.key + "".join(f"[{i}]" for i in sh.global_offset[:npre])
+            full = _full_init(layer_key, tuple(sh.global_shape[npre:]), seed, std, num_layers)
+            index = tuple(
+                slice(off, off + size) for off, size in zip(sh.global_offset[npre:], sh.data.shape)
+            )
+            sh.data.copy_(full[index].to(sh.data.dtype))
+            count += 1
+    return count
+
+
+def _iter_sharded(tree) -> Iterable[ShardedTensor]:
+    if isinstance(tree, ShardedTensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _iter_sharded(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _iter_sharded(v)

@@ -1,0 +1,5 @@
+"""Megatron parallel-state setup (tp/pp/cp/dp/vpp)."""
+
+from megascale_omni.parallel.state import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
+
+__all__ = ["ParallelDims", "destroy_parallel", "initialize_parallel", "is_loss_rank"]

@@ -1,0 +1,81 @@
+"""The one place that sets up megatron-core's ``parallel_state``.
+
+Megatron's process groups are the single global we accept; every other module
+asks :class:`ParallelDims` or ``parallel_state`` for ranks and groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megascale_omni.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of one replica group. ``tp * pp * cp * dp == world_size``."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: Optional[int]
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        mp = cfg.tp * cfg.pp * cfg.cp
+        return cls(cfg.tp, cfg.pp, cfg.cp, world_size // mp, cfg.vpp, world_size)
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.vpp or 1
+
+    def describe(self) -> str:
+        vpp = f" vpp={self.vpp}" if self.vpp else ""
+        return f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{vpp} (world={self.world_size})"
+
+
+def initialize_parallel(dims: ParallelDims, seed: int) -> None:
+    """Create megatron's TP/PP/CP/DP groups and the model-parallel RNG (every rank).
+
+    Must run after ``torch.distributed`` is initialised and before any model
+    is built. Idempotent within a process only via :func:`destroy_parallel`.
+    """
+    assert dist.is_initialized(), "init_distributed() must run first"
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        context_parallel_size=dims.cp,
+    )
+    # Seeds megatron's tracker: per-TP-rank state for TP-sharded dropout,
+    # shared state for replicated regions.
+    model_parallel_cuda_manual_seed(seed)
+    logger.info("parallel layout: %s", dims.describe())
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron groups and the default group (every rank)."""
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_loss_rank() -> bool:
+    """True on the rank that owns the loss: last PP stage, TP rank 0, DP rank 0, CP rank 0."""
+    return (
+        mpu.is_pipeline_last_stage(ignore_virtual=True)
+        and mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_data_parallel_rank() == 0
+        and mpu.get_context_parallel_rank() == 0
+    )

@@ -1,0 +1,246 @@
+"""Targeted patches that let megatron-core 0.16.1 build and train on CPU with gloo.
+
+megatron-core is written for CUDA. On a host without CUDA a handful of call
+sites would raise before any math happens. Each patch below names the call
+site, what megatron assumes there, and why the replacement is safe.
+
+Contract:
+  * :func:`install` is a no-op when ``torch.cuda.is_available()``: GPU runs
+    execute megatron-core unmodified.
+  * Every patched call site would otherwise *raise* on a CUDA-less host
+    ("Torch not compiled with CUDA enabled" or a type-check ``TypeError``), so
+    the patches only turn crashes into CPU execution; they never change the
+    result of something that worked before.
+  * :func:`install` is idempotent and is called once per process by
+    :func:`megascale_omni.platform.device.init_platform` before any megatron
+    object is created.
+
+Deliberately *not* done: a global device-redirecting ``TorchFunctionMode``.
+It would intercept every tensor op in the training loop (slow on CPU) and
+would hide new CUDA assumptions instead of surfacing them. The scoped
+:class:`_CudaAsCpu` mode is only entered around the few constructors below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+#: Names of the patches applied in this process, in order. Read by tests and
+#: printed once at start-up so a user can see exactly what changed.
+APPLIED: list[str] = []
+
+
+# --------------------------------------------------------------------------- #
+# Scoped helper: run megatron constructors that hard-code ``device='cuda'`` or
+# compare ``tensor.type()`` against CUDA type names.
+# --------------------------------------------------------------------------- #
+class _CudaAsCpu(TorchFunctionMode):
+    """Within this mode, ``device='cuda'`` means CPU and CPU float tensors
+    report their CUDA type name from ``Tensor.type()``.
+
+    Only entered around the specific megatron functions wrapped below.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Fast path first: this mode also sees every op of a forward pass
+        # when it wraps a pipeline schedule.
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda_device(device):
+                kwargs = dict(kwargs)
+                kwargs["device"] = _CPU
+        else:
+            kwargs = {}
+            if func is torch.Tensor.type and len(args) == 1:
+                name = func(*args)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            if func is torch.Tensor.cuda:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Bare integers are CUDA ordinals in torch's factory functions.
+    return isinstance(device, int)
+
+
+def _run_as_cpu(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaAsCpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__megascale_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_attr(owner: Any, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+    if getattr(fn, "__megascale_cpu_compat__", False):
+        return
+    setattr(owner, name, _run_as_cpu(fn))
+    APPLIED.append(label)
+
+
+# --------------------------------------------------------------------------- #
+# Individual patches.
+# --------------------------------------------------------------------------- #
+def _patch_current_device() -> None:
+    """``torch.cuda.current_device()`` is used by megatron as the allocation
+    device everywhere (``GlobalMemoryBuffer.get_tensor``, DDP grad buffers,
+    attention masks, pipeline p2p buffers). Without CUDA it raises, so
+    returning the CPU device is the only meaningful answer."""
+
+    def current_device() -> torch.device:
+        return _CPU
+
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
+    APPLIED.append("torch.cuda.current_device -> cpu")
+
+
+def _patch_rng() -> None:
+    """megatron's ``CudaRNGStatesTracker`` forks the CUDA generator so that
+    TP-sharded dropout differs per TP rank while replicated regions agree.
+    On CPU every random op (dropout, init) draws from the default CPU
+    generator, so forking *that* generator gives the same semantics."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """RNG tracker whose named states are CPU generator states."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # megatron seeds CUDA lazily; without CUDA the call is queued forever, so
+    # make it explicit that it is meaningless here.
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    APPLIED.append("tensor_parallel.random: CPU generator RNG tracker")
+
+
+def _patch_optimizers() -> None:
+    """megatron optimizers create scalars with ``device='cuda'`` and reject
+    parameters whose ``.type()`` is not ``torch.cuda.*Tensor``. On CPU the
+    same parameters have CPU type names; the arithmetic is identical."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    _wrap_attr(optimizer.FP32Optimizer, "__init__", "FP32Optimizer.__init__ under cuda-as-cpu")
+    _wrap_attr(
+        optimizer.Float16OptimizerWithFloat16Params,
+        "__init__",
+        "Float16OptimizerWithFloat16Params.__init__ under cuda-as-cpu",
+    )
+    _wrap_attr(
+        distrib_optimizer.DistributedOptimizer,
+        "__init__",
+        "DistributedOptimizer.__init__ under cuda-as-cpu",
+    )
+
+
+def _patch_schedules() -> None:
+    """Each megatron pipeline schedule allocates its token counter with
+    ``device="cuda"``. The schedules run under the scoped mode; the tensors
+    they move between stages already live on CPU."""
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        _wrap_attr(schedules, name, f"schedules.{name} under cuda-as-cpu")
+
+
+def _patch_synchronize() -> None:
+    """megatron calls ``torch.cuda.synchronize()`` after batched p2p to guard
+    against a NCCL race. CPU ops are synchronous and gloo requests are waited
+    on explicitly, so there is nothing to synchronise."""
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    APPLIED.append("torch.cuda.synchronize -> no-op")
+
+
+def _patch_grad_norm_and_clipping() -> None:
+    """``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32`` allocate
+    their overflow buffers with ``device='cuda'``; clipping also asserts that
+    every grad is a ``torch.cuda.FloatTensor``. Under the scoped mode they
+    run megatron's own local multi-tensor fallbacks on the CPU tensors."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
+        _wrap_attr(clip_grads, name, f"clip_grads.{name} under cuda-as-cpu")
+        # optimizer.py bound the names at import time.
+        setattr(optimizer, name, getattr(clip_grads, name))
+
+
+_INSTALLED = False
+
+
+def install() -> list[str]:
+    """Install the CPU patches (every rank, before building any megatron object).
+
+    Returns the list of applied patch names; empty when CUDA is available.
+    """
+    global _INSTALLED
+    if torch.cuda.is_available():
+        return []
+    if _INSTALLED:
+        return list(APPLIED)
+    _patch_current_device()
+    _patch_rng()
+    _patch_optimizers()
+    _patch_grad_norm_and_clipping()
+    _patch_schedules()
+    _patch_synchronize()
+    _INSTALLED = True
+    logger.debug("megatron-core CPU compatibility: %s", "; ".join(APPLIED))
+    return list(APPLIED)
+
+
+@contextlib.contextmanager
+def cuda_as_cpu():
+    """Context manager exposing the scoped mode for rare call sites of our own
+    code that must call a megatron helper with a hard-coded CUDA device."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CudaAsCpu():
+        yield

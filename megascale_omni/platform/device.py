@@ -1,0 +1,89 @@
+"""Device and collective-backend choice, process-group start-up and seeding.
+
+``cuda + nccl`` when CUDA is available, otherwise ``cpu + gloo`` with the
+megatron-core CPU compatibility layer installed. Nothing else in the project
+branches on the device type.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megascale_omni.platform import cpu_compat
+
+logger = logging.getLogger(__name__)
+
+#: Collective timeout. A hung gloo collective (peer died) must fail fast,
+#: never block a job or CI forever. Override with MEGASCALE_DIST_TIMEOUT_S.
+DEFAULT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on. Built once per process by :func:`init_platform`."""
+
+    device: torch.device
+    backend: str
+    #: Names of the megatron-core CPU patches in effect (empty on CUDA).
+    cpu_patches: tuple[str, ...]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def default_dtype(self, precision: str) -> torch.dtype:
+        """Parameter/compute dtype for a ``train.precision`` setting."""
+        if precision == "fp32" or (precision == "auto" and not self.is_cuda):
+            return torch.float32
+        return torch.bfloat16
+
+
+def init_platform() -> Platform:
+    """Choose device/backend and install CPU patches (every rank, first thing)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return Platform(torch.device("cuda", local_rank), "nccl", ())
+    patches = cpu_compat.install()
+    return Platform(torch.device("cpu"), "gloo", tuple(patches))
+
+
+def init_distributed(platform: Platform, timeout_s: int | None = None) -> tuple[int, int]:
+    """Start the default process group (every rank). Returns ``(rank, world_size)``.
+
+    Works under ``torchrun`` (env:// rendezvous) and under plain ``python``,
+    where it creates a one-rank group on a free loopback port so that the
+    same megatron code paths run.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    timeout = timeout_s or int(os.environ.get("MEGASCALE_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) generators (every rank)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

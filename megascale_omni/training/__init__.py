@@ -1,0 +1,1 @@
+"""Training loop glue: megatron schedules, optimizer/LR, the Trainer."""

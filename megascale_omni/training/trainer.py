@@ -1,0 +1,208 @@
+"""The Trainer: set up distributed state, build, then loop.
+
+Reads top to bottom: platform -> process groups -> megatron parallel state ->
+task (model + data) -> layout-invariant init -> DDP -> optimizer -> loop.
+Model families plug in through :class:`Task`; the loop never branches on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from megatron.core import parallel_state as mpu
+from megatron.core.transformer.module import MegatronModule
+
+from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.metrics import MetricSink
+from megascale_omni.models.init import init_layout_invariant
+from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
+from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
+from megascale_omni.platform.logging_setup import setup_logging
+from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
+from megascale_omni.training.step import StepStats, train_step
+
+logger = logging.getLogger(__name__)
+
+
+class Task(Protocol):
+    """What a model family provides to the Trainer (built on every rank)."""
+
+    #: Tokens per sequence as seen by the pipeline (the p2p tensor length).
+    seq_length: int
+
+    def build_model(self) -> list[MegatronModule]:
+        """This rank's model chunks (``vpp`` of them when interleaved)."""
+
+    def forward_step(self, data_iterator: Any, model: MegatronModule) -> tuple[Any, Callable]:
+        """megatron ``forward_step_func``: returns (output, loss_func)."""
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        """This DP rank's share of global batch ``step``, as micro-batches."""
+
+    def global_samples(self, step: int) -> int:
+        """Samples in global batch ``step`` (all DP ranks), for throughput."""
+
+    def evaluate(self, trainer: "Trainer") -> Optional[dict[str, float]]:
+        """Held-out evaluation (every rank); metrics on the loss rank, else None."""
+
+
+TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
+
+
+class Trainer:
+    """Owns the distributed set-up, the model/optimizer and the training loop."""
+
+    def __init__(self, cfg: JobConfig, task_factory: TaskFactory):
+        self.cfg = cfg
+        setup_logging(cfg.logging.level)
+        self.platform = init_platform()
+        if self.platform.cpu_patches:
+            logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
+        rank, world_size = init_distributed(self.platform)
+        self.dims = ParallelDims.from_config(cfg.parallel, world_size)
+        initialize_parallel(self.dims, cfg.train.seed)
+        seed_everything(cfg.train.seed)
+        self.dp_rank = mpu.get_data_parallel_rank()
+        self.task = task_factory(cfg, self.platform, self.dims)
+        chunks = self.task.build_model()
+        n = init_layout_invariant(
+            chunks, seed=cfg.train.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers
+        )
+        logger.info("initialised %d parameter tensors (layout-invariant)", n)
+        self.chunks = wrap_ddp(chunks, chunks[0].config, cfg.parallel)
+        self.dtype = self.platform.default_dtype(cfg.train.precision)
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.train, cfg.parallel, self.dtype)
+        self.step = 0
+        self.is_loss_rank = is_loss_rank()
+        self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
+        if self.is_loss_rank:
+            _write_config(cfg)
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict]:
+        """Run ``train.steps`` optimizer steps (every rank). Returns per-step
+        records on the loss rank (empty elsewhere)."""
+        cfg = self.cfg
+        bar = self._progress_bar()
+        try:
+            with _redirect_logging_for(bar):
+                while self.step < cfg.train.steps:
+                    record = self._one_step()
+                    if bar is not None:
+                        bar.update(1)
+                    if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
+                        self._evaluate()
+                if not cfg.train.eval_interval or self.step % cfg.train.eval_interval:
+                    self._evaluate()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.sink.close()
+        return self.history
+
+    def _one_step(self) -> dict:
+        t0 = time.perf_counter()
+        mbs = self.task.microbatches(self.step, self.dp_rank, self.dims.dp)
+        t_data = time.perf_counter() - t0
+        stats = train_step(
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            self.task.forward_step,
+            mbs,
+            self.task.seq_length,
+            self.cfg.train.micro_batch_size,
+        )
+        step_s = time.perf_counter() - t0
+        self.step += 1
+        record = self._record(stats, t_data, step_s)
+        if self.is_loss_rank:
+            self.history.append(record)
+            self.sink.log(record, self.step)
+            if self.step % self.cfg.logging.log_interval == 0 or self.step == self.cfg.train.steps:
+                logger.info(_format_line(record, self.cfg.train.steps))
+        return record
+
+    def _record(self, stats: StepStats, t_data: float, step_s: float) -> dict:
+        samples = self.task.global_samples(self.step - 1)
+        tokens = stats.num_loss_tokens or 0
+        return {
+            "step": self.step,
+            "loss": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "skipped": not stats.update_successful,
+            "loss_tokens": tokens,
+            "samples": samples,
+            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "samples_per_s": samples / step_s if step_s > 0 else 0.0,
+            "step_s": step_s,
+            "data_s": t_data,
+            "fwd_bwd_s": stats.fwd_bwd_s,
+            "optimizer_s": stats.optimizer_s,
+            "microbatches": stats.num_microbatches,
+        }
+
+    def _evaluate(self) -> None:
+        result = self.task.evaluate(self)
+        if result and self.is_loss_rank:
+            record = {"step": self.step, **{f"eval/{k}": v for k, v in result.items()}}
+            self.sink.log(record, self.step)
+            self.history.append(record)
+
+    def _progress_bar(self):
+        if not (self.is_loss_rank and self.cfg.logging.progress_bar and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def close(self) -> None:
+        """Destroy process groups (every rank)."""
+        destroy_parallel()
+
+
+def _format_line(r: dict, total: int) -> str:
+    loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
+    gn = f"{r['grad_norm']:.3f}" if r["grad_norm"] is not None else "-"
+    skipped = " SKIPPED" if r["skipped"] else ""
+    return (
+        f"step {r['step']}/{total} | loss {loss} | lr {r['lr']:.2e} | grad_norm {gn} | "
+        f"tok/s {r['tokens_per_s']:.0f} | samples/s {r['samples_per_s']:.1f} | "
+        f"step {r['step_s']:.3f}s (data {r['data_s']:.3f} fwd/bwd {r['fwd_bwd_s']:.3f} opt {r['optimizer_s']:.3f})"
+        f"{skipped}"
+    )
+
+
+@contextlib.contextmanager
+def _redirect_logging_for(bar):
+    if bar is None:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm():
+        yield
+
+
+def _write_config(cfg: JobConfig) -> None:
+    import yaml
+
+    os.makedirs(cfg.logging.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.logging.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def run_training(cfg: JobConfig, task_factory: TaskFactory) -> list[dict]:
+    """Build a Trainer, train, tear down (every rank). Entry points call this."""
+    trainer = Trainer(cfg, task_factory)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

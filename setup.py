@@ -1,0 +1,40 @@
+"""megascale-omni: elastic multimodal LLM training on megatron-core."""
+
+from setuptools import find_packages, setup
+
+# Exact pins: megatron-core 0.16.1 is the last release for Python 3.11 and our
+# CPU compatibility layer patches named call sites of exactly that version.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "torchft==0.2.0",
+    "numpy==2.4.6",
+    "PyYAML==6.0.4",
+    "webdataset==1.0.2",
+    "tokenizers==0.23.3",
+    "pillow==13.0.0",
+    "tensorboard==2.21.0",
+    "tqdm==4.70.1",
+    "psutil==7.2.2",
+]
+
+EXTRAS = {
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    # Chosen automatically on CUDA hosts; never imported by a CPU run.
+    "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
+}
+
+setup(
+    name="megascale-omni",
+    version="0.1.0",
+    description="Elastic multimodal LLM training (LLaVA, DiT) on megatron-core",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["megascale_omni", "megascale_omni.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "omni-smoke=megascale_omni.smoke:cli",
+        ]
+    },
+)

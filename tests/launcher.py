@@ -1,0 +1,76 @@
+"""Launch real multi-process jobs for tests: free ports, hard timeouts, and
+cleanup of the whole process group (no stray ranks survive a failed test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
+    """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    # Collectives must fail fast if a peer dies rather than outlive the test.
+    full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
+    proc = subprocess.Popen(
+        list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{err[-4000:]}")
+    finally:
+        _kill_group(proc)
+    return Result(proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def torchrun(nproc: int, module: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+    """``torchrun --nproc-per-node nproc -m module args`` on a free loopback port."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        "-m", module, *args,
+    ]
+    return run(cmd, timeout=timeout, env=env)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """Per-step training records (records with a ``loss`` key) from metrics.jsonl."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]

@@ -1,0 +1,92 @@
+"""Config loading and validation: every invalid setting exits 2 with one clear line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from megascale_omni.config import ConfigError, JobConfig, apply_overrides, from_dict, parse_job_config
+from tests.launcher import run
+
+CONFIG = "examples/gpt/tiny.yaml"
+
+
+def _cli(overrides: list[str], world_size: int = 1, config: str | None = CONFIG):
+    args = [sys.executable, "-m", "megascale_omni.smoke"]
+    if config:
+        args += ["--config", config]
+    return run(args + overrides, timeout=60, env={"WORLD_SIZE": str(world_size), "RANK": "0"})
+
+
+# (overrides, world size, expected fragments of the one-line message)
+INVALID = {
+    "world-not-divisible": (["parallel.tp=2", "parallel.pp=2"], 6, ["parallel", "world size 6", "tp*pp*cp=4"]),
+    "heads-vs-tp": (["parallel.tp=3", "model.hidden_size=60", "model.num_attention_heads=4"], 3,
+                    ["model.num_attention_heads=4", "divisible by parallel.tp=3"]),
+    "ffn-vs-tp": (["parallel.tp=2", "model.ffn_hidden_size=99"], 2, ["model.ffn_hidden_size=99", "parallel.tp=2"]),
+    "hidden-vs-heads": (["model.hidden_size=66"], 1, ["model.hidden_size=66", "num_attention_heads=4"]),
+    "layers-vs-pp-vpp": (["parallel.pp=2", "parallel.vpp=3"], 2, ["model.num_layers=4", "pp*vpp=6"]),
+    "layers-not-multiple": (["parallel.pp=3", "model.num_layers=4"], 3, ["model.num_layers=4", "pp*vpp=3"]),
+    "global-batch": (["train.global_batch_size=6", "train.micro_batch_size=2"], 2,
+                     ["train.global_batch_size=6", "micro_batch_size*dp = 2*2 = 4"]),
+    "unknown-key": (["train.stpes=3"], 1, ["train.stpes", "unknown key", "did you mean train.steps"]),
+    "unknown-section": (["trian.steps=3"], 1, ["trian", "unknown key"]),
+    "wrong-type-int": (["train.steps=ten"], 1, ["train.steps='ten'", "must be an integer"]),
+    "wrong-type-bool": (["parallel.use_distributed_optimizer=maybe"], 1,
+                        ["parallel.use_distributed_optimizer='maybe'", "true or false"]),
+    "wrong-choice": (["train.precision=fp8"], 1, ["train.precision='fp8'", "must be one of"]),
+    "vpp-without-pp": (["parallel.vpp=2"], 1, ["parallel.vpp=2", "pp >= 2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_setting_exits_2_with_message(name):
+    overrides, world, fragments = INVALID[name]
+    res = _cli(overrides, world)
+    assert res.returncode == 2, res.output
+    assert "Traceback" not in res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("config error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    res = _cli([], config=str(tmp_path / "nope.yaml"))
+    assert res.returncode == 2
+    assert "file not found" in res.stderr and "nope.yaml" in res.stderr
+
+
+def test_malformed_yaml_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1, 2\n")
+    res = _cli([], config=str(bad))
+    assert res.returncode == 2
+    assert "not valid YAML" in res.stderr and "Traceback" not in res.output
+
+
+def test_overrides_are_typed_yaml_scalars():
+    cfg = parse_job_config(
+        ["--config", CONFIG, "train.lr=3e-4", "parallel.vpp=null", "train.steps=7", "logging.tensorboard=false"]
+    )
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.parallel.vpp is None and cfg.train.steps == 7 and cfg.logging.tensorboard is False
+
+
+def test_int_is_accepted_for_float_but_bool_is_not_int():
+    cfg = from_dict(JobConfig, {"train": {"lr": 1}})
+    assert cfg.train.lr == 1.0
+    with pytest.raises(ConfigError, match="train.steps"):
+        from_dict(JobConfig, {"train": {"steps": True}})
+
+
+def test_valid_layout_passes_for_matching_world_size():
+    cfg = parse_job_config(["--config", CONFIG, "parallel.tp=2", "parallel.pp=2"], world_size=8)
+    assert cfg.parallel.tp == 2 and cfg.parallel.pp == 2
+
+
+def test_apply_overrides_rejects_missing_equals():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        apply_overrides({}, ["train.steps"])
