@@ -11,6 +11,7 @@ from megascale_omni.config.schema import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
+    VisionConfig,
 )
 from megascale_omni.config.validate import data_parallel_size, validate_job
 
@@ -23,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "TrainConfig",
+    "VisionConfig",
     "apply_overrides",
     "data_parallel_size",
     "from_dict",

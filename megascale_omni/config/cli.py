@@ -45,11 +45,21 @@ def parse_job_config(
 
 
 def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; a ConfigError becomes one stderr line and exit code 2."""
+    """Run ``main``; a ConfigError becomes one stderr line and exit code 2,
+    a DataQualityError one line and exit code 3 (no traceback either way)."""
+    from megascale_omni.data.errors import DataQualityError
+
+    from megascale_omni.platform.logging_setup import silence_import_warnings
+
+    silence_import_warnings()
+    rank = os.environ.get("RANK", "0")
     try:
         main()
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
         if rank == "0":
             sys.stderr.write(f"{e}\n")
         sys.exit(2)
+    except DataQualityError as e:
+        if rank == "0":
+            sys.stderr.write(f"data error: {e}\n")
+        sys.exit(3)

@@ -54,6 +54,8 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = False
     #: Layer implementation: ``auto`` picks transformer-engine on CUDA when installed.
     layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    #: Freeze the language model (LLaVA stage-1 "train the projector only").
+    freeze: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -82,6 +84,49 @@ class ModelConfig:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass
+class VisionConfig:
+    """ViT encoder + projector of a LLaVA model (ignored by other families)."""
+
+    #: Square input resolution, pixels.
+    image_size: int = 32
+    #: Patch side, pixels; tokens per image = (image_size / patch_size) ** 2.
+    patch_size: int = 8
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    #: ViT MLP width; ``None`` = 4 * hidden_size.
+    ffn_hidden_size: Optional[int] = None
+    #: Hidden width of the 2-layer MLP projector; ``None`` = LM hidden size.
+    projector_hidden_size: Optional[int] = None
+    #: Freeze the ViT (typical for both LLaVA stages with a pretrained encoder).
+    freeze: bool = False
+    #: Freeze the projector.
+    freeze_projector: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
+            _positive("vision", name, getattr(self, name))
+        if self.image_size % self.patch_size:
+            raise ConfigError(
+                "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "vision.hidden_size",
+                self.hidden_size,
+                f"must be divisible by vision.num_attention_heads={self.num_attention_heads}",
+            )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
 
 
 @dataclass
@@ -225,6 +270,7 @@ class JobConfig:
     """A whole training job: one section per concern."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)

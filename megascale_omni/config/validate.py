@@ -76,6 +76,27 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
             f"must be divisible by micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_step}; "
             f"use {max(per_step, train.global_batch_size // per_step * per_step)} or change micro_batch_size",
         )
+    if model.family == "llava":
+        _validate_llava(cfg)
     if par.use_distributed_optimizer and par.cp > 1:
         # Not a megatron restriction; we have not validated it on CPU.
         raise ConfigError("parallel.use_distributed_optimizer", True, "is not supported together with cp > 1 yet")
+
+
+def _validate_llava(cfg: JobConfig) -> None:
+    vision, par = cfg.vision, cfg.parallel
+    if vision.num_attention_heads % par.tp:
+        raise ConfigError(
+            "vision.num_attention_heads",
+            vision.num_attention_heads,
+            f"must be divisible by parallel.tp={par.tp}",
+        )
+    if vision.ffn_size % par.tp:
+        raise ConfigError("vision.ffn_hidden_size", vision.ffn_size, f"must be divisible by parallel.tp={par.tp}")
+    if par.sequence_parallel or par.cp > 1:
+        raise ConfigError(
+            "parallel", f"sequence_parallel={par.sequence_parallel} cp={par.cp}",
+            "LLaVA packing supports tp/pp/vpp/dp; set sequence_parallel: false and cp: 1",
+        )
+    if cfg.model.freeze and vision.freeze and vision.freeze_projector:
+        raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")

@@ -365,6 +365,29 @@ class ShardedSampleReader:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def read_metadata(self, idx: int) -> dict[str, Any]:
+        """Only the JSON member of sample ``idx`` (no image decode): what a
+        planner needs to compute lengths and costs for a whole split quickly.
+
+        Raises BadSampleError like ``__getitem__`` for unreadable or corrupt JSON.
+        """
+        loc = self.index.samples[operator.index(idx)]
+        shard_path = self.root / self.index.shards[loc.shard].name
+        if "json" not in loc.members:
+            raise BadSampleError(loc.id, shard_path, "member 'json' missing")
+        offset, size = loc.members["json"]
+        raw = self._read_member(loc, shard_path, "json", offset, size)
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadSampleError(loc.id, shard_path, f"corrupt json member: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise BadSampleError(loc.id, shard_path, "json member is not an object")
+        missing = [f for f in _REQUIRED_JSON_FIELDS if f not in meta]
+        if missing:
+            raise BadSampleError(loc.id, shard_path, f"json member lacks field(s) {missing}")
+        return meta
+
     def _fd(self, loc: SampleLocation, shard_path: Path) -> int:
         fd = self._fds.get(loc.shard)
         if fd is None:

@@ -31,21 +31,34 @@ def _key_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _is_norm_or_bias(key: str) -> tuple[bool, bool]:
+def _norm_param_storage(module: torch.nn.Module) -> set[int]:
+    """Storage pointers of every parameter owned by a normalisation module.
+
+    Identified by module type name (LayerNorm, RMSNorm, megatron's
+    WrappedTorchNorm/FusedLayerNorm, TE norms) rather than by parameter name,
+    because names vary (``ln_pre``, ``input_layernorm``, ``final_layernorm``).
+    """
+    ptrs = set()
+    for m in module.modules():
+        if "norm" in type(m).__name__.lower():
+            ptrs.update(p.data_ptr() for p in m.parameters(recurse=False))
+    return ptrs
+
+
+def _full_init(
+    key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, stream: str, is_norm: bool
+) -> torch.Tensor:
+    """Full (unsharded) initial value of parameter ``key``; ``stream`` names
+    the random stream (the key plus its layer index for stacked layers)."""
     leaf = key.rsplit(".", 1)[-1]
-    # Local specs name norms "input_layernorm.weight"; fused TE specs fold
-    # them into the next linear as "layer_norm_weight".
-    is_norm = "norm" in leaf or key.rsplit(".", 2)[-2].endswith("norm")
-    return is_norm, leaf.endswith("bias")
-
-
-def _full_init(key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
-    is_norm, is_bias = _is_norm_or_bias(key)
+    # Fused TE linears carry their norm as "layer_norm_weight"/"layer_norm_bias".
+    is_norm = is_norm or "norm" in leaf
+    is_bias = leaf.endswith("bias")
     if is_norm and not is_bias:
         return torch.ones(shape)
     if is_bias or is_norm:
         return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(_key_seed(seed, key))
+    gen = torch.Generator().manual_seed(_key_seed(seed, stream))
     # GPT-2 style: scale output projections of residual branches by depth.
     if key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight"):
         std = std / math.sqrt(2.0 * max(num_layers, 1))
@@ -65,6 +78,7 @@ def init_layout_invariant(
     """
     count = 0
     for chunk in chunks:
+        norm_ptrs = _norm_param_storage(chunk)
         sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
         for sh in _iter_sharded(sharded):
             if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
@@ -73,7 +87,10 @@ def init_layout_invariant(
             # on its own so only one layer's full tensor is materialised.
             npre = sh.prepend_axis_num
             layer_key = sh.key + "".join(f"[{i}]" for i in sh.global_offset[:npre])
-            full = _full_init(layer_key, tuple(sh.global_shape[npre:]), seed, std, num_layers)
+            full = _full_init(
+                sh.key, tuple(sh.global_shape[npre:]), seed, std, num_layers,
+                stream=layer_key, is_norm=sh.data.data_ptr() in norm_ptrs,
+            )
             index = tuple(
                 slice(off, off + size) for off, size in zip(sh.global_offset[npre:], sh.data.shape)
             )

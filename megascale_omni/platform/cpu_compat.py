@@ -190,6 +190,25 @@ def _patch_schedules() -> None:
         _wrap_attr(schedules, name, f"schedules.{name} under cuda-as-cpu")
 
 
+def _patch_vision() -> None:
+    """``CLIPViTModel.__init__`` moves its position-id buffer with ``.cuda()``.
+    Under the scoped mode ``.cuda()`` leaves the CPU tensor where it is."""
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    _wrap_attr(CLIPViTModel, "__init__", "CLIPViTModel.__init__ under cuda-as-cpu")
+
+
+def _patch_default_causal_mask() -> None:
+    """``get_default_causal_mask`` builds its cached mask with ``device="cuda"``;
+    it is reached from attention whenever no explicit mask is given, also
+    outside the pipeline schedules (evaluation, direct module calls)."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    _wrap_attr(utils, "get_default_causal_mask", "transformer.utils.get_default_causal_mask under cuda-as-cpu")
+    fused_softmax.get_default_causal_mask = utils.get_default_causal_mask
+
+
 def _patch_synchronize() -> None:
     """megatron calls ``torch.cuda.synchronize()`` after batched p2p to guard
     against a NCCL race. CPU ops are synchronous and gloo requests are waited
@@ -229,6 +248,8 @@ def install() -> list[str]:
     _patch_optimizers()
     _patch_grad_norm_and_clipping()
     _patch_schedules()
+    _patch_vision()
+    _patch_default_causal_mask()
     _patch_synchronize()
     _INSTALLED = True
     logger.debug("megatron-core CPU compatibility: %s", "; ".join(APPLIED))

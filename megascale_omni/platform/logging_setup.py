@@ -23,8 +23,15 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level if verbose else "WARNING")
     # megatron-core logs every parameter name and its full config at INFO.
     logging.getLogger("megatron").setLevel(max(logging.WARNING, root.level))
-    # megatron-core warns at import time that TE/apex are absent; on CPU that
-    # is the expected configuration, not news.
+    silence_import_warnings()
+
+
+def silence_import_warnings() -> None:
+    """megatron-core warns at import time that TE/apex are absent and about
+    its own deprecations; on CPU that is the expected configuration, not news."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     warnings.filterwarnings("ignore", message=".*Transformer Engine is not installed.*")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="megatron")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.jit")

@@ -51,8 +51,8 @@ class GptSmokeTask:
         )
 
     # ------------------------------------------------------------------ data
-    def global_samples(self, step: int) -> int:
-        return self.cfg.train.global_batch_size
+    def global_batch_size_of(self, step: int) -> tuple[int, int]:
+        return self.cfg.train.global_batch_size, self.cfg.train.global_batch_size * self.seq_length
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         ids = self.plan.global_batch(step)

@@ -51,19 +51,34 @@ def masked_token_loss(
     return loss_sum, num_tokens, {LOSS_KEY: report}
 
 
-def reduce_reported_loss(reports: Sequence[dict]) -> tuple[Optional[float], Optional[int]]:
-    """Token-mean loss over the whole global batch (last-stage ranks; collective
-    over the DP×CP group). Returns (None, None) on other stages."""
+def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]:
+    """Sum every reported tensor over micro-batches and the DP×CP group
+    (last-stage ranks; a collective among them). None on other stages.
+
+    Keys must be identical on every DP rank; values are ``[numerator,
+    denominator]`` pairs by convention.
+    """
     if not mpu.is_pipeline_last_stage(ignore_virtual=True):
-        return None, None
-    total = torch.zeros(2, dtype=torch.float64)
+        return None
+    keys = sorted(reports[0]) if reports else [LOSS_KEY]
+    total = torch.zeros(len(keys), 2, dtype=torch.float64)
     for r in reports:
-        total += r[LOSS_KEY].to(torch.float64).cpu()
+        for i, k in enumerate(keys):
+            total[i] += r[k].to(torch.float64).cpu()
     group = mpu.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    count = int(total[1].item())
-    return (total[0].item() / max(count, 1)), count
+    return {k: total[i] for i, k in enumerate(keys)}
+
+
+def reduce_reported_loss(reports: Sequence[dict]) -> tuple[Optional[float], Optional[int]]:
+    """Token-mean loss over the whole global batch (last-stage ranks; collective
+    over the DP×CP group). Returns (None, None) on other stages."""
+    totals = reduce_reports(reports)
+    if totals is None:
+        return None, None
+    loss_sum, count = totals[LOSS_KEY].tolist()
+    return loss_sum / max(count, 1.0), int(count)
 
 
 def run_forward_backward(

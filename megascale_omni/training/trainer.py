@@ -44,8 +44,9 @@ class Task(Protocol):
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         """This DP rank's share of global batch ``step``, as micro-batches."""
 
-    def global_samples(self, step: int) -> int:
-        """Samples in global batch ``step`` (all DP ranks), for throughput."""
+    def global_batch_size_of(self, step: int) -> tuple[int, int]:
+        """(samples, non-padding tokens) in global batch ``step`` over all DP
+        ranks, for throughput reporting."""
 
     def evaluate(self, trainer: "Trainer") -> Optional[dict[str, float]]:
         """Held-out evaluation (every rank); metrics on the loss rank, else None."""
@@ -130,15 +131,15 @@ class Trainer:
         return record
 
     def _record(self, stats: StepStats, t_data: float, step_s: float) -> dict:
-        samples = self.task.global_samples(self.step - 1)
-        tokens = stats.num_loss_tokens or 0
+        samples, tokens = self.task.global_batch_size_of(self.step - 1)
         return {
             "step": self.step,
             "loss": stats.loss,
             "lr": stats.lr,
             "grad_norm": stats.grad_norm,
             "skipped": not stats.update_successful,
-            "loss_tokens": tokens,
+            "loss_tokens": stats.num_loss_tokens,
+            "tokens": tokens,
             "samples": samples,
             "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             "samples_per_s": samples / step_s if step_s > 0 else 0.0,

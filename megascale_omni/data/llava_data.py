@@ -1,0 +1,178 @@
+"""LLaVA samples -> packed, fixed-shape micro-batches.
+
+Token layout of one sample (word-level tokenizer, ``P`` = tokens per image)::
+
+    <bos> user words with each <image> repeated P times  answer words <eos>
+    loss:  0 ...................................0        1 ..........  1
+    eval:  0 ...................................0        1 on image-dependent answer words
+
+Packed rows come from :mod:`megascale_omni.data.packing`; images of a
+micro-batch are stacked in the order their placeholder blocks appear in the
+row-major ``[batch, seq]`` token tensor, which is the order the model writes
+their features back.
+
+Bad samples (corrupt image, missing field, unreadable shard) are skipped,
+counted and logged. Every rank of one model replica builds the same
+micro-batches from the same plan, so all of them skip the same sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
+from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample
+from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
+from megascale_omni.data.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedSample:
+    """One sample as token ids plus per-token masks (unshifted, aligned with tokens)."""
+
+    sample_id: int
+    tokens: list[int]
+    #: 1 where the token is a training target (answer words and <eos>).
+    target_mask: list[float]
+    #: 1 where the token is an image-dependent answer word (evaluation only).
+    eval_mask: list[float]
+    #: ``[H, W, 3]`` uint8 images, in placeholder order.
+    images: list[np.ndarray]
+
+
+class LlavaEncoder:
+    """Turns conversations into token ids with expanded image placeholders."""
+
+    def __init__(self, tokenizer: TextTokenizer, tokens_per_image: int):
+        self.tok = tokenizer
+        self.tokens_per_image = tokens_per_image
+
+    def _prompt_ids(self, user_text: str) -> list[int]:
+        ids: list[int] = [self.tok.bos_id]
+        for tid in self.tok.encode(user_text):
+            ids.extend([tid] * (self.tokens_per_image if tid == self.tok.image_token_id else 1))
+        return ids
+
+    def length_from_metadata(self, meta: Mapping) -> int:
+        """Encoded length computed from the JSON member alone (no image decode)."""
+        user = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "user")
+        answer = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "assistant")
+        return len(self._prompt_ids(user)) + len(self.tok.encode(answer)) + 1
+
+    def encode(self, sample: Sample) -> EncodedSample:
+        prompt = self._prompt_ids(sample.user_text)
+        placeholders = sum(1 for t in prompt if t == self.tok.image_token_id)
+        if placeholders != sample.num_images * self.tokens_per_image:
+            raise BadSampleError(
+                sample.id, "<encoded>", f"text has {placeholders // self.tokens_per_image} "
+                f"{IMAGE_PLACEHOLDER} but the sample has {sample.num_images} images"
+            )
+        answer = self.tok.encode(sample.answer_text)
+        dependent = set(sample.image_dependent_positions())
+        tokens = prompt + answer + [self.tok.eos_id]
+        target = [0.0] * len(prompt) + [1.0] * (len(answer) + 1)
+        evalm = [0.0] * len(prompt) + [1.0 if i in dependent else 0.0 for i in range(len(answer))] + [0.0]
+        return EncodedSample(sample.id, tokens, target, evalm, list(sample.images))
+
+
+@dataclass
+class SkipCounter:
+    """Samples read and skipped by this rank (reduced across ranks by the task)."""
+
+    seen: int = 0
+    skipped: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def record_skip(self, err: BadSampleError) -> None:
+        self.skipped += 1
+        if len(self.reasons) < 20:
+            self.reasons.append(str(err))
+        logger.warning("skipping bad sample: %s", err)
+
+
+def images_to_tensor(images: Sequence[np.ndarray], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``n x [H, W, 3] uint8`` -> ``[n, 3, H, W]`` scaled to [-1, 1]."""
+    if not images:
+        return torch.zeros(0, 3, 1, 1, dtype=dtype)
+    arr = np.stack(images).astype(np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous().to(dtype)
+
+
+class LlavaBatcher:
+    """Reads, encodes and collates packs into micro-batches (every rank)."""
+
+    def __init__(
+        self,
+        reader: ShardedSampleReader,
+        encoder: LlavaEncoder,
+        seq_length: int,
+        pad_id: int,
+        image_size: int,
+    ):
+        self.reader = reader
+        self.encoder = encoder
+        self.seq_length = seq_length
+        self.pad_id = pad_id
+        self.image_size = image_size
+        self.counter = SkipCounter()
+
+    def _load(self, sample_id: int, image_source: Optional[int]) -> Optional[EncodedSample]:
+        try:
+            sample = self.reader[sample_id]
+            if image_source is not None and image_source != sample_id:
+                donor = self.reader[image_source]
+                if donor.num_images != sample.num_images:
+                    raise ValueError(f"image donor {image_source} has {donor.num_images} images")
+                sample.images = list(donor.images)
+            for img in sample.images:
+                if img.shape != (self.image_size, self.image_size, 3):
+                    raise BadSampleError(
+                        sample_id, self.reader.root, f"image shape {img.shape} != "
+                        f"({self.image_size}, {self.image_size}, 3); re-run data preparation at this resolution",
+                    )
+            enc = self.encoder.encode(sample)
+        except BadSampleError as err:
+            self.counter.record_skip(err)
+            return None
+        self.counter.seen += 1
+        return enc
+
+    def microbatch(
+        self, packs: Sequence[Pack], id_map: Sequence[int], image_sources: Optional[Mapping[int, int]] = None
+    ) -> dict[str, torch.Tensor]:
+        """Collate ``packs`` (one row each) into one micro-batch.
+
+        ``id_map`` maps a pack's sample ids to reader indices. Returns
+        ``tokens, labels, loss_mask, eval_mask, position_ids: [b, s]``,
+        ``attention_mask: [b, 1, s, s]`` bool and ``images: [n, 3, H, W]``.
+        """
+        rows, evals, images = [], [], []
+        for pack in packs:
+            encoded = []
+            for sid in pack.sample_ids:
+                rid = int(id_map[sid])
+                enc = self._load(rid, None if image_sources is None else image_sources.get(rid))
+                if enc is not None:
+                    encoded.append(enc)
+            lengths = [len(e.tokens) for e in encoded]
+            offsets = [int(x) for x in np.cumsum([0] + lengths[:-1])] if lengths else []
+            # Survivors are re-laid contiguously: a skipped sample only adds padding.
+            row_pack = Pack(tuple(e.sample_id for e in encoded), tuple(offsets), tuple(lengths))
+            tokens = [e.tokens for e in encoded]
+            rows.append(collate_pack(row_pack, tokens, None, [e.target_mask for e in encoded],
+                                     self.seq_length, self.pad_id))
+            evals.append(collate_pack(row_pack, tokens, None, [e.eval_mask for e in encoded],
+                                      self.seq_length, self.pad_id)["loss_mask"])
+            images.extend(img for e in encoded for img in e.images)
+        batch = {k: torch.stack([r[k] for r in rows]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch["eval_mask"] = torch.stack(evals)
+        batch["attention_mask"] = build_packed_causal_mask(torch.stack([r["segment_ids"] for r in rows]))
+        batch["images"] = images_to_tensor(images)
+        return batch

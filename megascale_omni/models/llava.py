@@ -1,0 +1,229 @@
+"""LLaVA on megatron-core: CLIP-style ViT + MLP projector + GPT language model.
+
+We compose megatron's ``CLIPViTModel``, ``MultimodalProjector`` and
+``GPTModel`` rather than using ``LLaVAModel`` because our data pipeline
+already expands every ``<image>`` into ``tokens_per_image`` placeholder tokens
+and packs several samples per sequence. The language sequence length is then
+fixed before the model runs, which is what sequence packing, the
+block-diagonal attention mask and pipeline p2p shapes all need. The model only
+has to *overwrite* the placeholder embeddings with projected image features.
+
+Pipeline placement: the ViT and projector live with the embedding on the
+first virtual stage of PP rank 0 (``pre_process``); the output layer and loss
+on the last virtual stage of the last PP rank (``post_process``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision import vit_layer_specs
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+
+from megascale_omni.config import JobConfig
+from megascale_omni.models.gpt import transformer_config
+from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+
+
+def vision_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
+    """ViT config: same TP as the LM, never pipelined (it sits on stage 0)."""
+    v = cfg.vision
+    config = TransformerConfig(
+        num_layers=v.num_layers,
+        hidden_size=v.hidden_size,
+        num_attention_heads=v.num_attention_heads,
+        ffn_hidden_size=v.ffn_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.model.init_method_std,
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=torch.cuda.is_available(),
+    )
+    config.vision_model_type = "clip"
+    return config
+
+
+def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
+    """2-layer GELU MLP projector: vision hidden -> projector hidden -> LM hidden."""
+    v = cfg.vision
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=cfg.model.hidden_size,
+        num_attention_heads=1,
+        ffn_hidden_size=v.projector_hidden_size or cfg.model.hidden_size,
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=cfg.model.init_method_std,
+    )
+
+
+class LlavaChunk(MegatronModule):
+    """One pipeline model chunk of LLaVA (built on every rank).
+
+    ``forward`` inputs (one micro-batch):
+      tokens, position_ids: ``[b, s]`` int64; image placeholders hold ``image_token_id``.
+      attention_mask: ``[b, 1, s, s]`` bool, True = masked (packed causal), or None.
+      images: ``[n, 3, H, W]`` float, one row per placeholder block in
+        row-major (batch, position) order; only read on the first stage.
+      labels: ``[b, s]`` int64 (last stage), or None to return logits ``[b, s, vocab/tp]``.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        lm_config: TransformerConfig,
+        dtype: torch.dtype,
+        *,
+        vocab_size: int,
+        image_token_id: int,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: Optional[int],
+    ):
+        super().__init__(config=lm_config)
+        # The schedules look this up on the wrapped model.
+        self.model_type = ModelType.encoder_or_decoder
+        impl = resolve_layer_impl(cfg.model.layer_impl)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.image_token_id = image_token_id
+        self.tokens_per_image = cfg.vision.tokens_per_image
+        self.vision_model: Optional[CLIPViTModel] = None
+        self.vision_projection: Optional[MultimodalProjector] = None
+        if pre_process:
+            v = cfg.vision
+            use_te = impl == "transformer_engine"
+            vit_spec = (
+                vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
+                if use_te
+                else vit_layer_specs.get_vit_layer_with_local_spec()
+            )
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            self.vision_model = CLIPViTModel(
+                vision_transformer_config(cfg, dtype),
+                vit_spec,
+                # The default resolves to TE or torch.nn.LayerNorm, which does
+                # not accept megatron's ``config`` argument.
+                ln_pre_impl=WrappedTorchNorm,
+                add_class_token=False,
+                class_token_len=0,
+                patch_dim=v.patch_size,
+                img_h=v.image_size,
+                img_w=v.image_size,
+            )
+            self.vision_projection = MultimodalProjector(
+                projector_config(cfg, dtype),
+                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                projector_type="mlp",
+                input_size=v.hidden_size,
+            )
+        self.language_model = GPTModel(
+            config=lm_config,
+            transformer_layer_spec=gpt_layer_spec(impl, cfg.model.normalization),
+            vocab_size=vocab_size,
+            max_sequence_length=cfg.model.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+            position_embedding_type=cfg.model.position_embedding_type,
+            vp_stage=vp_stage,
+        )
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook: activations from the previous stage go to the LM."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
+        """First stage: token embeddings with image features written over the
+        placeholder positions. Returns ``[s, b, h]``."""
+        emb = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
+        is_image = tokens == self.image_token_id  # [b, s]
+        n_slots = int(is_image.sum())
+        n_images = 0 if images is None else images.shape[0]
+        if n_slots != n_images * self.tokens_per_image:
+            raise ValueError(
+                f"micro-batch has {n_slots} image placeholder tokens but {n_images} images "
+                f"x {self.tokens_per_image} tokens per image"
+            )
+        if n_images == 0:
+            return emb
+        # megatron's ViT layer specs declare causal attention; an all-False
+        # mask (nothing masked) makes the encoder bidirectional, as in CLIP.
+        full_attention = torch.zeros(1, 1, self.tokens_per_image, self.tokens_per_image, dtype=torch.bool)
+        feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, p, vh]
+        feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
+        feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
+        emb = emb.transpose(0, 1).clone()  # [b, s, h]
+        emb[is_image] = feats.to(emb.dtype)  # boolean indexing walks (b, s) row-major
+        return emb.transpose(0, 1).contiguous()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        images: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        decoder_input = self.embed(tokens, position_ids, images) if self.pre_process else None
+        return self.language_model(
+            tokens, position_ids, attention_mask, decoder_input=decoder_input, labels=labels
+        )
+
+
+def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, image_token_id: int) -> list[LlavaChunk]:
+    """This rank's LLaVA chunks (every rank), with freezing applied."""
+    lm_config = transformer_config(cfg.model, cfg.parallel, dtype)
+    vpp = cfg.parallel.vpp or 1
+    chunks = []
+    for v in range(vpp):
+        vp_stage = v if vpp > 1 else None
+        chunk = LlavaChunk(
+            cfg,
+            lm_config,
+            dtype,
+            vocab_size=vocab_size,
+            image_token_id=image_token_id,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        apply_freezing(chunk, cfg)
+        chunks.append(chunk)
+    return chunks
+
+
+def apply_freezing(chunk: LlavaChunk, cfg: JobConfig) -> None:
+    """Stage-1 (projector only) / stage-2 (projector + LM) training via requires_grad."""
+    if cfg.model.freeze:
+        for p in chunk.language_model.parameters():
+            p.requires_grad_(False)
+    if chunk.vision_model is not None and cfg.vision.freeze:
+        for p in chunk.vision_model.parameters():
+            p.requires_grad_(False)
+    if chunk.vision_projection is not None and cfg.vision.freeze_projector:
+        for p in chunk.vision_projection.parameters():
+            p.requires_grad_(False)

@@ -1,0 +1,248 @@
+"""LLaVA task: shapes dataset (or any dataset in our shard format) + LLaVA model.
+
+Data position is the step: the global batch of step ``s`` is a pure function
+of (seed, s) through :class:`PackedEpochPlan`, split across DP ranks by
+estimated compute cost (ViT patches + LM tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.data.balance import sample_cost, split_balanced
+from megascale_omni.data.errors import DataQualityError
+from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency
+from megascale_omni.data.sample_plan import PackedEpochPlan
+from megascale_omni.data.shapes_dataset import ensure_shapes_dataset
+from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
+from megascale_omni.data.tokenizer import TextTokenizer
+from megascale_omni.models.llava import build_llava_chunks
+from megascale_omni.parallel import ParallelDims
+from megascale_omni.platform import Platform
+from megascale_omni.training.step import LOSS_KEY, masked_token_loss, reduce_reports, run_forward_backward
+
+logger = logging.getLogger(__name__)
+
+#: Where the embedded dataset is generated on first use when data.path is null.
+DEFAULT_DATASET_DIR = "data/shapes"
+
+
+def resolve_dataset(cfg: JobConfig) -> tuple[Path, TextTokenizer]:
+    """Dataset directory and tokenizer (every rank). Builds the embedded
+    default on first use; a missing explicit path is a ConfigError."""
+    if cfg.data.path is None:
+        root = Path(DEFAULT_DATASET_DIR)
+        ensure_shapes_dataset(root, image_size=cfg.vision.image_size)
+    else:
+        root = Path(cfg.data.path)
+        if not (root / "train").is_dir():
+            raise ConfigError(
+                "data.path", str(root),
+                "has no train/ split; build one with `python tools/make_shapes_dataset.py --out <dir>` "
+                "or set data.path: null for the embedded default",
+            )
+    tok_path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
+    if not tok_path.exists():
+        raise ConfigError("data.tokenizer", str(tok_path), "does not exist; point it at a tokenizer.json or directory")
+    return root, TextTokenizer.from_path(tok_path)
+
+
+class LlavaTask:
+    """Implements :class:`megascale_omni.training.trainer.Task` for LLaVA."""
+
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
+        self.cfg = cfg
+        self.dims = dims
+        self.dtype = platform.default_dtype(cfg.train.precision)
+        self.seq_length = cfg.model.seq_length
+        root, self.tokenizer = resolve_dataset(cfg)
+        self.vocab_size = cfg.model.vocab_size or self.tokenizer.vocab_size
+        if self.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                "model.vocab_size", self.vocab_size,
+                f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
+            )
+        self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
+        self.train_reader = ShardedSampleReader(root / "train")
+        self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        self.train_ids, lengths, costs = self._scan(self.train_reader)
+        self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs)
+        self.train_batcher = LlavaBatcher(
+            self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size
+        )
+        packs0 = self.plan.epoch_packs(0)
+        self.packing_efficiency = packing_efficiency(packs0, self.seq_length)
+        self.pad_to_max_efficiency = pad_to_max_efficiency(lengths)
+        logger.info(
+            "train: %d samples, %d packed rows/epoch, %d steps/epoch; packing efficiency %.3f "
+            "(pad-to-max %.3f)",
+            len(self.train_ids), len(packs0), self.plan.steps_in_epoch(0),
+            self.packing_efficiency, self.pad_to_max_efficiency,
+        )
+
+    # ----------------------------------------------------------------- setup
+    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lengths and costs of every readable sample (metadata only)."""
+        ids, lengths, costs = [], [], []
+        patches = self.cfg.vision.tokens_per_image
+        bad = 0
+        for i in range(len(reader)):
+            try:
+                meta = reader.read_metadata(i)
+                n = self.encoder.length_from_metadata(meta)
+            except (BadSampleError, KeyError, TypeError) as err:
+                bad += 1
+                logger.warning("excluding sample %d from the plan: %s", i, err)
+                continue
+            if n > self.seq_length:
+                bad += 1
+                logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
+                continue
+            ids.append(i)
+            lengths.append(n)
+            costs.append(sample_cost(n, int(meta["num_images"]), patches))
+        self._check_bad_fraction(bad, len(reader), where=f"scanning {reader.root}")
+        return np.asarray(ids), np.asarray(lengths), np.asarray(costs)
+
+    def _check_bad_fraction(self, bad: int, seen: int, where: str) -> None:
+        limit = self.cfg.data.max_bad_sample_fraction
+        if seen and bad / seen > limit:
+            raise DataQualityError(
+                f"{bad} of {seen} samples were bad while {where} ({bad / seen:.1%} > "
+                f"data.max_bad_sample_fraction={limit:.1%}); fix or rebuild the shards "
+                f"(see the warnings above for which samples) or raise the limit"
+            )
+
+    def build_model(self):
+        return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
+
+    # ------------------------------------------------------------------ data
+    def global_batch_size_of(self, step: int) -> tuple[int, int]:
+        packs = self.plan.global_batch(step)
+        return sum(p.num_samples for p in packs), sum(p.num_tokens for p in packs)
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        packs = self.plan.global_batch(step)
+        parts = split_balanced(list(range(len(packs))), [p.cost for p in packs], dp_size)
+        mine = [packs[i] for i in parts[dp_rank]]
+        mbs = self.cfg.train.micro_batch_size
+        batches = [
+            self.train_batcher.microbatch(mine[i : i + mbs], self.train_ids) for i in range(0, len(mine), mbs)
+        ]
+        self._check_skips()
+        return batches
+
+    def _check_skips(self) -> None:
+        """Abort on every rank together when bad samples exceed the limit (collective)."""
+        c = self.train_batcher.counter
+        counts = torch.tensor([c.skipped, c.seen + c.skipped], dtype=torch.float64)
+        dist.all_reduce(counts)
+        # Each replica's TP/PP ranks read the same samples; count each once.
+        per_sample = self.dims.tp * self.dims.pp * self.dims.cp
+        skipped, seen = int(counts[0]) // per_sample, int(counts[1]) // per_sample
+        self.skipped_samples = skipped
+        self._check_bad_fraction(skipped, seen, where="training")
+
+    # ----------------------------------------------------------------- model
+    def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        images = batch["images"].to(self.dtype) if batch["images"].shape[0] else None
+        return batch["tokens"], batch["position_ids"], batch["attention_mask"], images
+
+    def forward_step(self, data_iterator: Any, model):
+        batch = next(data_iterator)
+        tokens, pos, mask, images = self._unpack(batch)
+        output = model(tokens, pos, mask, images=images, labels=batch["labels"])
+        return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
+
+    def eval_forward_step(self, data_iterator: Any, model):
+        batch = next(data_iterator)
+        tokens, pos, mask, images = self._unpack(batch)
+        logits = model(tokens, pos, mask, images=images, labels=None)
+        return logits, partial(_eval_loss, batch=batch)
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate(self, trainer) -> Optional[dict[str, float]]:
+        """Held-out loss and image-dependent answer accuracy, with real images
+        and with images shuffled across samples (control)."""
+        if self.val_reader is None:
+            return None
+        result = {}
+        for name, shuffled in (("real", False), ("shuffled", True)):
+            totals = self._eval_pass(trainer, shuffled)
+            if totals is None:
+                continue
+            loss_sum, count = totals[LOSS_KEY].tolist()
+            correct, total = totals["accuracy"].tolist()
+            result[f"{name}/loss"] = loss_sum / max(count, 1.0)
+            result[f"{name}/image_word_accuracy"] = correct / max(total, 1.0)
+            result[f"{name}/scored_tokens"] = total
+        return result or None
+
+    def _eval_pass(self, trainer, shuffled: bool):
+        if not hasattr(self, "_val"):
+            ids, lengths, _ = self._scan(self.val_reader)
+            packs = pack_samples(lengths, self.seq_length)
+            self._val = (ids, packs, _shuffled_image_sources(self.val_reader, ids))
+            self.val_batcher = LlavaBatcher(
+                self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size
+            )
+        ids, packs, sources = self._val
+        dp, rank = self.dims.dp, trainer.dp_rank
+        mine = packs[rank::dp]
+        mbs = self.cfg.train.micro_batch_size
+        batches = [
+            self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
+            for i in range(0, len(mine), mbs)
+        ]
+        for chunk in trainer.chunks:
+            chunk.eval()
+        with torch.no_grad():
+            reports = run_forward_backward(
+                trainer.chunks, self.eval_forward_step, batches, self.seq_length, mbs, forward_only=True
+            )
+        for chunk in trainer.chunks:
+            chunk.train()
+        return reduce_reports(reports)
+
+
+def _eval_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Last stage, eval only: token loss and argmax accuracy on image-dependent
+    answer words. ``logits``: ``[b, s, vocab / tp]``."""
+    full = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
+    labels = batch["labels"]
+    token_loss = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    loss_sum, num_tokens, report = masked_token_loss(token_loss, batch["loss_mask"])
+    hit = (full.argmax(-1) == labels).float()
+    m = batch["eval_mask"]
+    report["accuracy"] = torch.stack([(hit * m).sum().double(), m.sum().double()])
+    return loss_sum, num_tokens, report
+
+
+def _shuffled_image_sources(reader: ShardedSampleReader, ids: np.ndarray) -> dict[int, int]:
+    """Map each val sample to a donor sample with the same image count
+    (a rotation within each group), so text stays and images are wrong."""
+    groups: dict[int, list[int]] = {}
+    for i in ids.tolist():
+        groups.setdefault(int(reader.read_metadata(i)["num_images"]), []).append(i)
+    sources = {}
+    for n, members in groups.items():
+        if n == 0:
+            continue
+        rng = np.random.default_rng([7, n])
+        order = rng.permutation(len(members))
+        for k, idx in enumerate(order):
+            sources[members[idx]] = members[order[(k + 1) % len(order)]]
+    return sources
