@@ -60,12 +60,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def torchrun(nproc: int, module: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
-    """``torchrun --nproc-per-node nproc -m module args`` on a free loopback port."""
+def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+    """``torchrun --nproc-per-node nproc <target> args`` on a free loopback port.
+
+    ``target`` is a script path (``pretrain_llava.py``) or a module name
+    (``megascale_omni.smoke``, run with ``-m``).
+    """
+    entry = [target] if target.endswith(".py") else ["-m", target]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        "-m", module, *args,
+        *entry, *args,
     ]
     return run(cmd, timeout=timeout, env=env)
 

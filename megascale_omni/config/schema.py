@@ -38,6 +38,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None
     #: Vocabulary size. For LLaVA it is taken from the tokenizer when 0.
     vocab_size: int = 256
+    #: Pad the vocabulary to a multiple of this (must be divisible by TP).
+    #: Independent of TP so every layout builds the same output layer.
+    make_vocab_size_divisible_by: int = 128
     #: Tokens per sequence fed to the language model.
     seq_length: int = 64
     #: ``learned_absolute`` or ``rope``.
@@ -219,6 +222,9 @@ class DataConfig:
     path: Optional[str] = None
     #: Tokenizer file or directory; ``null`` uses the dataset's ``tokenizer.json``.
     tokenizer: Optional[str] = None
+    #: Size of the embedded shapes dataset generated when ``path`` is null.
+    default_num_train: int = 20000
+    default_num_val: int = 500
     #: Data-loader worker processes per rank.
     num_workers: int = 0
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.

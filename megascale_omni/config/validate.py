@@ -48,6 +48,12 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(
             "model.ffn_hidden_size", model.ffn_size, f"must be divisible by parallel.tp={par.tp}"
         )
+    if model.make_vocab_size_divisible_by % par.tp:
+        raise ConfigError(
+            "model.make_vocab_size_divisible_by",
+            model.make_vocab_size_divisible_by,
+            f"must be divisible by parallel.tp={par.tp} (the output layer is split by vocab)",
+        )
     chunks = par.pp * (par.vpp or 1)
     if model.num_layers < chunks:
         raise ConfigError(

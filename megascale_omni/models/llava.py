@@ -65,7 +65,8 @@ def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
     return TransformerConfig(
         num_layers=1,
         hidden_size=cfg.model.hidden_size,
-        num_attention_heads=1,
+        # Unused by the MLP; must only satisfy TransformerConfig's TP checks.
+        num_attention_heads=cfg.model.num_attention_heads,
         ffn_hidden_size=v.projector_hidden_size or cfg.model.hidden_size,
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=1,
@@ -151,6 +152,15 @@ class LlavaChunk(MegatronModule):
             position_embedding_type=cfg.model.position_embedding_type,
             vp_stage=vp_stage,
         )
+
+    # finalize_model_grads looks these up on the wrapped model to sync tied
+    # embeddings and position embeddings across pipeline stages.
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook: activations from the previous stage go to the LM."""

@@ -75,6 +75,9 @@ class GptSmokeTask:
             )
         return out
 
+    def data_stats(self) -> dict[str, float]:
+        return {}  # synthetic data cannot be bad
+
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):
         batch = next(data_iterator)

@@ -24,7 +24,7 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import sample_cost, split_balanced
 from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
-from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency
+from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
@@ -36,16 +36,24 @@ from megascale_omni.training.step import LOSS_KEY, masked_token_loss, reduce_rep
 
 logger = logging.getLogger(__name__)
 
-#: Where the embedded dataset is generated on first use when data.path is null.
-DEFAULT_DATASET_DIR = "data/shapes"
+#: Where the embedded dataset is generated on first use when data.path is null
+#: (one directory per size, so changing the size never clobbers a build).
+DEFAULT_DATASET_DIR = "data/shapes-{num_train}-{num_val}-{image_size}px"
 
 
 def resolve_dataset(cfg: JobConfig) -> tuple[Path, TextTokenizer]:
     """Dataset directory and tokenizer (every rank). Builds the embedded
     default on first use; a missing explicit path is a ConfigError."""
     if cfg.data.path is None:
-        root = Path(DEFAULT_DATASET_DIR)
-        ensure_shapes_dataset(root, image_size=cfg.vision.image_size)
+        d = cfg.data
+        root = Path(
+            DEFAULT_DATASET_DIR.format(
+                num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size
+            )
+        )
+        ensure_shapes_dataset(
+            root, num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size
+        )
     else:
         root = Path(cfg.data.path)
         if not (root / "train").is_dir():
@@ -69,12 +77,14 @@ class LlavaTask:
         self.dtype = platform.default_dtype(cfg.train.precision)
         self.seq_length = cfg.model.seq_length
         root, self.tokenizer = resolve_dataset(cfg)
-        self.vocab_size = cfg.model.vocab_size or self.tokenizer.vocab_size
-        if self.vocab_size < self.tokenizer.vocab_size:
+        vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        if vocab < self.tokenizer.vocab_size:
             raise ConfigError(
-                "model.vocab_size", self.vocab_size,
+                "model.vocab_size", vocab,
                 f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
             )
+        multiple = cfg.model.make_vocab_size_divisible_by
+        self.vocab_size = -(-vocab // multiple) * multiple
         self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -153,8 +163,11 @@ class LlavaTask:
         # Each replica's TP/PP ranks read the same samples; count each once.
         per_sample = self.dims.tp * self.dims.pp * self.dims.cp
         skipped, seen = int(counts[0]) // per_sample, int(counts[1]) // per_sample
-        self.skipped_samples = skipped
+        self.skipped_samples, self.seen_samples = skipped, seen
         self._check_bad_fraction(skipped, seen, where="training")
+
+    def data_stats(self) -> dict[str, float]:
+        return {"skipped_samples": getattr(self, "skipped_samples", 0)}
 
     # ----------------------------------------------------------------- model
     def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:
@@ -201,8 +214,11 @@ class LlavaTask:
             )
         ids, packs, sources = self._val
         dp, rank = self.dims.dp, trainer.dp_rank
-        mine = packs[rank::dp]
+        mine = list(packs[rank::dp])
         mbs = self.cfg.train.micro_batch_size
+        # Pipeline p2p buffers are [seq, micro_batch_size, hidden]: every
+        # micro-batch must be full, so pad the tail with empty rows.
+        mine += [Pack((), (), ())] * (-len(mine) % mbs)
         batches = [
             self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
             for i in range(0, len(mine), mbs)

@@ -51,6 +51,9 @@ class Task(Protocol):
     def evaluate(self, trainer: "Trainer") -> Optional[dict[str, float]]:
         """Held-out evaluation (every rank); metrics on the loss rank, else None."""
 
+    def data_stats(self) -> dict[str, float]:
+        """Cumulative data-health counters (e.g. skipped samples) for the step record."""
+
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
 
@@ -148,6 +151,7 @@ class Trainer:
             "fwd_bwd_s": stats.fwd_bwd_s,
             "optimizer_s": stats.optimizer_s,
             "microbatches": stats.num_microbatches,
+            **self.task.data_stats(),
         }
 
     def _evaluate(self) -> None:
