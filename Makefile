@@ -25,8 +25,8 @@ $(STAMP): setup.py | $(PY)
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m megascale_omni.smoke \
-		--config examples/gpt/tiny.yaml train.steps=60 logging.output_dir=runs/demo-gpt
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain_llava.py \
+		--config examples/llava/tiny_cpu.yaml logging.output_dir=runs/demo-llava
 
 smoke: install
 	$(PY) -m megascale_omni.smoke --config examples/gpt/tiny.yaml logging.output_dir=runs/smoke

@@ -186,6 +186,13 @@ class LlavaChunk(MegatronModule):
         feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, p, vh]
         feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
         feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
+        pos_table = getattr(self.language_model.embedding, "position_embeddings", None)
+        if pos_table is not None:
+            # Overwriting the whole embedding would also drop the LM's learned
+            # absolute position at image tokens, leaving attention unable to
+            # tell one patch slot from another (RoPE models keep position in
+            # attention and need nothing here).
+            feats = feats + pos_table(position_ids)[is_image].to(feats.dtype)
         emb = emb.transpose(0, 1).clone()  # [b, s, h]
         emb[is_image] = feats.to(emb.dtype)  # boolean indexing walks (b, s) row-major
         return emb.transpose(0, 1).contiguous()

@@ -184,7 +184,22 @@ class LlavaTask:
         batch = next(data_iterator)
         tokens, pos, mask, images = self._unpack(batch)
         logits = model(tokens, pos, mask, images=images, labels=None)
-        return logits, partial(_eval_loss, batch=batch)
+        return logits, partial(_eval_loss, batch=batch, categories=self._word_categories())
+
+    def _word_categories(self) -> dict[str, torch.Tensor]:
+        """Token ids of each answer-word category of the shapes dataset, for a
+        per-category accuracy breakdown (categories absent from the vocab are dropped)."""
+        if not hasattr(self, "_categories"):
+            from megascale_omni.data.shapes import COLORS, POSITIONS, SHAPES
+
+            groups = {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS), "yes/no": ["yes", "no"]}
+            self._categories = {}
+            for name, words in groups.items():
+                ids = [self.tokenizer.token_to_id(w) for w in words]
+                ids = [i for i in ids if i is not None]
+                if ids:
+                    self._categories[name] = torch.tensor(ids)
+        return self._categories
 
     # ------------------------------------------------------------ evaluation
     def evaluate(self, trainer) -> Optional[dict[str, float]]:
@@ -202,6 +217,11 @@ class LlavaTask:
             result[f"{name}/loss"] = loss_sum / max(count, 1.0)
             result[f"{name}/image_word_accuracy"] = correct / max(total, 1.0)
             result[f"{name}/scored_tokens"] = total
+            for key, value in totals.items():
+                if key.startswith("accuracy/") and value[1] > 0:
+                    result[f"{name}/{key}"] = (value[0] / value[1]).item()
+        if result:
+            logger.info("evaluation at step %d (held-out split)\n%s", trainer.step, format_eval_table(result))
         return result or None
 
     def _eval_pass(self, trainer, shuffled: bool):
@@ -218,7 +238,7 @@ class LlavaTask:
         mbs = self.cfg.train.micro_batch_size
         # Pipeline p2p buffers are [seq, micro_batch_size, hidden]: every
         # micro-batch must be full, so pad the tail with empty rows.
-        mine += [Pack((), (), ())] * (-len(mine) % mbs)
+        mine += [Pack((), (), ())] * (-len(mine) % mbs or (mbs if not mine else 0))
         batches = [
             self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
             for i in range(0, len(mine), mbs)
@@ -234,7 +254,31 @@ class LlavaTask:
         return reduce_reports(reports)
 
 
-def _eval_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def format_eval_table(result: dict[str, float]) -> str:
+    """Real-vs-shuffled-images table for the log (loss rank)."""
+    rows = [("images", "loss", "image-word accuracy", "scored tokens")]
+    for name in ("real", "shuffled"):
+        if f"{name}/loss" in result:
+            rows.append((
+                name if name == "real" else "shuffled (control)",
+                f"{result[f'{name}/loss']:.4f}",
+                f"{result[f'{name}/image_word_accuracy']:.3f}",
+                f"{int(result[f'{name}/scored_tokens'])}",
+            ))
+    cats = sorted({k.split("/", 2)[2] for k in result if k.startswith("real/accuracy/")})
+    for cat in cats:
+        real = result.get(f"real/accuracy/{cat}")
+        shuf = result.get(f"shuffled/accuracy/{cat}")
+        rows.append((f"  {cat} words", "", f"{real:.3f} (control {shuf:.3f})" if shuf is not None else f"{real:.3f}", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _eval_loss(
+    logits: torch.Tensor, batch: dict, categories: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Last stage, eval only: token loss and argmax accuracy on image-dependent
     answer words. ``logits``: ``[b, s, vocab / tp]``."""
     full = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
@@ -244,6 +288,9 @@ def _eval_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.T
     hit = (full.argmax(-1) == labels).float()
     m = batch["eval_mask"]
     report["accuracy"] = torch.stack([(hit * m).sum().double(), m.sum().double()])
+    for name, ids in categories.items():
+        cm = m * torch.isin(labels, ids).float()
+        report[f"accuracy/{name}"] = torch.stack([(hit * cm).sum().double(), cm.sum().double()])
     return loss_sum, num_tokens, report
 
 
