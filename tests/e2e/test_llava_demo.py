@@ -16,11 +16,6 @@ from tests.launcher import torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.timeout(1500)]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured 0.84 after 1200 steps (colour 0.93, shape 0.93, yes/no 0.93, position 0.59; control 0.31); "
-    "left/right position words are still being learned - tracked as open work on the LLaVA issue",
-)
 def test_demo_uses_the_image(tmp_path):
     out = tmp_path / "demo"
     res = torchrun(2, "pretrain_llava.py", ["--config", "examples/llava/tiny_cpu.yaml", f"logging.output_dir={out}",
