@@ -4,7 +4,6 @@ from megascale_omni.config.cli import parse_job_config, run_cli
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
-    CheckpointConfig,
     DataConfig,
     JobConfig,
     LoggingConfig,
@@ -13,10 +12,9 @@ from megascale_omni.config.schema import (
     TrainConfig,
     VisionConfig,
 )
-from megascale_omni.config.validate import data_parallel_size, validate_job
+from megascale_omni.config.validate import data_parallel_size, validate_job, validate_platform
 
 __all__ = [
-    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",
@@ -33,4 +31,5 @@ __all__ = [
     "run_cli",
     "to_dict",
     "validate_job",
+    "validate_platform",
 ]

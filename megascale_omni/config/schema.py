@@ -199,8 +199,6 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: Evaluate every N steps (0 = only at the end, if an eval split exists).
     eval_interval: int = 0
-    #: Micro-batches per evaluation (0 = the whole held-out split).
-    eval_iters: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
@@ -209,7 +207,7 @@ class TrainConfig:
         _positive("train", "min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:
             raise ConfigError("train.min_lr", self.min_lr, f"must be <= train.lr={self.lr}")
-        for name in ("lr_warmup_steps", "eval_interval", "eval_iters"):
+        for name in ("lr_warmup_steps", "eval_interval"):
             _positive("train", name, getattr(self, name), allow_zero=True)
         _positive("train", "clip_grad", self.clip_grad, allow_zero=True)
 
@@ -225,31 +223,14 @@ class DataConfig:
     #: Size of the embedded shapes dataset generated when ``path`` is null.
     default_num_train: int = 20000
     default_num_val: int = 500
-    #: Data-loader worker processes per rank.
-    num_workers: int = 0
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.
     max_bad_sample_fraction: float = 0.01
 
     def __post_init__(self) -> None:
-        _positive("data", "num_workers", self.num_workers, allow_zero=True)
+        _positive("data", "default_num_train", self.default_num_train)
+        _positive("data", "default_num_val", self.default_num_val)
         if not 0.0 <= self.max_bad_sample_fraction <= 1.0:
             raise ConfigError("data.max_bad_sample_fraction", self.max_bad_sample_fraction, "must be in [0, 1]")
-
-
-@dataclass
-class CheckpointConfig:
-    """Checkpoint locations and cadence."""
-
-    #: Directory for saves; ``null`` disables saving.
-    save_dir: Optional[str] = None
-    #: Save every N steps (0 = only on triggers).
-    interval: int = 0
-    #: Keep this many complete checkpoints.
-    keep_last: int = 2
-
-    def __post_init__(self) -> None:
-        _positive("checkpoint", "interval", self.interval, allow_zero=True)
-        _positive("checkpoint", "keep_last", self.keep_last)
 
 
 @dataclass
@@ -280,5 +261,4 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -67,8 +67,10 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
             model.num_layers,
             f"must be divisible by pp*vpp={chunks} for a uniform pipeline split",
         )
-    if model.seq_length % par.cp:
-        raise ConfigError("model.seq_length", model.seq_length, f"must be divisible by parallel.cp={par.cp}")
+    if par.cp > 1:
+        # megatron would build CP groups, but our data path does not yet
+        # split sequences across CP ranks; refusing beats training wrongly.
+        raise ConfigError("parallel.cp", par.cp, "context parallelism is not supported yet; set parallel.cp: 1")
     if par.sequence_parallel and model.seq_length % par.tp:
         raise ConfigError(
             "model.seq_length", model.seq_length, f"must be divisible by parallel.tp={par.tp} with sequence_parallel"
@@ -84,9 +86,6 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         )
     if model.family == "llava":
         _validate_llava(cfg)
-    if par.use_distributed_optimizer and par.cp > 1:
-        # Not a megatron restriction; we have not validated it on CPU.
-        raise ConfigError("parallel.use_distributed_optimizer", True, "is not supported together with cp > 1 yet")
 
 
 def _validate_llava(cfg: JobConfig) -> None:
@@ -99,10 +98,23 @@ def _validate_llava(cfg: JobConfig) -> None:
         )
     if vision.ffn_size % par.tp:
         raise ConfigError("vision.ffn_hidden_size", vision.ffn_size, f"must be divisible by parallel.tp={par.tp}")
-    if par.sequence_parallel or par.cp > 1:
+    if par.sequence_parallel:
         raise ConfigError(
-            "parallel", f"sequence_parallel={par.sequence_parallel} cp={par.cp}",
-            "LLaVA packing supports tp/pp/vpp/dp; set sequence_parallel: false and cp: 1",
+            "parallel.sequence_parallel", True, "LLaVA packing supports tp/pp/vpp/dp; set it to false"
         )
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:
         raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
+
+
+def validate_platform(cfg: JobConfig, cuda: bool) -> None:
+    """Settings that need CUDA (every rank, after the device is known and
+    before any process group starts)."""
+    if cuda:
+        return
+    if cfg.train.precision == "bf16":
+        raise ConfigError("train.precision", "bf16", "needs CUDA; on CPU use fp32 (or auto)")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel", True,
+            "needs transformer-engine layer norms (CUDA); megatron's torch LayerNorm rejects it on CPU",
+        )

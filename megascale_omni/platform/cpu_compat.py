@@ -198,6 +198,20 @@ def _patch_vision() -> None:
     _wrap_attr(CLIPViTModel, "__init__", "CLIPViTModel.__init__ under cuda-as-cpu")
 
 
+def _patch_tied_embeddings() -> None:
+    """With tied input/output embeddings and PP > 1, the last stage's copy of
+    the word embedding is moved with ``.cuda()`` before the embedding-group
+    all-reduce that syncs it with stage 0; on CPU it already lives where it
+    should."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _wrap_attr(
+        LanguageModule,
+        "setup_embeddings_and_output_layer",
+        "LanguageModule.setup_embeddings_and_output_layer under cuda-as-cpu",
+    )
+
+
 def _patch_default_causal_mask() -> None:
     """``get_default_causal_mask`` builds its cached mask with ``device="cuda"``;
     it is reached from attention whenever no explicit mask is given, also
@@ -250,6 +264,7 @@ def install() -> list[str]:
     _patch_schedules()
     _patch_vision()
     _patch_default_causal_mask()
+    _patch_tied_embeddings()
     _patch_synchronize()
     _INSTALLED = True
     logger.debug("megatron-core CPU compatibility: %s", "; ".join(APPLIED))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
 
-from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
@@ -65,6 +65,7 @@ class Trainer:
         self.cfg = cfg
         setup_logging(cfg.logging.level)
         self.platform = init_platform()
+        validate_platform(cfg, self.platform.is_cuda)
         if self.platform.cpu_patches:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
@@ -77,7 +78,12 @@ class Trainer:
         n = init_layout_invariant(
             chunks, seed=cfg.train.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers
         )
-        logger.info("initialised %d parameter tensors (layout-invariant)", n)
+        total = sum(p.numel() for c in chunks for p in c.parameters())
+        trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+        logger.info(
+            "initialised %d parameter tensors (layout-invariant); parameters on this rank: %d, trainable %d",
+            n, total, trainable,
+        )
         self.chunks = wrap_ddp(chunks, chunks[0].config, cfg.parallel)
         self.dtype = self.platform.default_dtype(cfg.train.precision)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.train, cfg.parallel, self.dtype)

@@ -57,3 +57,14 @@ def test_layout_matches_single_process(tmp_path_factory, baseline, name):
         assert got["lr"] == pytest.approx(ref["lr"], rel=1e-9)
     # Same samples per step in every layout.
     assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in baseline]
+
+
+def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
+    """Tied input/output embeddings live on both the first and the last PP
+    stage and are kept in sync through megatron's embedding group."""
+    tied = ["model.share_embeddings_and_output_weights=true"]
+    ref = _train(tmp_path_factory, "tied-base", 1, tied)
+    got = _train(tmp_path_factory, "tied-tp2-pp2", 4, tied + ["parallel.tp=2", "parallel.pp=2"])
+    for r, g in zip(ref, got):
+        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3), f"step {g['step']}"

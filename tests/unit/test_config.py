@@ -37,7 +37,32 @@ INVALID = {
                         ["parallel.use_distributed_optimizer='maybe'", "true or false"]),
     "wrong-choice": (["train.precision=fp8"], 1, ["train.precision='fp8'", "must be one of"]),
     "vpp-without-pp": (["parallel.vpp=2"], 1, ["parallel.vpp=2", "pp >= 2"]),
+    "context-parallel": (["parallel.cp=2"], 2, ["parallel.cp=2", "not supported yet"]),
+    "vocab-multiple-vs-tp": (["parallel.tp=2", "model.make_vocab_size_divisible_by=3"], 2,
+                             ["model.make_vocab_size_divisible_by=3", "parallel.tp=2"]),
+    "bad-sample-fraction": (["data.max_bad_sample_fraction=1.5"], 1, ["data.max_bad_sample_fraction=1.5", "[0, 1]"]),
 }
+
+# Settings that are valid on GPU but not on this CPU-only host: rejected after
+# the device is known, still before any process group starts.
+CPU_ONLY_INVALID = {
+    "bf16-on-cpu": (["train.precision=bf16"], ["train.precision='bf16'", "needs CUDA"]),
+    "sequence-parallel-on-cpu": (["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                 ["parallel.sequence_parallel=True", "CUDA"]),
+}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rejections")
+@pytest.mark.parametrize("name", list(CPU_ONLY_INVALID))
+def test_cuda_only_setting_exits_2_on_cpu(name):
+    overrides, fragments = CPU_ONLY_INVALID[name]
+    res = _cli(overrides, world_size=2 if "parallel.tp=2" in overrides else 1)
+    assert res.returncode == 2, res.output
+    assert "Traceback" not in res.output
+    last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("config error: ")
+    for fragment in fragments:
+        assert fragment in last, (fragment, last)
 
 
 @pytest.mark.parametrize("name", list(INVALID))
