@@ -79,3 +79,16 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     """Per-step training records (records with a ``loss`` key) from metrics.jsonl."""
     path = Path(output_dir) / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def train_and_read(
+    target: str, nproc: int, args: Sequence[str], output_dir: str | Path, steps: int, timeout: float
+) -> list[dict]:
+    """Run a training entry point under torchrun and return its per-step
+    records, asserting a clean exit and exactly ``steps`` consecutive steps."""
+    res = torchrun(nproc, target, [*args, f"logging.output_dir={output_dir}", "logging.tensorboard=false"],
+                   timeout=timeout)
+    assert res.returncode == 0, f"{target} x{nproc} {' '.join(args)} failed:\n{res.stderr[-5000:]}"
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records

@@ -26,34 +26,15 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
             f"world size {world_size} is not divisible by tp*pp*cp={mp}; "
             f"launch a multiple of {mp} processes or change the degrees",
         )
-    if model.num_attention_heads % par.tp:
-        raise ConfigError(
-            "model.num_attention_heads",
-            model.num_attention_heads,
-            f"must be divisible by parallel.tp={par.tp}; use a multiple of {par.tp} heads or a smaller tp",
-        )
-    if model.query_groups % par.tp:
-        raise ConfigError(
-            "model.num_query_groups",
-            model.query_groups,
-            f"must be divisible by parallel.tp={par.tp}",
-        )
-    if model.hidden_size % par.tp:
-        raise ConfigError(
-            "model.hidden_size",
-            model.hidden_size,
-            f"must be divisible by parallel.tp={par.tp}; use a multiple of {par.tp}",
-        )
-    if model.ffn_size % par.tp:
-        raise ConfigError(
-            "model.ffn_hidden_size", model.ffn_size, f"must be divisible by parallel.tp={par.tp}"
-        )
-    if model.make_vocab_size_divisible_by % par.tp:
-        raise ConfigError(
-            "model.make_vocab_size_divisible_by",
-            model.make_vocab_size_divisible_by,
-            f"must be divisible by parallel.tp={par.tp} (the output layer is split by vocab)",
-        )
+    # Everything megatron splits across TP ranks.
+    for name, value in (
+        ("model.num_attention_heads", model.num_attention_heads),
+        ("model.num_query_groups", model.query_groups),
+        ("model.hidden_size", model.hidden_size),
+        ("model.ffn_hidden_size", model.ffn_size),
+        ("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by),
+    ):
+        _require_divisible_by_tp(name, value, par.tp)
     chunks = par.pp * (par.vpp or 1)
     if model.num_layers < chunks:
         raise ConfigError(
@@ -88,16 +69,18 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         _validate_llava(cfg)
 
 
+def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
+    if value % tp:
+        raise ConfigError(
+            name, value, f"must be divisible by parallel.tp={tp} (megatron splits it across TP ranks); "
+            f"use a multiple of {tp} or a smaller tp",
+        )
+
+
 def _validate_llava(cfg: JobConfig) -> None:
     vision, par = cfg.vision, cfg.parallel
-    if vision.num_attention_heads % par.tp:
-        raise ConfigError(
-            "vision.num_attention_heads",
-            vision.num_attention_heads,
-            f"must be divisible by parallel.tp={par.tp}",
-        )
-    if vision.ffn_size % par.tp:
-        raise ConfigError("vision.ffn_hidden_size", vision.ffn_size, f"must be divisible by parallel.tp={par.tp}")
+    _require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
+    _require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
     if par.sequence_parallel:
         raise ConfigError(
             "parallel.sequence_parallel", True, "LLaVA packing supports tp/pp/vpp/dp; set it to false"

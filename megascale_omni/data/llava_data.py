@@ -153,7 +153,7 @@ class LlavaBatcher:
         ``tokens, labels, loss_mask, eval_mask, position_ids: [b, s]``,
         ``attention_mask: [b, 1, s, s]`` bool and ``images: [n, 3, H, W]``.
         """
-        rows, evals, images = [], [], []
+        rows, images = [], []
         for pack in packs:
             encoded = []
             for sid in pack.sample_ids:
@@ -165,14 +165,13 @@ class LlavaBatcher:
             offsets = [int(x) for x in np.cumsum([0] + lengths[:-1])] if lengths else []
             # Survivors are re-laid contiguously: a skipped sample only adds padding.
             row_pack = Pack(tuple(e.sample_id for e in encoded), tuple(offsets), tuple(lengths))
-            tokens = [e.tokens for e in encoded]
-            rows.append(collate_pack(row_pack, tokens, None, [e.target_mask for e in encoded],
-                                     self.seq_length, self.pad_id))
-            evals.append(collate_pack(row_pack, tokens, None, [e.eval_mask for e in encoded],
-                                      self.seq_length, self.pad_id)["loss_mask"])
+            rows.append(collate_pack(
+                row_pack, [e.tokens for e in encoded], None, [e.target_mask for e in encoded],
+                self.seq_length, self.pad_id, extra_masks={"eval_mask": [e.eval_mask for e in encoded]},
+            ))
             images.extend(img for e in encoded for img in e.images)
-        batch = {k: torch.stack([r[k] for r in rows]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-        batch["eval_mask"] = torch.stack(evals)
+        keys = ("tokens", "labels", "loss_mask", "eval_mask", "position_ids")
+        batch = {k: torch.stack([r[k] for r in rows]) for k in keys}
         batch["attention_mask"] = build_packed_causal_mask(torch.stack([r["segment_ids"] for r in rows]))
         batch["images"] = images_to_tensor(images)
         return batch

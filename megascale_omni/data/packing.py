@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -228,6 +228,7 @@ def collate_pack(
     loss_mask_lists: Optional[Sequence[Sequence[float]]],
     seq_length: int,
     pad_id: int,
+    extra_masks: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
 ) -> dict[str, torch.Tensor]:
     """Materialise one pack into fixed-shape, already-shifted tensors.
 
@@ -253,6 +254,9 @@ def collate_pack(
         loss_mask_lists: unshifted 0/1 target mask per member, or ``None``.
         seq_length: row length; must be ``>= pack.num_tokens``.
         pad_id: token id used for padding tokens and masked labels.
+        extra_masks: more unshifted per-member 0/1 masks (e.g. an evaluation
+            mask), shifted exactly like ``loss_mask`` and returned under
+            their own keys as ``[seq_length]`` float32.
 
     Returns:
         ``tokens``, ``labels``, ``position_ids``, ``segment_ids``: ``[seq_length]``
@@ -276,6 +280,8 @@ def collate_pack(
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     position_ids = np.zeros(seq_length, dtype=np.int64)
     segment_ids = np.full(seq_length, PAD_SEGMENT_ID, dtype=np.int64)
+    extra_masks = dict(extra_masks or {})
+    extras = {name: np.zeros(seq_length, dtype=np.float32) for name in extra_masks}
 
     for i, (sid, off, length) in enumerate(zip(pack.sample_ids, pack.offsets, pack.lengths)):
         toks = np.asarray(token_lists[i], dtype=np.int64)
@@ -300,6 +306,11 @@ def collate_pack(
         # Shift within the sample only; position end-1 keeps pad label / mask 0.
         labels[off : end - 1] = labs[1:length]
         loss_mask[off : end - 1] = mask[1:length]
+        for name, lists in extra_masks.items():
+            extra = np.asarray(lists[i], dtype=np.float32)
+            if extra.shape[0] != toks.shape[0]:
+                raise ValueError(f"sample {sid}: {name} has {extra.shape[0]} entries for {toks.shape[0]} tokens")
+            extras[name][off : end - 1] = extra[1:length]
         position_ids[off:end] = np.arange(length)
         segment_ids[off:end] = i
     position_ids[used:] = np.arange(seq_length - used)
@@ -310,6 +321,7 @@ def collate_pack(
         "loss_mask": torch.from_numpy(loss_mask),
         "position_ids": torch.from_numpy(position_ids),
         "segment_ids": torch.from_numpy(segment_ids),
+        **{name: torch.from_numpy(m) for name, m in extras.items()},
     }
 
 

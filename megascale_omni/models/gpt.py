@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
@@ -13,40 +11,15 @@ from megascale_omni.config import ModelConfig, ParallelConfig
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
 
 
-def transformer_config(
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    dtype: torch.dtype,
-    *,
-    num_layers: Optional[int] = None,
-    calculate_per_token_loss: bool = True,
-    variable_seq_lengths: bool = False,
-) -> TransformerConfig:
-    """megatron ``TransformerConfig`` for the language model.
-
-    ``calculate_per_token_loss`` makes the schedules sum token losses and
-    divide by the global token count across DP in ``finalize_model_grads``,
-    so every DP/PP layout optimises exactly the same objective even when
-    micro-batches carry different numbers of loss tokens.
-    """
-    return TransformerConfig(
-        num_layers=num_layers or model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.query_groups,
-        ffn_hidden_size=model.ffn_size,
-        hidden_dropout=model.hidden_dropout,
-        attention_dropout=model.attention_dropout,
-        init_method_std=model.init_method_std,
-        normalization=model.normalization,
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        sequence_parallel=parallel.sequence_parallel,
+def common_config_kwargs(tp: int, dtype: torch.dtype, init_method_std: float) -> dict:
+    """``TransformerConfig`` settings shared by every megatron module we build
+    (LM, ViT, projector): TP degree, dtypes, init and loss conventions."""
+    return dict(
+        tensor_model_parallel_size=tp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        init_method_std=init_method_std,
         # The values are overwritten by the layout-invariant init, but
         # megatron's init functions are also what tag weights with
         # ``tensor_model_parallel``; without the tag the grad norm silently
@@ -54,11 +27,42 @@ def transformer_config(
         # weight, which is cheap next to the rest of start-up.
         use_cpu_initialization=True,
         perform_initialization=True,
-        calculate_per_token_loss=calculate_per_token_loss,
-        variable_seq_lengths=variable_seq_lengths,
+        # Schedules sum token losses; finalize_model_grads divides by the
+        # global token count (see transformer_config).
+        calculate_per_token_loss=True,
         # gloo has no use for batched p2p and megatron's batched path
         # synchronises CUDA; the unbatched path is correct everywhere.
         batch_p2p_comm=torch.cuda.is_available(),
+    )
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+) -> TransformerConfig:
+    """megatron ``TransformerConfig`` for the language model.
+
+    Per-token loss (``calculate_per_token_loss``) makes the schedules sum
+    token losses and divide by the global token count across DP in
+    ``finalize_model_grads``,
+    so every DP/PP layout optimises exactly the same objective even when
+    micro-batches carry different numbers of loss tokens.
+    """
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        ffn_hidden_size=model.ffn_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        normalization=model.normalization,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        **common_config_kwargs(parallel.tp, dtype, model.init_method_std),
     )
 
 

@@ -30,7 +30,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
-from megascale_omni.models.gpt import transformer_config
+from megascale_omni.models.gpt import common_config_kwargs, transformer_config
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
 
 
@@ -44,16 +44,8 @@ def vision_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> Transformer
         ffn_hidden_size=v.ffn_size,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=cfg.model.init_method_std,
-        tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=1,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        calculate_per_token_loss=True,
-        batch_p2p_comm=torch.cuda.is_available(),
+        **common_config_kwargs(cfg.parallel.tp, dtype, cfg.model.init_method_std),
     )
     config.vision_model_type = "clip"
     return config
@@ -68,15 +60,9 @@ def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
         # Unused by the MLP; must only satisfy TransformerConfig's TP checks.
         num_attention_heads=cfg.model.num_attention_heads,
         ffn_hidden_size=v.projector_hidden_size or cfg.model.hidden_size,
-        tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=1,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
         bias_activation_fusion=False,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        init_method_std=cfg.model.init_method_std,
+        **common_config_kwargs(cfg.parallel.tp, dtype, cfg.model.init_method_std),
     )
 
 

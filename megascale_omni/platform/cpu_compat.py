@@ -40,9 +40,9 @@ _CUDA_TYPE_NAMES = {
     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
 }
 
-#: Names of the patches applied in this process, in order. Read by tests and
-#: printed once at start-up so a user can see exactly what changed.
-APPLIED: list[str] = []
+# The list of applied patches is kept on the patched ``torch.cuda.current_device``
+# itself (see install), so this module holds no state of its own.
+_MARKER = "__megascale_cpu_patches__"
 
 
 # --------------------------------------------------------------------------- #
@@ -93,18 +93,18 @@ def _run_as_cpu(fn: Callable) -> Callable:
     return wrapper
 
 
-def _wrap_attr(owner: Any, name: str, label: str) -> None:
+def _wrap_attr(applied: list[str], owner: Any, name: str, label: str) -> None:
     fn = getattr(owner, name)
     if getattr(fn, "__megascale_cpu_compat__", False):
         return
     setattr(owner, name, _run_as_cpu(fn))
-    APPLIED.append(label)
+    applied.append(label)
 
 
 # --------------------------------------------------------------------------- #
 # Individual patches.
 # --------------------------------------------------------------------------- #
-def _patch_current_device() -> None:
+def _patch_current_device(applied: list[str]) -> None:
     """``torch.cuda.current_device()`` is used by megatron as the allocation
     device everywhere (``GlobalMemoryBuffer.get_tensor``, DDP grad buffers,
     attention masks, pipeline p2p buffers). Without CUDA it raises, so
@@ -114,10 +114,10 @@ def _patch_current_device() -> None:
         return _CPU
 
     torch.cuda.current_device = current_device  # type: ignore[assignment]
-    APPLIED.append("torch.cuda.current_device -> cpu")
+    applied.append("torch.cuda.current_device -> cpu")
 
 
-def _patch_rng() -> None:
+def _patch_rng(applied: list[str]) -> None:
     """megatron's ``CudaRNGStatesTracker`` forks the CUDA generator so that
     TP-sharded dropout differs per TP rank while replicated regions agree.
     On CPU every random op (dropout, init) draws from the default CPU
@@ -154,29 +154,31 @@ def _patch_rng() -> None:
     # make it explicit that it is meaningless here.
     torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
     torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
-    APPLIED.append("tensor_parallel.random: CPU generator RNG tracker")
+    applied.append("tensor_parallel.random: CPU generator RNG tracker")
 
 
-def _patch_optimizers() -> None:
+def _patch_optimizers(applied: list[str]) -> None:
     """megatron optimizers create scalars with ``device='cuda'`` and reject
     parameters whose ``.type()`` is not ``torch.cuda.*Tensor``. On CPU the
     same parameters have CPU type names; the arithmetic is identical."""
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
-    _wrap_attr(optimizer.FP32Optimizer, "__init__", "FP32Optimizer.__init__ under cuda-as-cpu")
+    _wrap_attr(applied, optimizer.FP32Optimizer, "__init__", "FP32Optimizer.__init__ under cuda-as-cpu")
     _wrap_attr(
+        applied,
         optimizer.Float16OptimizerWithFloat16Params,
         "__init__",
         "Float16OptimizerWithFloat16Params.__init__ under cuda-as-cpu",
     )
     _wrap_attr(
+        applied,
         distrib_optimizer.DistributedOptimizer,
         "__init__",
         "DistributedOptimizer.__init__ under cuda-as-cpu",
     )
 
 
-def _patch_schedules() -> None:
+def _patch_schedules(applied: list[str]) -> None:
     """Each megatron pipeline schedule allocates its token counter with
     ``device="cuda"``. The schedules run under the scoped mode; the tensors
     they move between stages already live on CPU."""
@@ -187,18 +189,18 @@ def _patch_schedules() -> None:
         "forward_backward_pipelining_without_interleaving",
         "forward_backward_pipelining_with_interleaving",
     ):
-        _wrap_attr(schedules, name, f"schedules.{name} under cuda-as-cpu")
+        _wrap_attr(applied, schedules, name, f"schedules.{name} under cuda-as-cpu")
 
 
-def _patch_vision() -> None:
+def _patch_vision(applied: list[str]) -> None:
     """``CLIPViTModel.__init__`` moves its position-id buffer with ``.cuda()``.
     Under the scoped mode ``.cuda()`` leaves the CPU tensor where it is."""
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 
-    _wrap_attr(CLIPViTModel, "__init__", "CLIPViTModel.__init__ under cuda-as-cpu")
+    _wrap_attr(applied, CLIPViTModel, "__init__", "CLIPViTModel.__init__ under cuda-as-cpu")
 
 
-def _patch_tied_embeddings() -> None:
+def _patch_tied_embeddings(applied: list[str]) -> None:
     """With tied input/output embeddings and PP > 1, the last stage's copy of
     the word embedding is moved with ``.cuda()`` before the embedding-group
     all-reduce that syncs it with stage 0; on CPU it already lives where it
@@ -206,32 +208,35 @@ def _patch_tied_embeddings() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     _wrap_attr(
+        applied,
         LanguageModule,
         "setup_embeddings_and_output_layer",
         "LanguageModule.setup_embeddings_and_output_layer under cuda-as-cpu",
     )
 
 
-def _patch_default_causal_mask() -> None:
+def _patch_default_causal_mask(applied: list[str]) -> None:
     """``get_default_causal_mask`` builds its cached mask with ``device="cuda"``;
     it is reached from attention whenever no explicit mask is given, also
     outside the pipeline schedules (evaluation, direct module calls)."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
 
-    _wrap_attr(utils, "get_default_causal_mask", "transformer.utils.get_default_causal_mask under cuda-as-cpu")
+    _wrap_attr(
+        applied, utils, "get_default_causal_mask", "transformer.utils.get_default_causal_mask under cuda-as-cpu"
+    )
     fused_softmax.get_default_causal_mask = utils.get_default_causal_mask
 
 
-def _patch_synchronize() -> None:
+def _patch_synchronize(applied: list[str]) -> None:
     """megatron calls ``torch.cuda.synchronize()`` after batched p2p to guard
     against a NCCL race. CPU ops are synchronous and gloo requests are waited
     on explicitly, so there is nothing to synchronise."""
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    APPLIED.append("torch.cuda.synchronize -> no-op")
+    applied.append("torch.cuda.synchronize -> no-op")
 
 
-def _patch_grad_norm_and_clipping() -> None:
+def _patch_grad_norm_and_clipping(applied: list[str]) -> None:
     """``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32`` allocate
     their overflow buffers with ``device='cuda'``; clipping also asserts that
     every grad is a ``torch.cuda.FloatTensor``. Under the scoped mode they
@@ -239,36 +244,41 @@ def _patch_grad_norm_and_clipping() -> None:
     from megatron.core.optimizer import clip_grads, optimizer
 
     for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
-        _wrap_attr(clip_grads, name, f"clip_grads.{name} under cuda-as-cpu")
+        _wrap_attr(applied, clip_grads, name, f"clip_grads.{name} under cuda-as-cpu")
         # optimizer.py bound the names at import time.
         setattr(optimizer, name, getattr(clip_grads, name))
 
 
-_INSTALLED = False
+_PATCHES = (
+    _patch_current_device,
+    _patch_rng,
+    _patch_optimizers,
+    _patch_grad_norm_and_clipping,
+    _patch_schedules,
+    _patch_vision,
+    _patch_default_causal_mask,
+    _patch_tied_embeddings,
+    _patch_synchronize,
+)
 
 
 def install() -> list[str]:
     """Install the CPU patches (every rank, before building any megatron object).
 
-    Returns the list of applied patch names; empty when CUDA is available.
+    Idempotent. Returns the names of the patches in effect; empty when CUDA
+    is available.
     """
-    global _INSTALLED
     if torch.cuda.is_available():
         return []
-    if _INSTALLED:
-        return list(APPLIED)
-    _patch_current_device()
-    _patch_rng()
-    _patch_optimizers()
-    _patch_grad_norm_and_clipping()
-    _patch_schedules()
-    _patch_vision()
-    _patch_default_causal_mask()
-    _patch_tied_embeddings()
-    _patch_synchronize()
-    _INSTALLED = True
-    logger.debug("megatron-core CPU compatibility: %s", "; ".join(APPLIED))
-    return list(APPLIED)
+    done = getattr(torch.cuda.current_device, _MARKER, None)
+    if done is not None:
+        return list(done)
+    applied: list[str] = []
+    for patch in _PATCHES:
+        patch(applied)
+    setattr(torch.cuda.current_device, _MARKER, tuple(applied))
+    logger.debug("megatron-core CPU compatibility: %s", "; ".join(applied))
+    return applied
 
 
 @contextlib.contextmanager

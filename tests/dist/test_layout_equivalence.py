@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launcher import read_metrics, torchrun
+from tests.launcher import train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -29,14 +29,8 @@ LAYOUTS = {
 
 
 def _train(tmp_path_factory, name: str, nproc: int, overrides: list[str]) -> list[dict]:
-    out = tmp_path_factory.mktemp(name)
-    args = ["--config", CONFIG, f"train.steps={STEPS}", f"logging.output_dir={out}", "logging.tensorboard=false",
-            *overrides]
-    res = torchrun(nproc, "megascale_omni.smoke", args, timeout=240)
-    assert res.returncode == 0, f"{name} failed:\n{res.stderr[-5000:]}"
-    records = read_metrics(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records
+    args = ["--config", CONFIG, f"train.steps={STEPS}", *overrides]
+    return train_and_read("megascale_omni.smoke", nproc, args, tmp_path_factory.mktemp(name), STEPS, timeout=240)
 
 
 @pytest.fixture(scope="module")

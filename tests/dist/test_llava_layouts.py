@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megascale_omni.data.shapes_dataset import make_shapes_dataset
-from tests.launcher import read_metrics, torchrun
+from tests.launcher import train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -33,16 +33,10 @@ def dataset(tmp_path_factory):
 
 
 def _train(tmp_path_factory, dataset, name, nproc, overrides):
+    args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={dataset}", f"train.steps={STEPS}",
+            "train.eval_interval=0", *overrides]
     out = tmp_path_factory.mktemp(f"llava-{name}")
-    args = [
-        "--config", "examples/llava/tiny_cpu.yaml", f"data.path={dataset}", f"train.steps={STEPS}",
-        "train.eval_interval=0", f"logging.output_dir={out}", "logging.tensorboard=false", *overrides,
-    ]
-    res = torchrun(nproc, "pretrain_llava.py", args, timeout=400)
-    assert res.returncode == 0, f"{name}:\n{res.stderr[-5000:]}"
-    records = read_metrics(out)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records
+    return train_and_read("pretrain_llava.py", nproc, args, out, STEPS, timeout=400)
 
 
 @pytest.fixture(scope="module")

@@ -256,3 +256,18 @@ def test_mask_softmax_is_finite_with_padding():
     mask = build_packed_causal_mask(seg)
     scores = torch.zeros(1, 1, 5, 5).masked_fill(mask, float("-inf"))
     assert torch.isfinite(torch.softmax(scores, dim=-1)).all()
+
+
+def test_collate_shifts_extra_masks_like_the_loss_mask():
+    from megascale_omni.data.packing import Pack, collate_pack
+
+    pack = Pack(sample_ids=(0, 1), offsets=(0, 3), lengths=(3, 2))
+    tokens = [[5, 6, 7], [8, 9]]
+    masks = [[0, 1, 1], [0, 1]]
+    extra = [[0, 0, 1], [0, 1]]
+    row = collate_pack(pack, tokens, None, masks, seq_length=6, pad_id=0, extra_masks={"eval_mask": extra})
+    assert row["loss_mask"].tolist() == [1, 1, 0, 1, 0, 0]
+    assert row["eval_mask"].tolist() == [0, 1, 0, 1, 0, 0]
+    assert row["eval_mask"].dtype == torch.float32
+    with pytest.raises(ValueError, match="eval_mask has 2 entries for 3 tokens"):
+        collate_pack(pack, tokens, None, masks, 6, 0, extra_masks={"eval_mask": [[0, 1], [0, 1]]})
