@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -33,24 +34,45 @@ class Result:
         return self.stdout + self.stderr
 
 
-def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
-    """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
+def spawn(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (signal it with ``os.killpg``); pair with :func:`finish`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Collectives must fail fast if a peer dies rather than outlive the test.
     full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
-    proc = subprocess.Popen(
-        list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
+    # Output goes to temporary files, not pipes: a long run that nobody reads
+    # while it runs must not block on a full pipe.
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=full_env, stdout=out, stderr=err, start_new_session=True)
+    proc._megascale_logs = (out, err)  # type: ignore[attr-defined]
+    return proc
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
+    """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
+    return finish(spawn(cmd, timeout, env, cwd), timeout)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> Result:
+    """Wait for a :func:`spawn`-ed process; kill its whole group on timeout (and always after)."""
+    cmd = proc.args if isinstance(proc.args, list) else [str(proc.args)]
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{err[-4000:]}")
+        proc.wait()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{_read(proc)[1][-4000:]}")
     finally:
         _kill_group(proc)
+    out, err = _read(proc)
     return Result(proc.returncode, out, err)
+
+
+def _read(proc: subprocess.Popen) -> tuple[str, str]:
+    texts = []
+    for f in proc._megascale_logs:  # type: ignore[attr-defined]
+        f.seek(0)
+        texts.append(f.read())
+    return texts[0], texts[1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -60,19 +82,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     """``torchrun --nproc-per-node nproc <target> args`` on a free loopback port.
 
     ``target`` is a script path (``pretrain_llava.py``) or a module name
     (``megascale_omni.smoke``, run with ``-m``).
     """
     entry = [target] if target.endswith(".py") else ["-m", target]
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         *entry, *args,
     ]
-    return run(cmd, timeout=timeout, env=env)
+
+
+def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+    """Run :func:`torchrun_cmd` to completion."""
+    return run(torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

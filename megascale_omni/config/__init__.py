@@ -4,6 +4,7 @@ from megascale_omni.config.cli import parse_job_config, run_cli
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
+    CheckpointConfig,
     DataConfig,
     JobConfig,
     LoggingConfig,
@@ -15,6 +16,7 @@ from megascale_omni.config.schema import (
 from megascale_omni.config.validate import data_parallel_size, validate_job, validate_platform
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",

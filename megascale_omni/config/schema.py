@@ -8,6 +8,7 @@ the world size live in :mod:`megascale_omni.config.validate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -253,6 +254,51 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
+
+    #: Persistent checkpoint directory; empty disables checkpointing.
+    dir: str = ""
+    #: Optional fast node-local directory: saves land here first and are
+    #: replicated to ``dir`` in the background. Must be visible to every rank
+    #: of the job (one node, or a shared fast file system).
+    local_dir: str = ""
+    #: Save every N optimizer steps (0 = off).
+    interval: int = 0
+    #: Also save when this many minutes passed since the last save (0 = off).
+    interval_minutes: float = 0.0
+    #: Complete checkpoints kept per tier; older ones are pruned.
+    keep_last: int = 3
+    #: Training blocks only for the host copy; a background writer does the rest.
+    async_save: bool = True
+    #: Save when training finishes.
+    save_at_end: bool = True
+    #: ``auto`` = newest complete checkpoint of either tier (fresh start if
+    #: none), ``none`` = always fresh, or a checkpoint directory path.
+    resume: str = "auto"
+    #: Verify file checksums (sha256) before loading, not only sizes.
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "interval", self.interval, allow_zero=True)
+        _positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
+        _positive("checkpoint", "keep_last", self.keep_last)
+        if self.local_dir and not self.dir:
+            raise ConfigError(
+                "checkpoint.local_dir", self.local_dir,
+                "the fast tier needs a persistent tier: set checkpoint.dir as well",
+            )
+        if self.local_dir and self.dir and os.path.abspath(self.local_dir) == os.path.abspath(self.dir):
+            raise ConfigError("checkpoint.local_dir", self.local_dir, "must differ from checkpoint.dir")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume", self.resume, "use auto, none or a checkpoint path")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+
+@dataclass
 class JobConfig:
     """A whole training job: one section per concern."""
 
@@ -262,3 +308,4 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
 
+from megascale_omni.checkpoint import CheckpointError
+from megascale_omni.checkpoint.manager import Checkpointer
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
@@ -24,7 +26,8 @@ from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_p
 from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
-from megascale_omni.training.step import StepStats, train_step
+from megascale_omni.training.faults import injected_fault_step, maybe_fail
+from megascale_omni.training.step import StepProgress, StepStats, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,16 @@ class Trainer:
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
+        self._fault_step = injected_fault_step()
+        self.checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint.enabled else None
+        if self.checkpointer is not None:
+            self.checkpointer.resume(self)
+
+    def request_checkpoint(self, reason: str = "api") -> None:
+        """Save at the next step boundary (thread-safe; e.g. the control socket)."""
+        if self.checkpointer is None:
+            raise CheckpointError("checkpointing is disabled: set checkpoint.dir to enable it")
+        self.checkpointer.request(reason)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -100,26 +113,43 @@ class Trainer:
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
         bar = self._progress_bar()
+        stopped = False
         try:
             with _redirect_logging_for(bar):
                 while self.step < cfg.train.steps:
-                    record = self._one_step()
+                    self._guarded_step()
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                         self._evaluate()
-                if not cfg.train.eval_interval or self.step % cfg.train.eval_interval:
+                    if self.checkpointer is not None and self.checkpointer.at_step_boundary(self):
+                        stopped = True
+                        break
+                if not stopped and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
                     self._evaluate()
+                if self.checkpointer is not None:
+                    self.checkpointer.finish(self, save=cfg.checkpoint.save_at_end and not stopped)
         finally:
             if bar is not None:
                 bar.close()
             self.sink.close()
         return self.history
 
-    def _one_step(self) -> dict:
+    def _guarded_step(self) -> None:
+        """One step; if it raises, save the last good state first (when possible)."""
+        progress = StepProgress()
+        try:
+            self._one_step(progress)
+        except Exception as exc:
+            if self.checkpointer is not None:
+                self.checkpointer.save_after_failure(self, exc, progress.optimizer_started)
+            raise
+
+    def _one_step(self, progress: StepProgress) -> dict:
         t0 = time.perf_counter()
         mbs = self.task.microbatches(self.step, self.dp_rank, self.dims.dp)
         t_data = time.perf_counter() - t0
+        maybe_fail(self.step + 1, self._fault_step)
         stats = train_step(
             self.chunks,
             self.optimizer,
@@ -128,6 +158,7 @@ class Trainer:
             mbs,
             self.task.seq_length,
             self.cfg.train.micro_batch_size,
+            progress,
         )
         step_s = time.perf_counter() - t0
         self.step += 1
@@ -175,7 +206,9 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
-        """Destroy process groups (every rank)."""
+        """Stop background writers, destroy process groups (every rank)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         destroy_parallel()
 
 
