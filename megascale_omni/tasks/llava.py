@@ -86,6 +86,7 @@ class LlavaTask:
         multiple = cfg.model.make_vocab_size_divisible_by
         self.vocab_size = -(-vocab // multiple) * multiple
         self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
+        self._resumed_counts = (0, 0)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
         self.train_ids, lengths, costs = self._scan(self.train_reader)
@@ -163,11 +164,22 @@ class LlavaTask:
         # Each replica's TP/PP ranks read the same samples; count each once.
         per_sample = self.dims.tp * self.dims.pp * self.dims.cp
         skipped, seen = int(counts[0]) // per_sample, int(counts[1]) // per_sample
+        # Counts before a resume come from the checkpoint (see checkpoint_state).
+        skipped, seen = skipped + self._resumed_counts[0], seen + self._resumed_counts[1]
         self.skipped_samples, self.seen_samples = skipped, seen
         self._check_bad_fraction(skipped, seen, where="training")
 
     def data_stats(self) -> dict[str, float]:
         return {"skipped_samples": getattr(self, "skipped_samples", 0)}
+
+    def checkpoint_state(self) -> dict:
+        """Data-health totals over all ranks (the data position itself is the
+        trainer's step: the packed plan is step-indexed)."""
+        return {"skipped_samples": getattr(self, "skipped_samples", 0), "seen_samples": getattr(self, "seen_samples", 0)}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self._resumed_counts = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
+        self.skipped_samples, self.seen_samples = self._resumed_counts
 
     # ----------------------------------------------------------------- model
     def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:

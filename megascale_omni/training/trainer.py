@@ -57,6 +57,13 @@ class Task(Protocol):
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters (e.g. skipped samples) for the step record."""
 
+    # Optional, for checkpoints (see megascale_omni/checkpoint/state.py):
+    #   checkpoint_state() -> dict       the task's state: plain values, or
+    #                                    megatron ShardedTensor/ShardedObject
+    #                                    (e.g. EMA weights); same on every call
+    #   load_checkpoint_state(dict)      the loaded counterpart
+    # The data position needs neither: it is the trainer's step.
+
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
 
