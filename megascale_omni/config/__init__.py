@@ -5,6 +5,7 @@ from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
     DataConfig,
+    DitConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
@@ -17,6 +18,7 @@ from megascale_omni.config.validate import data_parallel_size, validate_job, val
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "DitConfig",
     "JobConfig",
     "LoggingConfig",
     "ModelConfig",

@@ -54,6 +54,9 @@ class Task(Protocol):
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters (e.g. skipped samples) for the step record."""
 
+    # Optional: ``after_step(trainer)``, called on every rank after each
+    # optimizer step (e.g. DiT's EMA update). Tasks without it are fine.
+
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
 
@@ -129,6 +132,9 @@ class Trainer:
             self.task.seq_length,
             self.cfg.train.micro_batch_size,
         )
+        after_step = getattr(self.task, "after_step", None)
+        if after_step is not None:
+            after_step(self)
         step_s = time.perf_counter() - t0
         self.step += 1
         record = self._record(stats, t_data, step_s)
