@@ -25,14 +25,15 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from megascale_omni.data.buckets import Bucket
-from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
+from megascale_omni.data.shards import BadSampleError, ShardedSampleReader, write_member_shards
+from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
 
 DATASET_FILENAME = "dataset.json"
 REQUIRED_FIELDS = ("id", "height", "width")
@@ -75,6 +76,24 @@ def _npy(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
+
+
+def write_dit_dataset(
+    out_dir: Path,
+    splits: Mapping[str, Iterable[Mapping[str, bytes]]],
+    description: Mapping[str, Any],
+    vocabulary: Optional[Sequence[str]] = None,
+    samples_per_shard: int = 1000,
+) -> None:
+    """Write ``out_dir/<split>/`` shards for each split's encoded records,
+    ``dataset.json`` (``description``: kind, in_channels, text, ...) and, for
+    captions embedded by the model, a word-level ``tokenizer.json`` of ``vocabulary``."""
+    out_dir = Path(out_dir)
+    for split, records in splits.items():
+        write_member_shards(records, out_dir / split, samples_per_shard)
+    if vocabulary is not None:
+        build_word_tokenizer(sorted(vocabulary), out_dir / TOKENIZER_FILENAME)
+    (out_dir / DATASET_FILENAME).write_text(json.dumps(dict(description), indent=2, sort_keys=True) + "\n")
 
 
 def load_dataset_description(root: Path) -> dict[str, Any]:

@@ -27,10 +27,8 @@ from typing import Iterator, Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
-from megascale_omni.data.dit_data import DATASET_FILENAME, encode_pixel_record
+from megascale_omni.data.dit_data import DATASET_FILENAME, encode_pixel_record, write_dit_dataset
 from megascale_omni.data.shapes import COLORS, SHAPES, sample_rng
-from megascale_omni.data.shards import write_member_shards
-from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +83,17 @@ def generate(index: int, seed: int, stream: int) -> tuple[np.ndarray, str, str]:
     return render(rng, h, w, color, shape), caption_of(color, shape), color
 
 
-def _records(num: int, seed: int, stream: int) -> Iterator[dict[str, bytes]]:
+def records(num: int, seed: int, stream: int) -> Iterator[dict[str, bytes]]:
+    """Encoded shard records of samples ``0 .. num-1`` of ``stream``."""
     for i in range(num):
         image, caption, _ = generate(i, seed, stream)
         yield encode_pixel_record(i, image, caption)
+
+
+def description(**extra) -> dict:
+    """``dataset.json`` of a pixel-space shapes dataset."""
+    return {"name": "dit-shapes", "format_version": FORMAT_VERSION, "kind": "pixels", "in_channels": 3,
+            "text": "caption", **extra}
 
 
 def ensure_dit_shapes_dataset(
@@ -102,12 +107,9 @@ def ensure_dit_shapes_dataset(
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            for split, num in (("train", num_train), ("val", num_val)):
-                write_member_shards(_records(num, seed, SPLIT_STREAMS[split]), tmp / split, samples_per_shard)
-            build_word_tokenizer(vocabulary(), tmp / TOKENIZER_FILENAME)
-            desc = {"name": "dit-shapes", "format_version": FORMAT_VERSION, "kind": "pixels", "in_channels": 3,
-                    "text": "caption", "build_args": args}
-            (tmp / DATASET_FILENAME).write_text(json.dumps(desc, indent=2, sort_keys=True) + "\n")
+            splits = {split: records(num, seed, SPLIT_STREAMS[split]) for split, num in
+                      (("train", num_train), ("val", num_val))}
+            write_dit_dataset(tmp, splits, description(build_args=args), vocabulary(), samples_per_shard)
             os.chmod(tmp, 0o755)
             os.rename(tmp, out)
             logger.info("built DiT shapes dataset at %s (%d train, %d val)", out, num_train, num_val)

@@ -30,7 +30,7 @@ from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
 from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
-from megascale_omni.tasks.dit_sampling import evaluate_colors
+from megascale_omni.tasks.dit_sampling import evaluate_colors, save_sampling_weights
 from megascale_omni.training.step import masked_token_loss
 
 logger = logging.getLogger(__name__)
@@ -131,12 +131,16 @@ class DitTask:
         return self.chunks
 
     def after_step(self, trainer) -> None:
-        """EMA update after each optimizer step (every rank, own shards)."""
-        if self.cfg.dit.ema_decay <= 0:
-            return
-        if self.ema is None:
-            self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
-        self.ema.update()
+        """EMA update after each optimizer step (every rank, own shards); after
+        the last step, export the sampling weights."""
+        if self.cfg.dit.ema_decay > 0:
+            if self.ema is None:
+                self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
+            self.ema.update()
+        if trainer.step == self.cfg.train.steps and trainer.dp_rank == 0:
+            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+                path = save_sampling_weights(self.chunks, self.cfg.logging.output_dir)
+            logger.info("sampling weights (EMA) of this model-parallel rank written to %s", path)
 
     # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
@@ -173,6 +177,8 @@ class DitTask:
         data with learned captions only (latents need a VAE decoder: use
         tools/sample_dit.py)."""
         d = self.cfg.dit
+        if not d.eval_resolutions:
+            return None
         if self.description.get("kind", "pixels") != "pixels" or self.tokenizer is None:
             logger.info("evaluation: skipped (sampling latent data needs the VAE; see tools/sample_dit.py)")
             return None

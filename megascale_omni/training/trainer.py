@@ -55,7 +55,8 @@ class Task(Protocol):
         """Cumulative data-health counters (e.g. skipped samples) for the step record."""
 
     # Optional: ``after_step(trainer)``, called on every rank after each
-    # optimizer step (e.g. DiT's EMA update). Tasks without it are fine.
+    # optimizer step, with ``trainer.step`` already counting it (e.g. DiT's
+    # EMA update). Tasks without it are fine.
 
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
@@ -132,11 +133,11 @@ class Trainer:
             self.task.seq_length,
             self.cfg.train.micro_batch_size,
         )
+        step_s = time.perf_counter() - t0
+        self.step += 1
         after_step = getattr(self.task, "after_step", None)
         if after_step is not None:
             after_step(self)
-        step_s = time.perf_counter() - t0
-        self.step += 1
         record = self._record(stats, t_data, step_s)
         if self.is_loss_rank:
             self.history.append(record)
