@@ -20,6 +20,9 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    # Offline DiT latent tools only (tools/make_dit_latents.py, tools/sample_dit.py --vae);
+    # training and the CPU demo never import them.
+    "latents": ["diffusers==0.42.1", "transformers==5.23.0"],
     # Chosen automatically on CUDA hosts; never imported by a CPU run.
     "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
 }

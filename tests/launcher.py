@@ -118,3 +118,17 @@ def train_and_read(
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     return records
+
+
+def assert_same_training(baseline: list[dict], records: list[dict], name: str, rtol: float, counters: Sequence[str]) -> float:
+    """Per-step loss within ``rtol`` and grad norm within 1e-2 (relative) of
+    ``baseline``, equal ``counters`` per step; returns the worst relative loss difference."""
+    import pytest
+
+    assert len(records) == len(baseline)
+    for ref, got in zip(baseline, records):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=rtol), f"{name} step {got['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), f"{name} step {got['step']}"
+    for key in counters:
+        assert [r[key] for r in records] == [r[key] for r in baseline], key
+    return max(abs(g["loss"] - r["loss"]) / abs(r["loss"]) for r, g in zip(baseline, records))

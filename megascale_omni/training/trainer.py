@@ -63,6 +63,9 @@ class Task(Protocol):
     #                                    (e.g. EMA weights); same on every call
     #   load_checkpoint_state(dict)      the loaded counterpart
     # The data position needs neither: it is the trainer's step.
+    # Optional: ``after_step(trainer)``, called on every rank after each
+    # optimizer step, with ``trainer.step`` already counting it (e.g. DiT's
+    # EMA update). Tasks without it are fine.
 
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
@@ -169,6 +172,9 @@ class Trainer:
         )
         step_s = time.perf_counter() - t0
         self.step += 1
+        after_step = getattr(self.task, "after_step", None)
+        if after_step is not None:
+            after_step(self)
         record = self._record(stats, t_data, step_s)
         if self.is_loss_rank:
             self.history.append(record)
