@@ -1,20 +1,19 @@
 """tools/make_dit_latents.py on real diffusers/transformers encoders (tiny,
 randomly initialised, saved to local directories), then DiT training on the
-latent shards with precomputed text states. Skipped without the `latents` extra."""
+latent shards with precomputed text states (the `test` extra installs both)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import diffusers
 import pytest
+import transformers
 from PIL import Image
 
 from megascale_omni.data.dit_shapes import generate, vocabulary
 from tests.launcher import read_metrics, run
-
-diffusers = pytest.importorskip("diffusers")
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(300)
 
