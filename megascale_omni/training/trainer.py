@@ -107,7 +107,7 @@ class Trainer:
             _write_config(cfg)
         self.history: list[dict] = []
         self._fault_step = injected_fault_step()
-        self.checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint.enabled else None
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
 
