@@ -145,6 +145,14 @@ def _transformer_layer(
     )
 
 
+def padded_vocab_size(cfg: JobConfig) -> int:
+    """Vocabulary rows of the embedding/output layer. ``model.vocab_size: 0``
+    (LLaVA: taken from the tokenizer at start-up) counts as one multiple of
+    ``make_vocab_size_divisible_by``, since no tokenizer is read before start-up."""
+    multiple = cfg.model.make_vocab_size_divisible_by
+    return -(-max(cfg.model.vocab_size, 1) // multiple) * multiple
+
+
 def flop_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
     """Analytical cost model of ``cfg``'s model for one micro-batch.
 
@@ -159,8 +167,7 @@ def flop_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int
     nbytes = _dtype_bytes(cfg, cuda)
     b, s, h = train.micro_batch_size, m.seq_length, m.hidden_size
     tokens = float(b * s)
-    vocab = max(m.vocab_size, 1)
-    vocab = -(-vocab // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
+    vocab = padded_vocab_size(cfg)
     lm_trainable = not m.freeze
     comps: dict[str, ComponentCost] = {}
     head: tuple[str, ...] = (EMBEDDING,)
@@ -172,7 +179,7 @@ def flop_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int
         # Images enter with no gradient: backward reaches the ViT only if it trains.
         layer = _transformer_layer(
             vtokens, p, images, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
-            nbytes, m.recompute, not v.freeze, False, tp,
+            nbytes, m.recompute, not v.freeze, not v.freeze, tp,
         )
         patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
         patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)

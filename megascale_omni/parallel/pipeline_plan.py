@@ -12,6 +12,7 @@ that cannot run (memory, too few layers) before any process group starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -170,19 +171,23 @@ def _memory_error(
     cap = cfg.parallel.pipeline_memory_gib
     need = min_memory(problem)
     need_gib = need[0] / GIB if need else float("inf")
-    what = (
-        f"the {plan.mode} split {list(plan.counts)} needs {plan.peak_memory / GIB:.3f} GiB on its fullest pp rank"
-        if plan is not None else f"no split of {cfg.model.num_layers} layers over pp={problem.pp} fits"
-    )
-    hint = f"{what}; the best split at pp={problem.pp} needs {need_gib:.3f} GiB per pp rank"
-    fits = smallest_fitting_pp(cfg, cuda, world_size)
-    if fits is not None:
-        hint += f"; raise parallel.pipeline_memory_gib to >= {need_gib:.3f}"
-        hint += "" if fits == problem.pp else f" or use parallel.pp={fits} (its best split fits)"
-        if plan is not None and fits == problem.pp:
-            hint += " or set parallel.pipeline_partition: auto"
+    if plan is not None:
+        hint = f"the {plan.mode} split {list(plan.counts)} needs {plan.peak_memory / GIB:.3f} GiB on its fullest pp rank"
+        if need_gib <= cap:
+            return ConfigError(
+                "parallel.pipeline_memory_gib", cap,
+                f"{hint}; a split that fits exists at pp={problem.pp} ({need_gib:.3f} GiB): "
+                f"set parallel.pipeline_partition: auto",
+            )
     else:
-        hint += f"; no pp up to {cfg.model.num_layers // problem.vpp} fits, raise parallel.pipeline_memory_gib"
+        hint = f"no split of {cfg.model.num_layers} layers over pp={problem.pp} fits"
+    # Round up so that the number quoted is itself enough.
+    hint += f"; the best split at pp={problem.pp} needs {math.ceil(need_gib * 1000) / 1000:.3f} GiB per pp rank"
+    fits = smallest_fitting_pp(cfg, cuda, world_size)
+    if fits is None:
+        hint += f" and no pp up to {cfg.model.num_layers // problem.vpp} fits; raise parallel.pipeline_memory_gib"
+    else:
+        hint += f"; raise parallel.pipeline_memory_gib to that or use parallel.pp={fits} (smallest pp that fits)"
     return ConfigError("parallel.pipeline_memory_gib", cap, hint)
 
 
