@@ -61,9 +61,13 @@ class PipelinePlan:
         return max(self.rank_memory)
 
 
+#: Model families the cost model describes.
+COST_MODEL_FAMILIES = ("gpt", "llava")
+
+
 def build_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
     """FLOP cost model of ``cfg``, with measured times if ``parallel.pipeline_profile`` is set."""
-    if cfg.model.family not in ("gpt", "llava"):
+    if cfg.model.family not in COST_MODEL_FAMILIES:
         raise ConfigError(
             "parallel.pipeline_partition", cfg.parallel.pipeline_partition,
             f"has no cost model for model.family={cfg.model.family!r}; use uniform or explicit counts",
@@ -162,6 +166,16 @@ def plan_pipeline(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] 
     return plan
 
 
+def plan_if_needed(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> Optional[PipelinePlan]:
+    """:func:`plan_pipeline` for families with a cost model; for others None
+    unless the config needs one (``auto`` or a memory capacity: ConfigError).
+    Uniform and explicit splits build without a plan."""
+    par = cfg.parallel
+    if cfg.model.family in COST_MODEL_FAMILIES or par.pipeline_partition == "auto" or par.pipeline_memory_gib:
+        return plan_pipeline(cfg, cuda=cuda, world_size=world_size)
+    return None
+
+
 def _memory_error(
     cfg: JobConfig, problem: StageProblem, cuda: bool, world_size: Optional[int],
     plan: Optional[PipelinePlan] = None,
@@ -208,10 +222,10 @@ def smallest_fitting_pp(cfg: JobConfig, cuda: bool = False, world_size: Optional
     return None
 
 
-def resolve_partition(cfg: JobConfig, plan: PipelinePlan) -> JobConfig:
+def resolve_partition(cfg: JobConfig, plan: Optional[PipelinePlan]) -> JobConfig:
     """``cfg`` with ``parallel.pipeline_partition`` set to the plan's explicit
-    counts, or left ``uniform`` (megatron's own even split) for a uniform plan."""
-    if plan.mode == "uniform" or plan.pp == 1:
+    counts, or unchanged for a uniform plan (megatron's own even split) or no plan."""
+    if plan is None or plan.mode == "uniform" or plan.pp == 1:
         return cfg
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_partition=list(plan.counts)))
 

@@ -21,7 +21,7 @@ from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
-from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_pipeline, resolve_partition
+from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_if_needed, resolve_partition
 from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
@@ -67,7 +67,7 @@ class Trainer:
         self.platform = init_platform()
         validate_platform(cfg, self.platform.is_cuda)
         # Before any process group: an infeasible split exits 2 on every rank.
-        self.pipeline_plan = plan_pipeline(
+        self.pipeline_plan = plan_if_needed(
             cfg, cuda=self.platform.is_cuda, world_size=int(os.environ.get("WORLD_SIZE", "1"))
         )
         self.cfg = cfg = resolve_partition(cfg, self.pipeline_plan)
@@ -94,7 +94,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.train, cfg.parallel, self.dtype)
         self.step = 0
         self.is_loss_rank = is_loss_rank()
-        if self.dims.pp > 1 and rank == 0:
+        if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
             logger.info(
                 "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
                 self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),

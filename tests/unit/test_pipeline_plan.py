@@ -1,13 +1,10 @@
 """Pipeline planning from a config: cost model, the ViT-heavy example,
-megatron layout strings and layer numbering, and bad-input errors that fire
-before any process starts."""
+megatron layout strings and layer numbering, and bad-input errors
+(tests/e2e/test_pipeline_tools.py runs the tools and the entry point)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +15,6 @@ from megascale_omni.parallel.pipeline_cost import (
 from megascale_omni.parallel.pipeline_plan import (
     GIB, megatron_layout, plan_for, plan_pipeline, resolve_partition, smallest_fitting_pp,
 )
-from tests.launcher import REPO, run
 
 EXAMPLE = "examples/llava/pp4_vit_heavy.yaml"
 
@@ -182,22 +178,12 @@ def test_profile_replaces_flops_and_must_match_the_shape(tmp_path):
         plan_pipeline(config(f"parallel.pipeline_profile={tmp_path / 'missing.json'}"))
 
 
-def test_plan_tool_prints_uniform_beside_auto():
-    res = run([sys.executable, "tools/plan_pipeline.py", "--config", EXAMPLE], timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert "uniform layers" in res.stdout and "auto layers" in res.stdout
-    assert "uniform: layers per chunk [4, 4, 4, 4]  max/mean 1.476" in res.stdout
-    assert "auto: layers per chunk [2, 5, 5, 4]" in res.stdout
+def test_families_without_cost_model_build_uniform_and_explicit_splits():
+    from megascale_omni.parallel.pipeline_plan import plan_if_needed
 
-
-def test_infeasible_memory_exits_2_before_any_process_group():
-    """The training entry point rejects the plan with one line and exit code 2."""
-    res = run(
-        [sys.executable, "pretrain_llava.py", "--config", EXAMPLE, "parallel.pipeline_memory_gib=0.01"],
-        timeout=120, env={"WORLD_SIZE": "4"},
-    )
-    assert res.returncode == 2, res.stderr[-2000:]
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("config error")]
-    assert len(lines) == 1 and "parallel.pipeline_memory_gib=0.01" in lines[0] and "GiB" in lines[0]
-    assert "Traceback" not in res.stderr
-    assert not os.path.exists(REPO / "runs/llava-pp4-vit-heavy")  # nothing started
+    dit = ["model.family=dit", "parallel.pp=2", "model.num_layers=4"]
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path="examples/gpt/tiny.yaml")) is None
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path="examples/gpt/tiny.yaml")) is None
+    with pytest.raises(ConfigError, match="no cost model for model.family='dit'"):
+        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path="examples/gpt/tiny.yaml"))
+    assert plan_if_needed(config("parallel.pipeline_partition=uniform")) is not None
