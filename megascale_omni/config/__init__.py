@@ -1,6 +1,6 @@
 """Typed job configuration: dataclass sections, YAML + overrides, validation."""
 
-from megascale_omni.config.cli import parse_job_config, run_cli
+from megascale_omni.config.cli import load_job_config, parse_job_config, run_cli
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
@@ -30,6 +30,7 @@ __all__ = [
     "apply_overrides",
     "data_parallel_size",
     "from_dict",
+    "load_job_config",
     "load_yaml",
     "parse_job_config",
     "run_cli",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megascale_omni.config.errors import ConfigError
 
@@ -60,6 +60,10 @@ class ModelConfig:
     layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     #: Freeze the language model (LLaVA stage-1 "train the projector only").
     freeze: bool = False
+    #: Full activation recomputation of every LM and ViT layer (megatron
+    #: ``recompute_granularity=full``): keeps only each layer's input between
+    #: forward and backward, at the price of a second forward in backward.
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -109,10 +113,15 @@ class VisionConfig:
     freeze: bool = False
     #: Freeze the projector.
     freeze_projector: bool = False
+    #: Images per packed ``model.seq_length`` row that the pipeline cost model
+    #: assumes (the ViT's share of pipeline stage 0 grows with it). The
+    #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
+    images_per_sequence: float = 9.8
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
             _positive("vision", name, getattr(self, name))
+        _positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
         if self.image_size % self.patch_size:
             raise ConfigError(
                 "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
@@ -232,10 +241,28 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     #: Megatron sequence parallelism (requires tp > 1).
     sequence_parallel: bool = False
+    #: Language-model layers per pipeline stage. ``uniform``: megatron's even
+    #: split (``num_layers`` divisible by pp*vpp). ``auto``: the split that
+    #: minimises the slowest stage under the cost model (or the measured
+    #: ``pipeline_profile``) within ``pipeline_memory_gib``; stage 0 also runs
+    #: the ViT, projector and embedding, the last stage the output layer and
+    #: loss. A list gives the counts explicitly, one per model chunk in
+    #: megatron's layout order (virtual stage 0 of pp ranks 0..pp-1, then
+    #: virtual stage 1, ...), each >= 1, summing to ``model.num_layers``.
+    pipeline_partition: Union[Literal["uniform", "auto"], list[int]] = "uniform"
+    #: JSON written by ``tools/profile_layers.py`` with measured per-component
+    #: times; ``null`` uses the FLOP cost model.
+    pipeline_profile: Optional[str] = None
+    #: Memory capacity of one pipeline rank, GiB (weights, gradients,
+    #: optimizer state and in-flight activations as the cost model estimates
+    #: them); ``null`` leaves memory unchecked.
+    pipeline_memory_gib: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
             _positive("parallel", name, getattr(self, name))
+        if self.pipeline_memory_gib is not None:
+            _positive("parallel", "pipeline_memory_gib", self.pipeline_memory_gib)
         if self.vpp is not None:
             if self.vpp < 2:
                 raise ConfigError("parallel.vpp", self.vpp, "must be >= 2, or null to disable interleaving")

@@ -35,19 +35,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         ("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by),
     ):
         _require_divisible_by_tp(name, value, par.tp)
-    chunks = par.pp * (par.vpp or 1)
-    if model.num_layers < chunks:
-        raise ConfigError(
-            "model.num_layers",
-            model.num_layers,
-            f"needs at least pp*vpp={chunks} layers (one per model chunk); add layers or lower pp/vpp",
-        )
-    if model.num_layers % chunks:
-        raise ConfigError(
-            "model.num_layers",
-            model.num_layers,
-            f"must be divisible by pp*vpp={chunks} for a uniform pipeline split",
-        )
+    _validate_pipeline_partition(cfg)
     if par.cp > 1:
         # megatron would build CP groups, but our data path does not yet
         # split sequences across CP ranks; refusing beats training wrongly.
@@ -69,6 +57,45 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         _validate_llava(cfg)
     if model.family == "dit":
         _validate_dit(cfg)
+
+
+def _validate_pipeline_partition(cfg: JobConfig) -> None:
+    """Layer-count checks of ``parallel.pipeline_partition`` that need no cost
+    model (memory feasibility is checked by the planner, also before start-up)."""
+    par, layers = cfg.parallel, cfg.model.num_layers
+    vpp = par.vpp or 1
+    chunks = par.pp * vpp
+    if layers < chunks:
+        raise ConfigError(
+            "model.num_layers",
+            layers,
+            f"needs at least pp*vpp={chunks} layers (one per model chunk); add layers or use "
+            f"parallel.pp <= {max(layers // vpp, 1)}" + (" or a smaller parallel.vpp" if par.vpp else ""),
+        )
+    partition = par.pipeline_partition
+    if partition == "uniform" and layers % chunks:
+        raise ConfigError(
+            "model.num_layers",
+            layers,
+            f"must be divisible by pp*vpp={chunks} for a uniform pipeline split; "
+            f"or set parallel.pipeline_partition: auto",
+        )
+    if isinstance(partition, list):
+        order = " in megatron layout order (virtual stage-major)" if par.vpp else ""
+        if len(partition) != chunks:
+            raise ConfigError(
+                "parallel.pipeline_partition",
+                partition,
+                f"needs one layer count per model chunk, pp*vpp={chunks} entries{order}",
+            )
+        if min(partition) < 1:
+            raise ConfigError("parallel.pipeline_partition", partition, "every model chunk needs at least 1 layer")
+        if sum(partition) != layers:
+            raise ConfigError(
+                "parallel.pipeline_partition",
+                partition,
+                f"sums to {sum(partition)} but model.num_layers={layers}; the counts must add up to it",
+            )
 
 
 def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:

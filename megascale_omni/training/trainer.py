@@ -23,6 +23,7 @@ from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
+from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_if_needed, resolve_partition
 from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
@@ -75,10 +76,14 @@ class Trainer:
     """Owns the distributed set-up, the model/optimizer and the training loop."""
 
     def __init__(self, cfg: JobConfig, task_factory: TaskFactory):
-        self.cfg = cfg
         setup_logging(cfg.logging.level)
         self.platform = init_platform()
         validate_platform(cfg, self.platform.is_cuda)
+        # Before any process group: an infeasible split exits 2 on every rank.
+        self.pipeline_plan = plan_if_needed(
+            cfg, cuda=self.platform.is_cuda, world_size=int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        self.cfg = cfg = resolve_partition(cfg, self.pipeline_plan)
         if self.platform.cpu_patches:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
@@ -102,6 +107,11 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.train, cfg.parallel, self.dtype)
         self.step = 0
         self.is_loss_rank = is_loss_rank()
+        if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
+            logger.info(
+                "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
+                self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),
+            )
         self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
         if self.is_loss_rank:
             _write_config(cfg)
