@@ -182,8 +182,8 @@ def test_families_without_cost_model_build_uniform_and_explicit_splits():
     from megascale_omni.parallel.pipeline_plan import plan_if_needed
 
     dit = ["model.family=dit", "parallel.pp=2", "model.num_layers=4"]
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path="examples/gpt/tiny.yaml")) is None
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path="examples/gpt/tiny.yaml")) is None
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path="examples/dit/tiny_cpu.yaml")) is None
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path="examples/dit/tiny_cpu.yaml")) is None
     with pytest.raises(ConfigError, match="no cost model for model.family='dit'"):
-        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path="examples/gpt/tiny.yaml"))
+        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path="examples/dit/tiny_cpu.yaml"))
     assert plan_if_needed(config("parallel.pipeline_partition=uniform")) is not None
