@@ -2,8 +2,9 @@
 
 from megascale_omni.config.cli import parse_job_config, run_cli
 from megascale_omni.config.errors import ConfigError
-from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
+from megascale_omni.config.loader import apply_overrides, coerce_field, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
+    ControlConfig,
     DataConfig,
     JobConfig,
     LoggingConfig,
@@ -12,10 +13,17 @@ from megascale_omni.config.schema import (
     TrainConfig,
     VisionConfig,
 )
-from megascale_omni.config.validate import data_parallel_size, validate_job, validate_platform
+from megascale_omni.config.validate import (
+    control_socket_path,
+    data_parallel_size,
+    load_control_token,
+    validate_job,
+    validate_platform,
+)
 
 __all__ = [
     "ConfigError",
+    "ControlConfig",
     "DataConfig",
     "JobConfig",
     "LoggingConfig",
@@ -24,8 +32,11 @@ __all__ = [
     "TrainConfig",
     "VisionConfig",
     "apply_overrides",
+    "coerce_field",
+    "control_socket_path",
     "data_parallel_size",
     "from_dict",
+    "load_control_token",
     "load_yaml",
     "parse_job_config",
     "run_cli",

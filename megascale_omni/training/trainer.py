@@ -18,6 +18,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig, to_dict, validate_platform
+from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
@@ -93,6 +94,7 @@ class Trainer:
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
+        self.control = ControlPlane(cfg, _layout(self.dims), sends_metrics=self.is_loss_rank)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -100,15 +102,17 @@ class Trainer:
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
         bar = self._progress_bar()
+        record = None
         try:
             with _redirect_logging_for(bar):
-                while self.step < cfg.train.steps:
+                # Control commands (pause, drain, config set...) apply here, at step boundaries.
+                while self.control.step_boundary(self.step, record) and self.step < cfg.train.steps:
                     record = self._one_step()
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                         self._evaluate()
-                if not cfg.train.eval_interval or self.step % cfg.train.eval_interval:
+                if not self.control.draining and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
                     self._evaluate()
         finally:
             if bar is not None:
@@ -175,8 +179,13 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
-        """Destroy process groups (every rank)."""
+        """Stop the control server, destroy process groups (every rank)."""
+        self.control.close()
         destroy_parallel()
+
+
+def _layout(dims: ParallelDims) -> dict:
+    return {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp, "vpp": dims.vpp}
 
 
 def _format_line(r: dict, total: int) -> str:
