@@ -3,6 +3,7 @@ cleanup of the whole process group (no stray ranks survive a failed test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,11 +34,16 @@ class Result:
         return self.stdout + self.stderr
 
 
-def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
-    """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
+def _env(env: dict | None, timeout: float) -> dict:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Collectives must fail fast if a peer dies rather than outlive the test.
     full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
+    return full_env
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
+    """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
+    full_env = _env(env, timeout)
     proc = subprocess.Popen(
         list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -66,13 +72,36 @@ def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: 
     ``target`` is a script path (``pretrain_llava.py``) or a module name
     (``megascale_omni.smoke``, run with ``-m``).
     """
+    return run(_torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
+
+
+def _torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     entry = [target] if target.endswith(".py") else ["-m", target]
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         *entry, *args,
     ]
-    return run(cmd, timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def spawn_torchrun(
+    nproc: int, target: str, args: Sequence[str], log_path: str | Path, timeout: float, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start ``torchrun`` in the background (own session, stdout+stderr to
+    ``log_path``) for tests that talk to the job while it runs. The whole
+    process group is killed on exit, whatever happened; ``timeout`` sets the
+    collective timeout as in :func:`run` (wait on the process yourself)."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(
+            _torchrun_cmd(nproc, target, args), cwd=REPO, env=_env(env, timeout), stdout=log,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            _kill_group(proc)
+            proc.wait()
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

@@ -92,7 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if reply["ok"] else EXIT_REFUSED
     if not reply["ok"]:
         error = reply.get("error") or {}
-        hint = f" (fix: {error['hint']})" if error.get("hint") else ""
+        hint = error.get("hint") or ""
+        hint = f" (fix: {hint})" if hint and hint not in str(error.get("message")) else ""
         print(f"error [{error.get('code')}]: {error.get('message')}{hint}", file=sys.stderr)
         return EXIT_REFUSED
     print(format_result(cmd, cmd_args, reply["result"]))
@@ -175,7 +176,13 @@ def _num(value: Any) -> str:
 
 def cli() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `omni-ctl ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

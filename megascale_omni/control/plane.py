@@ -137,7 +137,12 @@ class ControlPlane:
     def _exchange_and_apply(self, step: int, record: Optional[dict]) -> None:
         taken: list[Pending] = self.state.take(MAX_OPS) if self.serves else []
         ops, loss_record = self._exchange([p.op for p in taken], record)
-        results = [self._apply(op, step) for op in ops]
+        try:
+            results = [self._apply(op, step) for op in ops]
+        except BaseException as e:  # e.g. the checkpoint service failed: answer, then fail the step
+            for pending in taken:
+                pending.post(error_reply(pending.request_id, ErrorCode.INTERNAL, f"failed at step {step}: {e}"))
+            raise
         if not self.serves:
             return
         status: dict[str, Any] = {"step": step, "state": "paused" if self.paused else "running"}
