@@ -6,8 +6,12 @@ Two measurements, both with 2 processes on gloo/loopback:
 
 1. Micro-benchmark (torchrun, this file with ``--worker``): mean time of
    ``ControlPlane.step_boundary`` (encode, one 41-element float64 all-reduce,
-   decode, publish) side by side with a bare 1-element all-reduce, the
-   cheapest collective there is. Rounds alternate between the two.
+   decode, publish) side by side with bare all-reduces (the same 41 float64;
+   1 float32, the cheapest collective there is), and a stand-in step
+   (compute + gradient all-reduce) alone, with the pipelined boundary after
+   it, and with a blocking 41-float64 all-reduce after it (the design we
+   did not keep).
+   Rounds alternate between the cases.
 2. In situ: the tiny GPT smoke job (DP=2) logs the mean boundary time it
    measured over its real steps; compared with its median step time.
 """
@@ -44,10 +48,25 @@ def worker(iters: int, out_dir: str) -> None:
               "samples": 8, "tokens_per_s": 4000.0, "samples_per_s": 100.0, "step_s": 0.06, "data_s": 0.001,
               "fwd_bwd_s": 0.05, "optimizer_s": 0.005, "microbatches": 2, "loss_tokens": 256}
     one, same_size = torch.zeros(1), torch.zeros(SIZE, dtype=torch.float64)
+    a, grads = torch.randn(192, 192), torch.zeros(1 << 16)
+
+    def step() -> None:  # a stand-in training step: local compute, then a gradient all-reduce
+        for _ in range(8):
+            a.matmul(a)
+        dist.all_reduce(grads)
+
+    def step_with_boundary(i: int) -> None:
+        step()
+        plane.step_boundary(i, record)
+
     cases = {
         "boundary_us": lambda i: plane.step_boundary(i, record),
         "bare_same_size_us": lambda i: dist.all_reduce(same_size),
         "bare_allreduce_us": lambda i: dist.all_reduce(one),
+        "step_us": lambda i: step(),
+        "step_with_boundary_us": step_with_boundary,
+        # The alternative design: a blocking exchange after every step.
+        "step_with_blocking_us": lambda i: (step(), dist.all_reduce(same_size)),
     }
     total = dict.fromkeys(cases, 0.0)
     rounds = 20
@@ -94,6 +113,11 @@ def main() -> None:
     print(f"  bare all-reduce of the same 41 x float64:                        {m['bare_same_size_us']:.1f} us")
     print(f"  bare all-reduce of 1 x float32 (cheapest collective, baseline):  {m['bare_allreduce_us']:.1f} us")
     print(f"  ratio step_boundary / baseline: {m['boundary_us'] / m['bare_allreduce_us']:.2f}x")
+    extra = m["step_with_boundary_us"] - m["step_us"]
+    print(f"  stand-in step (8 matmuls 192^2 + 256 KiB all-reduce): {m['step_us']:.1f} us, "
+          f"with step_boundary {m['step_with_boundary_us']:.1f} us -> +{extra:.1f} us "
+          f"({100 * extra / m['step_us']:.2f}%); with a blocking exchange instead "
+          f"{m['step_with_blocking_us']:.1f} us (+{m['step_with_blocking_us'] - m['step_us']:.1f} us)")
     print(f"in situ, tiny GPT DP=2, {args.steps} steps:")
     # In a real loop the boundary collective also absorbs the ranks' skew
     # (waiting for the slower rank), so this is an upper bound on its cost.

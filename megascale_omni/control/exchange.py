@@ -5,12 +5,20 @@ all-reduce. Rank 0 (the socket server) fills the command slots, the loss rank
 (last pipeline stage, TP 0, DP 0) fills the metric slots, everyone else sends
 zeros. Adding zeros is exact, so after the all-reduce every rank holds rank
 0's ops bit for bit (and applies them identically), and rank 0 holds the
-loss rank's step record even when it owns no loss (PP > 1). 1 + 3*8 + 1 + 16
-slots: 336 bytes.
+loss rank's step record even when it owns no loss (PP > 1). 1 + 3*8 + 1 + 15
+slots: 328 bytes.
+
+Pipelined: the all-reduce started at boundary *s* runs in the background
+(``async_op``) during step *s+1* and is read at boundary *s+1*, so the
+boundary is not a synchronisation point of its own (on a busy host a
+blocking one cost milliseconds of scheduling per step, see BENCHMARKS.md).
+Commands therefore apply one boundary after rank 0 took them: still at the
+same step on every rank. With one rank nothing is in flight and there is no lag.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Any, Optional, Sequence
 
@@ -35,10 +43,11 @@ SIZE = _METRICS_AT + len(METRIC_FIELDS)
 
 
 class BoundaryExchange:
-    """Encodes, all-reduces and decodes the boundary vector (every rank calls it).
+    """Encodes, all-reduces and decodes the boundary vector (every rank calls it,
+    the same number of times).
 
-    ``group`` is a gloo process group spanning the replica group (None = the
-    default group); with ``world_size == 1`` no collective runs at all.
+    ``group`` is a gloo process group spanning the replica group, used for
+    nothing else; with ``world_size == 1`` no collective runs at all.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, sends_ops: bool, sends_metrics: bool):
@@ -46,18 +55,41 @@ class BoundaryExchange:
         self.world_size = world_size
         self.sends_ops = sends_ops
         self.sends_metrics = sends_metrics
+        #: Calls between sending ops and getting them back (0 or 1).
+        self.lag = 0 if world_size == 1 else 1
+        self._inflight: Optional[tuple[Any, torch.Tensor]] = None
 
     def __call__(self, ops: Sequence[Op], record: Optional[dict]) -> tuple[list[Op], Optional[dict]]:
-        """Returns (rank 0's ops, the loss rank's record or None) on every rank."""
+        """Send ``ops`` (rank 0) and ``record`` (loss rank); return what was
+        sent ``lag`` calls ago: (rank 0's ops, the loss rank's record or None)."""
         values = [0.0] * SIZE
         if self.sends_ops:
             encode_ops(values, ops)
         if self.sends_metrics and record is not None:
             encode_record(values, record)
-        if self.world_size > 1:
-            buf = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-            values = buf.tolist()
+        if self.world_size == 1:
+            return decode_ops(values), decode_record(values)
+        buf = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        previous, self._inflight = self._inflight, (work, buf)
+        return self._finish(previous)
+
+    def flush(self, timeout_s: float) -> tuple[list[Op], Optional[dict]]:
+        """Wait for the all-reduce still in flight (every rank, once, at the
+        end) and return its contents."""
+        previous, self._inflight = self._inflight, None
+        return self._finish(previous, timeout_s)
+
+    @staticmethod
+    def _finish(inflight, timeout_s: Optional[float] = None) -> tuple[list[Op], Optional[dict]]:
+        if inflight is None:
+            return [], None
+        work, buf = inflight
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        values = buf.tolist()
         return decode_ops(values), decode_record(values)
 
 

@@ -3,9 +3,10 @@
 Every rank builds one and calls :meth:`ControlPlane.step_boundary` at every
 step boundary. Rank 0 of the replica group also runs the
 :class:`~megascale_omni.control.server.ControlServer` thread. At each
-boundary one small all-reduce (see :mod:`megascale_omni.control.exchange`)
-gives every rank rank 0's queued commands, so all ranks pause, resume,
-drain, checkpoint and change config at the same step.
+boundary one small all-reduce (see :mod:`megascale_omni.control.exchange`;
+pipelined, so it overlaps the next step) gives every rank rank 0's queued
+commands, so all ranks pause, resume, drain, checkpoint and change config at
+the same step.
 
 Elasticity plugs in through two callables, both called by the training
 thread only (torchft's Manager is not thread-safe): ``replica_info()``
@@ -16,6 +17,7 @@ where to.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 #: Written next to the socket by rank 0 so clients find a TCP port chosen at random.
 ENDPOINT_FILE = "control.json"
+
+#: How long close() waits for the last exchange (peers may have died), seconds.
+FLUSH_TIMEOUT_S = 30.0
 
 CheckpointFn = Callable[[int], Any]
 ReplicaInfoFn = Callable[[], Optional[dict]]
@@ -68,6 +73,8 @@ class ControlPlane:
         self.exchange_s = 0.0
         self._checkpoint = checkpoint
         self._replica_info = replica_info
+        #: Per exchange call, the commands rank 0 sent that have not come back yet.
+        self._transit: collections.deque[list[Pending]] = collections.deque()
         self._server: Optional[ControlServer] = None
         self._endpoint_file: Optional[str] = None
         if not self.enabled:
@@ -75,10 +82,9 @@ class ControlPlane:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.serves = rank == 0
-        # CPU tensors need a gloo group; on NCCL jobs make one (collective).
-        group = None
-        if world_size > 1 and dist.get_backend() != "gloo":
-            group = dist.new_group(backend="gloo")
+        # A gloo group of our own (collective): CPU tensors work on NCCL jobs
+        # too, and our background all-reduce never shares a queue with training's.
+        group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._exchange = BoundaryExchange(group, world_size, sends_ops=self.serves, sends_metrics=sends_metrics)
         started = time.time()
         self.state = ControlState(
@@ -107,7 +113,7 @@ class ControlPlane:
         self.exchange_s += time.perf_counter() - t0
         self.boundaries += 1
         while self.paused and not self.draining:
-            if self.serves:
+            if self.serves and not any(self._transit):  # nothing on its way back: wait for news
                 self.state.wait_for_command(self.cfg.control.pause_poll_s)
             # Other ranks wait inside this collective, at most ~pause_poll_s
             # per round: far below the collective timeout, however long the pause.
@@ -115,10 +121,20 @@ class ControlPlane:
         return not self.draining
 
     def close(self) -> None:
-        """Stop the server and answer commands that were never applied (every rank)."""
-        if not self.enabled or not self.serves or self._server is None:
+        """Finish the exchange in flight, stop the server, answer commands
+        that were never applied (every rank)."""
+        if not self.enabled:
             return
-        for pending in self.state.close():
+        try:
+            _, last_record = self._exchange.flush(timeout_s=FLUSH_TIMEOUT_S)
+        except RuntimeError as e:  # a peer died; we are shutting down anyway
+            logger.warning("control: last boundary exchange did not complete: %s", e)
+            last_record = None
+        if not self.serves or self._server is None:
+            return
+        if last_record is not None:
+            self.state.publish(record=last_record, last_loss=last_record["loss"])
+        for pending in [*self._transit_items(), *self.state.close()]:
             pending.post(error_reply(
                 pending.request_id, ErrorCode.UNAVAILABLE,
                 f"training ended at step {self.state.status()['step']} before the command was applied",
@@ -135,8 +151,11 @@ class ControlPlane:
             )
 
     def _exchange_and_apply(self, step: int, record: Optional[dict]) -> None:
-        taken: list[Pending] = self.state.take(MAX_OPS) if self.serves else []
-        ops, loss_record = self._exchange([p.op for p in taken], record)
+        sent: list[Pending] = self.state.take(MAX_OPS) if self.serves else []
+        ops, loss_record = self._exchange([p.op for p in sent], record)
+        # The ops that came back are the ones sent ``lag`` calls ago.
+        self._transit.append(sent)
+        taken = self._transit.popleft() if len(self._transit) > self._exchange.lag else []
         try:
             results = [self._apply(op, step) for op in ops]
         except BaseException as e:  # e.g. the checkpoint service failed: answer, then fail the step
@@ -160,6 +179,11 @@ class ControlPlane:
                 pending.post(ok_reply(pending.request_id, result))
             else:
                 pending.post(error_reply(pending.request_id, ErrorCode.UNAVAILABLE, error))
+
+    def _transit_items(self) -> list[Pending]:
+        items = [p for sent in self._transit for p in sent]
+        self._transit.clear()
+        return items
 
     def _apply(self, op: Op, step: int) -> tuple[Optional[dict], Optional[str]]:
         """Apply one op (every rank, identically). Returns (result, error)."""
