@@ -38,7 +38,7 @@ from megascale_omni.control.state import ControlState, Pending
 
 logger = logging.getLogger(__name__)
 
-#: Written next to the socket by rank 0 so clients find a TCP port chosen at random.
+#: Written to the run directory by rank 0 so clients find the socket and a TCP port chosen at random.
 ENDPOINT_FILE = "control.json"
 
 #: How long close() waits for the last exchange (peers may have died), seconds.
@@ -228,7 +228,9 @@ class ControlPlane:
         except Exception as e:  # reported to every rank below, then raised
             return e
         self._server = server
-        self._endpoint_file = os.path.join(os.path.dirname(server.addresses["unix"] or "."), ENDPOINT_FILE)
+        # In the run directory, whatever the socket path: `omni-ctl --run-dir` looks there.
+        os.makedirs(self.cfg.logging.output_dir, exist_ok=True)
+        self._endpoint_file = os.path.join(self.cfg.logging.output_dir, ENDPOINT_FILE)
         _write_json_atomic(self._endpoint_file, {
             "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(), **server.addresses,
         })

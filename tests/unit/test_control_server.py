@@ -14,6 +14,7 @@ import pytest
 
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.control import ControlClient, ControlError
+from megascale_omni.control.client import endpoint_of_run
 from megascale_omni.control.plane import ControlPlane
 from megascale_omni.control.protocol import MAX_MESSAGE_BYTES, ErrorCode
 
@@ -357,3 +358,15 @@ def test_failing_checkpoint_service_answers_then_raises_in_training(tmp_path):
     t.join(10)
     plane.close()
     assert replies[0]["error"]["code"] == ErrorCode.INTERNAL and "disk full" in replies[0]["error"]["message"]
+
+
+def test_socket_elsewhere_is_published_in_the_run_dir(tmp_path):
+    sock = tmp_path / "elsewhere" / "job.sock"
+    plane = ControlPlane(_cfg(tmp_path, socket_path=str(sock)), {}, sends_metrics=True)
+    try:
+        assert endpoint_of_run(str(tmp_path / "run")) == str(sock)
+        with ControlClient(endpoint_of_run(str(tmp_path / "run"))) as c:
+            assert c.call("status")["state"] == "starting"
+    finally:
+        plane.close()
+    assert not sock.exists() and not (tmp_path / "run" / "control.json").exists()
