@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -34,29 +35,45 @@ class Result:
         return self.stdout + self.stderr
 
 
-def _env(env: dict | None, timeout: float) -> dict:
+def spawn(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (signal it with ``os.killpg``); pair with :func:`finish`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Collectives must fail fast if a peer dies rather than outlive the test.
     full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
-    return full_env
+    # Output goes to temporary files, not pipes: a long run that nobody reads
+    # while it runs must not block on a full pipe.
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=full_env, stdout=out, stderr=err, start_new_session=True)
+    proc._megascale_logs = (out, err)  # type: ignore[attr-defined]
+    return proc
 
 
 def run(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> Result:
     """Run ``cmd`` in its own session; on timeout kill the whole group and fail loudly."""
-    full_env = _env(env, timeout)
-    proc = subprocess.Popen(
-        list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
+    return finish(spawn(cmd, timeout, env, cwd), timeout)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> Result:
+    """Wait for a :func:`spawn`-ed process; kill its whole group on timeout (and always after)."""
+    cmd = proc.args if isinstance(proc.args, list) else [str(proc.args)]
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{err[-4000:]}")
+        proc.wait()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{_read(proc)[1][-4000:]}")
     finally:
         _kill_group(proc)
+    out, err = _read(proc)
     return Result(proc.returncode, out, err)
+
+
+def _read(proc: subprocess.Popen) -> tuple[str, str]:
+    texts = []
+    for f in proc._megascale_logs:  # type: ignore[attr-defined]
+        f.seek(0)
+        texts.append(f.read())
+    return texts[0], texts[1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -66,16 +83,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     """``torchrun --nproc-per-node nproc <target> args`` on a free loopback port.
 
     ``target`` is a script path (``pretrain_llava.py``) or a module name
     (``megascale_omni.smoke``, run with ``-m``).
     """
-    return run(_torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
-
-
-def _torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     entry = [target] if target.endswith(".py") else ["-m", target]
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -84,24 +97,30 @@ def _torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     ]
 
 
+def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+    """Run :func:`torchrun_cmd` to completion."""
+    return run(torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
+
+
 @contextlib.contextmanager
 def spawn_torchrun(
-    nproc: int, target: str, args: Sequence[str], log_path: str | Path, timeout: float, env: dict | None = None
+    nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None
 ) -> Iterator[subprocess.Popen]:
-    """Start ``torchrun`` in the background (own session, stdout+stderr to
-    ``log_path``) for tests that talk to the job while it runs. The whole
-    process group is killed on exit, whatever happened; ``timeout`` sets the
-    collective timeout as in :func:`run` (wait on the process yourself)."""
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            _torchrun_cmd(nproc, target, args), cwd=REPO, env=_env(env, timeout), stdout=log,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            _kill_group(proc)
-            proc.wait()
+    """Start :func:`torchrun_cmd` in the background for tests that talk to the
+    job while it runs (wait on it yourself; read its log with :func:`output_of`).
+    The whole process group is killed on exit, whatever happened."""
+    proc = spawn(torchrun_cmd(nproc, target, args), timeout, env)
+    try:
+        yield proc
+    finally:
+        _kill_group(proc)
+        proc.wait()
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    """stdout + stderr of a :func:`spawn`-ed process so far."""
+    out, err = _read(proc)
+    return out + err
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
@@ -121,3 +140,17 @@ def train_and_read(
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     return records
+
+
+def assert_same_training(baseline: list[dict], records: list[dict], name: str, rtol: float, counters: Sequence[str]) -> float:
+    """Per-step loss within ``rtol`` and grad norm within 1e-2 (relative) of
+    ``baseline``, equal ``counters`` per step; returns the worst relative loss difference."""
+    import pytest
+
+    assert len(records) == len(baseline)
+    for ref, got in zip(baseline, records):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=rtol), f"{name} step {got['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), f"{name} step {got['step']}"
+    for key in counters:
+        assert [r[key] for r in records] == [r[key] for r in baseline], key
+    return max(abs(g["loss"] - r["loss"]) / abs(r["loss"]) for r, g in zip(baseline, records))

@@ -5,7 +5,9 @@ from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, coerce_field, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
     ControlConfig,
+    CheckpointConfig,
     DataConfig,
+    DitConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
@@ -22,9 +24,11 @@ from megascale_omni.config.validate import (
 )
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "ControlConfig",
     "DataConfig",
+    "DitConfig",
     "JobConfig",
     "LoggingConfig",
     "ModelConfig",

@@ -46,7 +46,9 @@ def parse_job_config(
 
 def run_cli(main: Callable[[], object]) -> None:
     """Run ``main``; a ConfigError becomes one stderr line and exit code 2,
-    a DataQualityError one line and exit code 3 (no traceback either way)."""
+    a DataQualityError one line and exit code 3, a CheckpointError one line
+    and exit code 4 (no traceback)."""
+    from megascale_omni.checkpoint.errors import CheckpointError
     from megascale_omni.data.errors import DataQualityError
 
     from megascale_omni.platform.logging_setup import silence_import_warnings
@@ -63,3 +65,7 @@ def run_cli(main: Callable[[], object]) -> None:
         if rank == "0":
             sys.stderr.write(f"data error: {e}\n")
         sys.exit(3)
+    except CheckpointError as e:
+        if rank == "0":
+            sys.stderr.write(f"checkpoint error: {e}\n")
+        sys.exit(4)

@@ -8,6 +8,7 @@ the world size live in :mod:`megascale_omni.config.validate`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -130,6 +131,86 @@ class VisionConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def _default_buckets() -> list[list[int]]:
+    return [[16, 16], [12, 20], [20, 12], [24, 24], [16, 32], [32, 16]]
+
+
+@dataclass
+class DitConfig:
+    """DiT-specific settings (ignored by other families). The transformer
+    shape (layers, width, heads, MLP) comes from ``model``.
+
+    Sizes are in *latent* pixels: image pixels for pixel-space training (the
+    embedded shapes data), VAE latent pixels for latent shards made by
+    ``tools/make_dit_latents.py``.
+    """
+
+    #: Side of a square patch; one patch is one transformer token.
+    patch_size: int = 2
+    #: Channels of the training tensor: 3 for RGB pixels, 4 for SD-style VAE latents.
+    in_channels: int = 3
+    #: Aspect-ratio bucket table, ``[height, width]`` pairs; each side a multiple of patch_size.
+    buckets: list[list[int]] = field(default_factory=_default_buckets)
+    #: Latent tokens per micro-batch ("package"): a bucket of N tokens gets
+    #: ``token_budget // N`` images, so small images come in large batches.
+    token_budget: int = 512
+    #: ``learned``: captions are tokenized and embedded by the model;
+    #: ``precomputed``: shards carry text-encoder states of width ``text_dim``.
+    text_encoder: Literal["learned", "precomputed"] = "learned"
+    #: Width of the caption embeddings (``0`` = ``model.hidden_size`` for learned).
+    text_dim: int = 0
+    #: Caption tokens kept (longer captions are truncated), including <bos>.
+    max_text_length: int = 8
+    #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
+    #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    #: Probability of training a sample with the empty caption (enables CFG).
+    caption_dropout: float = 0.1
+    #: EMA decay of the weights used for sampling; 0 disables EMA.
+    ema_decay: float = 0.999
+    #: Euler steps of the ODE sampler.
+    sample_steps: int = 25
+    #: Classifier-free guidance scale (1 = no guidance).
+    guidance_scale: float = 4.0
+    #: Images sampled per colour prompt and resolution in evaluation.
+    eval_samples_per_prompt: int = 4
+    #: ``[height, width]`` resolutions sampled in evaluation.
+    eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "in_channels", "token_budget", "max_text_length", "sample_steps",
+                     "eval_samples_per_prompt"):
+            _positive("dit", name, getattr(self, name))
+        _positive("dit", "text_dim", self.text_dim, allow_zero=True)
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ConfigError("dit.caption_dropout", self.caption_dropout, "must be in [0, 1)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError("dit.ema_decay", self.ema_decay, "must be in [0, 1) (0 disables EMA)")
+        _positive("dit", "logit_std", self.logit_std)
+        if not self.buckets:
+            raise ConfigError("dit.buckets", self.buckets, "needs at least one [height, width] bucket")
+        for name in ("buckets", "eval_resolutions"):
+            for i, hw in enumerate(getattr(self, name)):
+                if len(hw) != 2 or min(hw) <= 0 or hw[0] % self.patch_size or hw[1] % self.patch_size:
+                    raise ConfigError(
+                        f"dit.{name}[{i}]", hw,
+                        f"must be [height, width], positive multiples of dit.patch_size={self.patch_size}",
+                    )
+        # Fail at start, not at the first large-image step: every bucket must
+        # fit at least one image into a micro-batch.
+        p = self.patch_size
+        for i, (h, w) in enumerate(self.buckets):
+            tokens = (h // p) * (w // p)
+            if tokens > self.token_budget:
+                raise ConfigError(
+                    "dit.token_budget", self.token_budget,
+                    f"bucket dit.buckets[{i}]={h}x{w} has {tokens} tokens (patch {p}) and cannot fit; "
+                    f"raise dit.token_budget to >= {tokens} or remove that bucket",
+                )
 
 
 @dataclass
@@ -293,13 +374,60 @@ class ControlConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
+
+    #: Persistent checkpoint directory; empty disables checkpointing.
+    dir: str = ""
+    #: Optional fast node-local directory: saves land here first and are
+    #: replicated to ``dir`` in the background. Must be visible to every rank
+    #: of the job (one node, or a shared fast file system).
+    local_dir: str = ""
+    #: Save every N optimizer steps (0 = off).
+    interval: int = 0
+    #: Also save when this many minutes passed since the last save (0 = off).
+    interval_minutes: float = 0.0
+    #: Complete checkpoints kept per tier; older ones are pruned.
+    keep_last: int = 3
+    #: Training blocks only for the host copy; a background writer does the rest.
+    async_save: bool = True
+    #: Save when training finishes.
+    save_at_end: bool = True
+    #: ``auto`` = newest complete checkpoint of either tier (fresh start if
+    #: none), ``none`` = always fresh, or a checkpoint directory path.
+    resume: str = "auto"
+    #: Verify file checksums (sha256) before loading, not only sizes.
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "interval", self.interval, allow_zero=True)
+        _positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
+        _positive("checkpoint", "keep_last", self.keep_last)
+        if self.local_dir and not self.dir:
+            raise ConfigError(
+                "checkpoint.local_dir", self.local_dir,
+                "the fast tier needs a persistent tier: set checkpoint.dir as well",
+            )
+        if self.local_dir and self.dir and os.path.abspath(self.local_dir) == os.path.abspath(self.dir):
+            raise ConfigError("checkpoint.local_dir", self.local_dir, "must differ from checkpoint.dir")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume", self.resume, "use auto, none or a checkpoint path")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+
+@dataclass
 class JobConfig:
     """A whole training job: one section per concern."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    dit: DitConfig = field(default_factory=DitConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -77,6 +77,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         _validate_llava(cfg)
     if cfg.control.enabled:
         _validate_control(cfg)
+    if model.family == "dit":
+        _validate_dit(cfg)
 
 
 def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
@@ -149,6 +151,24 @@ def _validate_control(cfg: JobConfig) -> None:
             f"TCP control needs a token: write one to a file (chmod 600) and set control.token_file, "
             f"or export {cfg.control.token_env}; or set control.tcp_port: null (Unix socket only)",
         )
+
+
+def _validate_dit(cfg: JobConfig) -> None:
+    dit, par = cfg.dit, cfg.parallel
+    if cfg.train.micro_batch_size != 1:
+        raise ConfigError(
+            "train.micro_batch_size", cfg.train.micro_batch_size,
+            "DiT micro-batches are bucket packages sized by dit.token_budget; set train.micro_batch_size: 1 "
+            "(train.global_batch_size counts packages per step)",
+        )
+    if par.vpp is not None:
+        raise ConfigError("parallel.vpp", par.vpp, "DiT supports tp/pp/dp without interleaving; set parallel.vpp: null")
+    if par.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", True, "DiT supports tp/pp/dp; set it to false")
+    # The patch output projection is a column-parallel linear over C * p * p outputs.
+    _require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
+    if dit.text_encoder == "precomputed" and dit.text_dim == 0:
+        raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
 
 
 def validate_platform(cfg: JobConfig, cuda: bool) -> None:

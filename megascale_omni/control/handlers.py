@@ -58,7 +58,7 @@ class RequestHandler:
                 ErrorCode.NOT_CONFIGURED,
                 "checkpointing is not configured for this job; nothing was saved",
                 request.id,
-                hint="configure the checkpoint section and restart from the last checkpoint",
+                hint="set checkpoint.dir (see docs/checkpoints.md) when launching the job",
             )
         if status["state"] in ("draining", "finished"):
             raise ProtocolError(

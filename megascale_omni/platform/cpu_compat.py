@@ -176,6 +176,12 @@ def _patch_optimizers(applied: list[str]) -> None:
         "__init__",
         "DistributedOptimizer.__init__ under cuda-as-cpu",
     )
+    # Checkpointing the distributed optimizer gathers each DP group's shards
+    # through ``send_tensor.cuda()`` / ``device=current_device()`` buffers.
+    for name in ("sharded_state_dict", "load_state_dict"):
+        _wrap_attr(
+            applied, distrib_optimizer.DistributedOptimizer, name, f"DistributedOptimizer.{name} under cuda-as-cpu"
+        )
 
 
 def _patch_schedules(applied: list[str]) -> None:

@@ -15,14 +15,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import sample_cost, split_balanced
-from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -32,6 +30,7 @@ from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
+from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
 from megascale_omni.training.step import LOSS_KEY, masked_token_loss, reduce_reports, run_forward_backward
 
 logger = logging.getLogger(__name__)
@@ -86,6 +85,7 @@ class LlavaTask:
         multiple = cfg.model.make_vocab_size_divisible_by
         self.vocab_size = -(-vocab // multiple) * multiple
         self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
+        self._resumed_counts = (0, 0)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
         self.train_ids, lengths, costs = self._scan(self.train_reader)
@@ -128,13 +128,7 @@ class LlavaTask:
         return np.asarray(ids), np.asarray(lengths), np.asarray(costs)
 
     def _check_bad_fraction(self, bad: int, seen: int, where: str) -> None:
-        limit = self.cfg.data.max_bad_sample_fraction
-        if seen and bad / seen > limit:
-            raise DataQualityError(
-                f"{bad} of {seen} samples were bad while {where} ({bad / seen:.1%} > "
-                f"data.max_bad_sample_fraction={limit:.1%}); fix or rebuild the shards "
-                f"(see the warnings above for which samples) or raise the limit"
-            )
+        check_bad_fraction(bad, seen, self.cfg.data.max_bad_sample_fraction, where)
 
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
@@ -157,17 +151,23 @@ class LlavaTask:
 
     def _check_skips(self) -> None:
         """Abort on every rank together when bad samples exceed the limit (collective)."""
-        c = self.train_batcher.counter
-        counts = torch.tensor([c.skipped, c.seen + c.skipped], dtype=torch.float64)
-        dist.all_reduce(counts)
-        # Each replica's TP/PP ranks read the same samples; count each once.
-        per_sample = self.dims.tp * self.dims.pp * self.dims.cp
-        skipped, seen = int(counts[0]) // per_sample, int(counts[1]) // per_sample
+        skipped, seen = reduce_skip_counts(self.train_batcher.counter, self.dims)
+        # Counts before a resume come from the checkpoint (see checkpoint_state).
+        skipped, seen = skipped + self._resumed_counts[0], seen + self._resumed_counts[1]
         self.skipped_samples, self.seen_samples = skipped, seen
         self._check_bad_fraction(skipped, seen, where="training")
 
     def data_stats(self) -> dict[str, float]:
         return {"skipped_samples": getattr(self, "skipped_samples", 0)}
+
+    def checkpoint_state(self) -> dict:
+        """Data-health totals over all ranks (the data position itself is the
+        trainer's step: the packed plan is step-indexed)."""
+        return {"skipped_samples": getattr(self, "skipped_samples", 0), "seen_samples": getattr(self, "seen_samples", 0)}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self._resumed_counts = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
+        self.skipped_samples, self.seen_samples = self._resumed_counts
 
     # ----------------------------------------------------------------- model
     def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:

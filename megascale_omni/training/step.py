@@ -111,6 +111,13 @@ def run_forward_backward(
     )
 
 
+@dataclass
+class StepProgress:
+    """How far the current step got (read by failure handling)."""
+
+    optimizer_started: bool = False
+
+
 def train_step(
     chunks: Sequence[DistributedDataParallel],
     optimizer: MegatronOptimizer,
@@ -119,8 +126,13 @@ def train_step(
     microbatches: Sequence[dict],
     seq_length: int,
     micro_batch_size: int,
+    progress: Optional["StepProgress"] = None,
 ) -> StepStats:
-    """Zero grads, forward/backward, DP grad reduce, clip and optimizer step (every rank)."""
+    """Zero grads, forward/backward, DP grad reduce, clip and optimizer step (every rank).
+
+    ``progress.optimizer_started`` turns True just before parameters start
+    changing: a failure before that leaves the pre-step state intact.
+    """
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -128,6 +140,8 @@ def train_step(
     reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
+    if progress is not None:
+        progress.optimizer_started = True
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
 
+from megascale_omni.checkpoint import CheckpointError
+from megascale_omni.checkpoint.manager import Checkpointer
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
@@ -25,7 +27,8 @@ from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_p
 from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
-from megascale_omni.training.step import StepStats, train_step
+from megascale_omni.training.faults import injected_fault_step, maybe_fail
+from megascale_omni.training.step import StepProgress, StepStats, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,16 @@ class Task(Protocol):
 
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters (e.g. skipped samples) for the step record."""
+
+    # Optional, for checkpoints (see megascale_omni/checkpoint/state.py):
+    #   checkpoint_state() -> dict       the task's state: plain values, or
+    #                                    megatron ShardedTensor/ShardedObject
+    #                                    (e.g. EMA weights); same on every call
+    #   load_checkpoint_state(dict)      the loaded counterpart
+    # The data position needs neither: it is the trainer's step.
+    # Optional: ``after_step(trainer)``, called on every rank after each
+    # optimizer step, with ``trainer.step`` already counting it (e.g. DiT's
+    # EMA update). Tasks without it are fine.
 
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
@@ -94,7 +107,25 @@ class Trainer:
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
-        self.control = ControlPlane(cfg, _layout(self.dims), sends_metrics=self.is_loss_rank)
+        self._fault_step = injected_fault_step()
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
+        if self.checkpointer is not None:
+            self.checkpointer.resume(self)
+        self.control = ControlPlane(
+            cfg, _layout(self.dims), sends_metrics=self.is_loss_rank,
+            checkpoint=self._control_checkpoint if self.checkpointer is not None else None,
+        )
+
+    def request_checkpoint(self, reason: str = "api") -> None:
+        """Save at the next step boundary (thread-safe; e.g. the control socket)."""
+        if self.checkpointer is None:
+            raise CheckpointError("checkpointing is disabled: set checkpoint.dir to enable it")
+        self.checkpointer.request(reason)
+
+    def _control_checkpoint(self, step: int) -> dict:
+        # Every rank, at the control boundary just before the checkpointer's.
+        self.request_checkpoint("control")
+        return {"requested_at_step": step, "dir": self.cfg.checkpoint.dir}
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -102,28 +133,47 @@ class Trainer:
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
         bar = self._progress_bar()
-        record = None
+        stopped = drained = False
         try:
             with _redirect_logging_for(bar):
-                # Control commands (pause, drain, config set...) apply here, at step boundaries.
-                while self.control.step_boundary(self.step, record) and self.step < cfg.train.steps:
-                    record = self._one_step()
+                while self.step < cfg.train.steps:
+                    record = self._guarded_step()
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                         self._evaluate()
-                if not self.control.draining and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
+                    # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
+                    if not self.control.step_boundary(self.step, record):
+                        drained = True
+                        break
+                    if self.checkpointer is not None and self.checkpointer.at_step_boundary(self):
+                        stopped = True
+                        break
+                if not (stopped or drained) and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
                     self._evaluate()
+                if self.checkpointer is not None:
+                    self.checkpointer.finish(self, save=cfg.checkpoint.save_at_end and not stopped)
         finally:
             if bar is not None:
                 bar.close()
             self.sink.close()
         return self.history
 
-    def _one_step(self) -> dict:
+    def _guarded_step(self) -> dict:
+        """One step; if it raises, save the last good state first (when possible)."""
+        progress = StepProgress()
+        try:
+            return self._one_step(progress)
+        except Exception as exc:
+            if self.checkpointer is not None:
+                self.checkpointer.save_after_failure(self, exc, progress.optimizer_started)
+            raise
+
+    def _one_step(self, progress: StepProgress) -> dict:
         t0 = time.perf_counter()
         mbs = self.task.microbatches(self.step, self.dp_rank, self.dims.dp)
         t_data = time.perf_counter() - t0
+        maybe_fail(self.step + 1, self._fault_step)
         stats = train_step(
             self.chunks,
             self.optimizer,
@@ -132,9 +182,13 @@ class Trainer:
             mbs,
             self.task.seq_length,
             self.cfg.train.micro_batch_size,
+            progress,
         )
         step_s = time.perf_counter() - t0
         self.step += 1
+        after_step = getattr(self.task, "after_step", None)
+        if after_step is not None:
+            after_step(self)
         record = self._record(stats, t_data, step_s)
         if self.is_loss_rank:
             self.history.append(record)
@@ -179,7 +233,9 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
-        """Stop the control server, destroy process groups (every rank)."""
+        """Stop background writers and the control server, destroy process groups (every rank)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.control.close()
         destroy_parallel()
 

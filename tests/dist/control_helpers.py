@@ -9,18 +9,19 @@ import time
 from pathlib import Path
 
 from megascale_omni.control import ControlClient
+from tests.launcher import output_of
 
 #: The installed console script (setup.py entry point), next to this interpreter.
 OMNI_CTL = str(Path(sys.executable).parent / "omni-ctl")
 
 
-def wait_for_server(run_dir: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+def wait_for_server(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     """Block until the job's control server answers ``status``; fail with the
     job's log if it exits or the deadline passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"job exited with {proc.returncode} before serving:\n{log.read_text()[-4000:]}")
+            raise AssertionError(f"job exited with {proc.returncode} before serving:\n{output_of(proc)[-4000:]}")
         if (run_dir / "control.json").exists():
             try:
                 with ControlClient(str(run_dir / "control.sock"), timeout_s=5) as c:
@@ -29,7 +30,7 @@ def wait_for_server(run_dir: Path, proc: subprocess.Popen, log: Path, timeout_s:
             except OSError:
                 pass
         time.sleep(0.2)
-    raise AssertionError(f"no control server after {timeout_s}s:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"no control server after {timeout_s}s:\n{output_of(proc)[-4000:]}")
 
 
 def omni_ctl(run_dir: Path, *args: str, timeout_s: float = 60) -> dict:

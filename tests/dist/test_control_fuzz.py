@@ -13,7 +13,7 @@ import pytest
 from megascale_omni.control import ControlClient
 from megascale_omni.control.protocol import MAX_MESSAGE_BYTES
 from tests.dist.control_helpers import wait_for_server
-from tests.launcher import read_metrics, spawn_torchrun, train_and_read
+from tests.launcher import output_of, read_metrics, spawn_torchrun, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -156,11 +156,11 @@ class Fuzzer:
 
 def test_fuzzed_run_keeps_answering_and_trains_identically(tmp_path):
     (tmp_path / "token").write_text(TOKEN + "\n")
-    run, log = tmp_path / "fuzzed", tmp_path / "fuzzed.log"
+    run = tmp_path / "fuzzed"
     args = [*COMMON, "train.steps=100000", f"logging.output_dir={run}", "logging.tensorboard=false",
             "logging.log_interval=1000", "control.tcp_port=0", f"control.token_file={tmp_path / 'token'}"]
-    with spawn_torchrun(2, "megascale_omni.smoke", args, log, timeout=240) as proc:
-        wait_for_server(run, proc, log)
+    with spawn_torchrun(2, "megascale_omni.smoke", args, timeout=240) as proc:
+        wait_for_server(run, proc)
         endpoint = json.loads((run / "control.json").read_text())
         host, port = endpoint["tcp"].rsplit(":", 1)
         status = ControlClient(endpoint["unix"])
@@ -171,13 +171,13 @@ def test_fuzzed_run_keeps_answering_and_trains_identically(tmp_path):
         # advanced while they arrived (no timing assumption either way).
         while fuzzer.sent < MIN_MESSAGES or status.call("status")["step"] < first_step + 10:
             fuzzer.one()
-            assert proc.poll() is None, log.read_text()[-4000:]
+            assert proc.poll() is None, output_of(proc)[-4000:]
         after = status.call("status")
         assert after["state"] == "running" and after["pending_commands"] == 0
         assert status.call("config", action="get")["config"] == config_before
         drained = status.call("drain")["step"]
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-    assert "Traceback" not in log.read_text()
+        assert proc.wait(timeout=60) == 0, output_of(proc)[-4000:]
+        assert "Traceback" not in output_of(proc)
     assert fuzzer.sent >= MIN_MESSAGES
     for code in ("parse_error", "unknown_command", "invalid_args", "invalid_value", "unauthorized",
                  "message_too_large", "disconnect", "ok"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megascale_omni.data.shapes_dataset import make_shapes_dataset
-from tests.launcher import train_and_read
+from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -50,8 +50,4 @@ def baseline(tmp_path_factory, dataset):
 def test_llava_layout_matches_single_process(tmp_path_factory, dataset, baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, dataset, name, nproc, overrides)
-    for ref, got in zip(baseline, records):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"{name} step {got['step']}"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), f"{name} step {got['step']}"
-    assert [r["samples"] for r in records] == [r["samples"] for r in baseline]
-    assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in baseline]
+    assert_same_training(baseline, records, name, RTOL, counters=("samples", "loss_tokens"))

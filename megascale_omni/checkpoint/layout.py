@@ -1,0 +1,218 @@
+"""On-disk layout of checkpoints: step directories, commit markers, tiers.
+
+A tier is a directory of step directories::
+
+    <tier>/step_00000120/          megatron dist_checkpointing files
+    <tier>/step_00000120/commit.json
+
+A checkpoint is *complete* once ``commit.json`` exists. The marker is written
+last, by one process, through write-to-temp + ``os.replace`` (atomic on
+POSIX), and it lists every file of the checkpoint with its size and sha256.
+So a process killed at any moment leaves either a complete checkpoint or a
+directory without a marker, which every reader ignores.
+
+Nothing here touches torch.distributed: callers decide which rank runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+COMMIT_FILE = "commit.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_HASH_CHUNK = 8 << 20
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_step_dir_name(name: str) -> bool:
+    return _STEP_DIR.match(name) is not None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step directory of one tier, as found on disk."""
+
+    path: Path
+    step: int
+    tier: str
+    #: The parsed commit marker, or None while incomplete.
+    commit: Optional[dict] = field(default=None, compare=False)
+
+    @property
+    def complete(self) -> bool:
+        return self.commit is not None
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f["size"] for f in (self.commit or {}).get("files", {}).values())
+
+
+def scan_tier(root: str | os.PathLike, tier: str) -> list[CheckpointInfo]:
+    """Every step directory under ``root``, oldest first (missing root -> [])."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            found.append(CheckpointInfo(entry, int(m.group(1)), tier, _read_commit(entry)))
+    return sorted(found, key=lambda c: c.step)
+
+
+def _read_commit(path: Path) -> Optional[dict]:
+    try:
+        with open(path / COMMIT_FILE, encoding="utf-8") as f:
+            commit = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("checkpoint %s: unreadable %s (%s); treating it as incomplete", path, COMMIT_FILE, e)
+        return None
+    if not isinstance(commit, dict) or not isinstance(commit.get("files"), dict):
+        logger.warning("checkpoint %s: malformed %s; treating it as incomplete", path, COMMIT_FILE)
+        return None
+    return commit
+
+
+def newest_complete(tiers: Iterable[tuple[str, str | os.PathLike]]) -> list[CheckpointInfo]:
+    """Complete checkpoints of all ``(tier, root)`` pairs, newest step first;
+    on equal steps the tier listed first wins (pass the fast tier first)."""
+    ranked = []
+    for order, (tier, root) in enumerate(tiers):
+        ranked += [(c.step, -order, c) for c in scan_tier(root, tier) if c.complete]
+    return [c for _, _, c in sorted(ranked, key=lambda t: (t[0], t[1]), reverse=True)]
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _payload_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != COMMIT_FILE and ".tmp" not in p.name)
+
+
+def write_commit(path: Path, step: int, extra: dict) -> dict:
+    """Hash every file of ``path`` and atomically publish ``commit.json`` (one process)."""
+    files = {
+        str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": file_digest(p)} for p in _payload_files(path)
+    }
+    commit = {"format": FORMAT_VERSION, "step": step, "committed_unix": time.time(), "files": files, **extra}
+    _atomic_write_json(path / COMMIT_FILE, commit)
+    return commit
+
+
+def _atomic_write_json(target: Path, obj: dict) -> None:
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(info: CheckpointInfo, checksums: bool = True) -> list[str]:
+    """Problems that make ``info`` unloadable (empty list = intact)."""
+    if not info.complete:
+        return [f"no {COMMIT_FILE} (the save never finished)"]
+    problems = []
+    for rel, meta in sorted(info.commit["files"].items()):
+        p = info.path / rel
+        if not p.is_file():
+            problems.append(f"missing file {rel}")
+            continue
+        size = p.stat().st_size
+        if size != meta.get("size"):
+            problems.append(f"{rel}: size {size} bytes, commit says {meta.get('size')} (truncated?)")
+        elif checksums and file_digest(p) != meta.get("sha256"):
+            problems.append(f"{rel}: sha256 mismatch")
+    return problems
+
+
+def remove(info: CheckpointInfo) -> None:
+    """Delete a checkpoint crash-safely: un-publish (marker first), then files."""
+    try:
+        (info.path / COMMIT_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(info.path, ignore_errors=True)
+
+
+def prune(root: str | os.PathLike, tier: str, keep_last: int, keep_steps: Iterable[int] = ()) -> list[int]:
+    """Keep the newest ``keep_last`` complete checkpoints of a tier.
+
+    Also removes incomplete directories older than the newest complete one
+    (abandoned saves). Never removes the newest complete checkpoint nor any
+    step in ``keep_steps`` (e.g. a save in flight). Returns removed steps.
+    """
+    infos = scan_tier(root, tier)
+    complete = [c for c in infos if c.complete]
+    if not complete:
+        return []
+    keep = {c.step for c in complete[-max(keep_last, 1):]} | set(keep_steps)
+    newest = complete[-1].step
+    removed = []
+    for c in infos:
+        if c.step in keep or (not c.complete and c.step > newest):
+            continue
+        remove(c)
+        removed.append(c.step)
+    return removed
+
+
+def remove_incomplete(root: str | os.PathLike, tier: str) -> list[int]:
+    """Delete every step directory without a marker (only when no save can be in flight)."""
+    removed = []
+    for c in scan_tier(root, tier):
+        if not c.complete:
+            remove(c)
+            removed.append(c.step)
+    return removed
+
+
+def replicate(src: CheckpointInfo, dst_root: str | os.PathLike, tier: str) -> CheckpointInfo:
+    """Copy a complete checkpoint into another tier; the copy's marker is
+    written last, after every file was copied and its size checked."""
+    assert src.complete, src
+    dst = Path(dst_root) / src.path.name
+    if dst.exists():
+        remove(CheckpointInfo(dst, src.step, tier))
+    dst.mkdir(parents=True)
+    for rel, meta in src.commit["files"].items():
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src.path / rel, target)
+        with open(target, "rb+") as f:
+            os.fsync(f.fileno())
+        if target.stat().st_size != meta["size"]:
+            raise OSError(f"replicating {src.path / rel}: copied {target.stat().st_size} bytes, expected {meta['size']}")
+    _atomic_write_json(dst / COMMIT_FILE, {**src.commit, "replicated_from": str(src.path)})
+    return CheckpointInfo(dst, src.step, tier, _read_commit(dst))

@@ -1,0 +1,341 @@
+"""The Checkpointer: save (async, triggered, two-tier, atomic) and resume.
+
+Lifecycle, all on every rank of the job::
+
+    ckpt = Checkpointer(cfg.checkpoint)
+    ckpt.resume(trainer)                  # newest complete checkpoint, if any
+    loop:
+        train one step
+        if ckpt.at_step_boundary(trainer):  # triggers agreed; may save
+            break                           # SIGTERM: saved, stop
+    ckpt.finish(trainer)                  # final save, wait for writes
+
+A save blocks training for building the state dict, the host copy and
+megatron's collective planning; the writer thread writes the files; at a
+later step boundary every rank runs megatron's collective finalisers; then
+rank 0's committer thread hashes the files, publishes ``commit.json``,
+replicates the fast tier to the persistent tier and prunes old checkpoints.
+The next save waits for all of that, so at most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from megascale_omni.checkpoint import layout
+from megascale_omni.checkpoint.errors import CheckpointError
+from megascale_omni.checkpoint.state import (
+    apply_state,
+    build_state,
+    incompatibilities,
+    layout_of,
+    shape_mismatches,
+    stage_to_host,
+)
+from megascale_omni.checkpoint.triggers import Triggers
+from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
+from megascale_omni.config import CheckpointConfig, ConfigError
+from megascale_omni.metrics.writers import JsonlWriter
+
+logger = logging.getLogger(__name__)
+
+#: How long ranks wait for each other before saving after a failed step.
+FAILURE_BARRIER_S = 30.0
+
+
+class Checkpointer:
+    """Owns the writer, the triggers and the tiers of one job (every rank)."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str):
+        self.cfg = cfg
+        self.tiers: list[tuple[str, str]] = ([("local", cfg.local_dir)] if cfg.local_dir else []) + [
+            ("persistent", cfg.dir)
+        ]
+        self.save_tier, self.save_root = self.tiers[0][0], Path(self.tiers[0][1])
+        self.rank = dist.get_rank()
+        # Flags, decisions and failure barriers run on gloo whatever the
+        # training backend: host tensors, and monitored_barrier needs gloo.
+        self.group = dist.new_group(backend="gloo")
+        self.triggers = Triggers(cfg.interval, cfg.interval_minutes, self.group)
+        self.triggers.install_signal_handlers()
+        self.writer = AsyncWriter()
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._commit: Optional[Future] = None
+        # Kept across saves so megatron can reuse its cached save plan.
+        self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes.
+        self.saves: list[dict] = []
+        # Written by the committer thread only (one writer per file).
+        self._log = JsonlWriter(os.path.join(run_dir, "checkpoints.jsonl")) if self.rank == 0 else None
+
+    # --------------------------------------------------------------- resume
+    def resume(self, trainer) -> Optional[Path]:
+        """Load the newest loadable checkpoint into ``trainer`` (every rank).
+
+        Returns the directory loaded, or None for a fresh start. Raises
+        CheckpointError when checkpoints exist but none is intact, and
+        ConfigError when the model no longer matches them.
+        """
+        if self.rank == 0:
+            for tier, root in self.tiers:
+                for step in layout.remove_incomplete(root, tier):
+                    logger.warning("removed incomplete checkpoint %s/step %d (a save that never finished)", root, step)
+        if self.cfg.resume == "none":
+            return None
+        payload: list = [None]
+        if self.rank == 0:
+            try:
+                path, error = self._choose(trainer)
+            except (CheckpointError, ConfigError) as e:
+                path, error = None, e
+            payload = [(path, _portable(error))]
+        dist.broadcast_object_list(payload, src=0, group=self.group)
+        path, error = payload[0]
+        if error is not None:
+            raise _rebuild(error)
+        if path is None:
+            logger.info("no checkpoint under %s; starting from step 0", " or ".join(r for _, r in self.tiers))
+            return None
+        self._load(trainer, Path(path))
+        return Path(path)
+
+    def _choose(self, trainer) -> tuple[Optional[str], Optional[Exception]]:
+        """Rank 0: the newest checkpoint that verifies and matches the model."""
+        if self.cfg.resume != "auto":
+            info = _info_for(Path(self.cfg.resume))
+            problems = layout.verify(info, self.cfg.verify_checksums)
+            if problems:
+                return None, CheckpointError(f"checkpoint.resume={self.cfg.resume} is broken: " + "; ".join(problems))
+            candidates = [info]
+        else:
+            candidates = layout.newest_complete(self.tiers)
+        rejected = []
+        for info in candidates:
+            problems = layout.verify(info, self.cfg.verify_checksums)
+            if problems:
+                logger.warning(
+                    "checkpoint %s is broken (%s); falling back to the previous complete checkpoint",
+                    info.path, "; ".join(problems),
+                )
+                rejected.append(f"{info.path}: {'; '.join(problems)}")
+                continue
+            common = dist_checkpointing.load_common_state_dict(str(info.path))
+            diffs = incompatibilities(common.get("config", {}), trainer.cfg)
+            if diffs:
+                return None, ConfigError(
+                    "checkpoint.resume", str(info.path),
+                    "the model differs from this checkpoint (" + "; ".join(diffs) + "): restore those settings, "
+                    "point checkpoint.dir elsewhere, or start fresh with checkpoint.resume=none",
+                )
+            return str(info.path), None
+        if rejected:
+            return None, CheckpointError(
+                "no intact checkpoint to resume from: " + " | ".join(rejected)
+                + ". Repair or remove them, or start fresh with checkpoint.resume=none"
+            )
+        return None, None
+
+    def _load(self, trainer, path: Path) -> None:
+        t0 = time.perf_counter()
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        saved_layout = common.get("layout", {})
+        now = layout_of(trainer)
+        same_mp = all(saved_layout.get(k) == now[k] for k in ("tp", "pp"))
+        template = build_state(trainer, is_loading=True, include_rng=same_mp)
+        model_part = {k: v for k, v in template.items() if k.startswith("model")}
+        mismatches = shape_mismatches(model_part, dist_checkpointing.load_tensors_metadata(str(path)))
+        bad = torch.tensor([int(bool(mismatches))])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if bad.item():
+            raise ConfigError(
+                "checkpoint.resume", str(path),
+                "model tensors differ from the checkpoint ("
+                + ("; ".join(mismatches[:8]) if mismatches else "on another rank") + ")",
+            )
+        loaded = dist_checkpointing.load(template, str(path))
+        apply_state(trainer, loaded)
+        logger.info(
+            "resumed from %s at step %d in %.2f s (saved with tp%d pp%d dp%d, now tp%d pp%d dp%d%s)",
+            path, trainer.step, time.perf_counter() - t0,
+            saved_layout.get("tp", 0), saved_layout.get("pp", 0), saved_layout.get("dp", 0),
+            now["tp"], now["pp"], now["dp"], "" if same_mp else "; RNG state not restored across a tp/pp change",
+        )
+
+    # ----------------------------------------------------------------- save
+    def request(self, reason: str = "api") -> None:
+        """Public API: save at the next step boundary (thread-safe, any rank)."""
+        self.triggers.request(reason)
+
+    def at_step_boundary(self, trainer) -> bool:
+        """Agree on triggers, finish a completed write, maybe save (every rank).
+        Returns True when training must stop (SIGTERM; the state is saved)."""
+        decision = self.triggers.agree(trainer.step, writer_busy=not self.writer.done_locally())
+        if self.writer.inflight is not None and not decision.writer_busy:
+            self._finalize()
+        if decision.save_reason:
+            self.save(trainer, decision.save_reason, wait=decision.stop)
+        if decision.stop:
+            logger.warning("SIGTERM: checkpoint at step %d written; stopping", trainer.step)
+        return decision.stop
+
+    def save(self, trainer, reason: str, wait: bool = False) -> None:
+        """Save ``trainer``'s state at its current step (every rank).
+
+        Blocks for the host copy and planning only, unless ``wait`` or
+        ``checkpoint.async_save=false``; then returns after the commit.
+        """
+        t_request = time.perf_counter()
+        self.wait()  # at most one save in flight
+        t0 = time.perf_counter()
+        waited = t0 - t_request
+        if waited > 0.01:
+            logger.info("checkpoint: waited %.2f s for the previous save to commit", waited)
+        step = trainer.step
+        target = self.save_root / layout.step_dir_name(step)
+        skip = [self._prepare_target(target, step) if self.rank == 0 else None]
+        dist.broadcast_object_list(skip, src=0, group=self.group)
+        if skip[0]:
+            logger.info("checkpoint for step %d already committed; not saving again", step)
+            return
+        state = build_state(trainer, is_loading=False)
+        staged = stage_to_host(state)
+        request = dist_checkpointing.save(
+            state, str(target), sharded_strategy=self._strategy, async_sharded_save=True
+        )
+        request = prepare_request(request)
+        blocking_s = waited + time.perf_counter() - t0
+        synchronous = wait or not self.cfg.async_save
+        meta = {"layout": layout_of(trainer), "mode": "sync" if synchronous else "async"}
+        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta)
+        self.triggers.saved()
+        if not synchronous:
+            logger.info(
+                "checkpoint step %d (%s): training blocked %.3f s (host copy of %.1f MB on this rank); "
+                "writing in background", step, reason, blocking_s, staged / 2**20,
+            )
+            return
+        self.wait()
+
+    def _prepare_target(self, target: Path, step: int) -> bool:
+        """Rank 0: True if ``step`` is already committed; else an empty ``target``."""
+        for tier, root in self.tiers:
+            if any(c.step == step and c.complete for c in layout.scan_tier(root, tier)):
+                return True
+        if target.exists():
+            layout.remove(layout.CheckpointInfo(target, step, self.save_tier))
+        target.mkdir(parents=True)
+        return False
+
+    def wait(self) -> None:
+        """Block until the in-flight save, if any, is committed (every rank)."""
+        if self.writer.inflight is not None:
+            self.writer.wait_locally()
+            self._finalize()
+        if self._commit is not None:
+            self._commit.result()
+            self._commit = None
+
+    def _finalize(self) -> None:
+        save = self.writer.finalize()
+        if self.rank == 0:
+            self._commit = self._committer.submit(self._publish, save)
+
+    def _publish(self, save: InflightSave) -> None:
+        """Rank 0, committer thread: checksum, commit marker, replicate, prune."""
+        path = self.save_root / layout.step_dir_name(save.step)
+        commit = layout.write_commit(path, save.step, {"reason": save.reason, **save.meta})
+        info = layout.CheckpointInfo(path, save.step, self.save_tier, commit)
+        total_s = time.perf_counter() - save.started
+        # A synchronous save blocks training until its commit.
+        blocking_s = total_s if save.meta.get("mode") == "sync" else save.blocking_s
+        record = {
+            "step": save.step, "reason": save.reason, "mode": save.meta.get("mode"), "blocking_s": blocking_s,
+            "total_s": total_s, "bytes": info.size_bytes, "path": str(path),
+        }
+        logger.info(
+            "checkpoint step %d committed: %s, %.1f MB, blocked %.3f s, total %.2f s",
+            save.step, path, info.size_bytes / 2**20, blocking_s, total_s,
+        )
+        for tier, root in self.tiers[1:]:
+            t0 = time.perf_counter()
+            layout.replicate(info, root, tier)
+            record["replicated_s"] = time.perf_counter() - t0
+            logger.info("checkpoint step %d replicated to %s in %.2f s", save.step, root, record["replicated_s"])
+        for tier, root in self.tiers:
+            removed = layout.prune(root, tier, self.cfg.keep_last)
+            if removed:
+                logger.info("pruned %s checkpoints %s (keep_last=%d)", tier, removed, self.cfg.keep_last)
+        self.saves.append(record)
+        if self._log is not None:
+            self._log.write(record)
+
+    # ------------------------------------------------------------- failures
+    def save_after_failure(self, trainer, exc: BaseException, optimizer_started: bool) -> bool:
+        """Save the last good state after ``exc`` escaped a training step.
+
+        The state is the one before the failing step, so nothing is saved if
+        the optimizer had started updating. Every rank must reach this call
+        within FAILURE_BARRIER_S; otherwise (a failure on some ranks only,
+        the rest blocked in a collective) nothing is saved. Returns True if saved.
+        """
+        if optimizer_started:
+            logger.error("step failed inside the optimizer update (%s); state is mixed, not saving", exc)
+            return False
+        try:
+            dist.monitored_barrier(
+                group=self.group, timeout=datetime.timedelta(seconds=FAILURE_BARRIER_S), wait_all_ranks=True
+            )
+        except RuntimeError as err:
+            logger.error("not every rank failed at this step (%s); not saving", err)
+            return False
+        logger.error("step %d failed (%s: %s); saving the state after step %d", trainer.step + 1,
+                     type(exc).__name__, exc, trainer.step)
+        self.save(trainer, "failure", wait=True)
+        return True
+
+    def finish(self, trainer, save: bool) -> None:
+        """Optionally save the final state, then wait for every write (every rank)."""
+        if save:
+            self.save(trainer, "end", wait=True)
+        self.wait()
+
+    def close(self) -> None:
+        self.triggers.restore_signal_handlers()
+        self.writer.close()
+        self._committer.shutdown(wait=True)
+        if self._log is not None:
+            self._log.close()
+
+
+def _portable(e: Optional[Exception]) -> Optional[tuple]:
+    """An error as plain data for broadcast_object_list (ConfigError's
+    constructor does not survive pickle's default reconstruction)."""
+    if e is None:
+        return None
+    if isinstance(e, ConfigError):
+        return ("config", (e.field, e.value, e.hint))
+    return ("checkpoint", (str(e),))
+
+
+def _rebuild(portable: tuple) -> Exception:
+    kind, args = portable
+    return ConfigError(*args) if kind == "config" else CheckpointError(*args)
+
+
+def _info_for(path: Path, tier: str = "explicit") -> layout.CheckpointInfo:
+    m = layout.scan_tier(path.parent, tier) if path.parent.is_dir() else []
+    for info in m:
+        if info.path.resolve() == path.resolve():
+            return info
+    raise CheckpointError(f"{path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
