@@ -40,6 +40,7 @@ setup(
     entry_points={
         "console_scripts": [
             "omni-smoke=megascale_omni.smoke:cli",
+            "omni-ctl=megascale_omni.control.cli:cli",
         ]
     },
 )

@@ -3,6 +3,7 @@ cleanup of the whole process group (no stray ranks survive a failed test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,6 +100,27 @@ def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
 def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
     """Run :func:`torchrun_cmd` to completion."""
     return run(torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def spawn_torchrun(
+    nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start :func:`torchrun_cmd` in the background for tests that talk to the
+    job while it runs (wait on it yourself; read its log with :func:`output_of`).
+    The whole process group is killed on exit, whatever happened."""
+    proc = spawn(torchrun_cmd(nproc, target, args), timeout, env)
+    try:
+        yield proc
+    finally:
+        _kill_group(proc)
+        proc.wait()
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    """stdout + stderr of a :func:`spawn`-ed process so far."""
+    out, err = _read(proc)
+    return out + err
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

@@ -361,6 +361,46 @@ class LoggingConfig:
 
 
 @dataclass
+class ControlConfig:
+    """Control socket of the replica group (served by its rank 0).
+
+    See ``docs/control-protocol.md``. There is deliberately no inline token
+    field: the resolved config is written to ``output_dir/config.yaml``.
+    """
+
+    #: Serve the control socket and apply commands at step boundaries.
+    enabled: bool = True
+    #: Unix socket path; ``null`` = ``<logging.output_dir>/control.sock``. Mode 0600.
+    socket_path: Optional[str] = None
+    #: Also listen on TCP at this port (0 = any free port); ``null`` = no TCP.
+    #: TCP requests must carry the token (``token_file`` or ``token_env``).
+    tcp_port: Optional[int] = None
+    #: TCP bind address; loopback by default. Anything else exposes the job to the network.
+    tcp_host: str = "127.0.0.1"
+    #: File holding the shared secret for TCP clients (first line; >= 16 characters).
+    token_file: Optional[str] = None
+    #: Environment variable holding the token when ``token_file`` is null.
+    token_env: str = "MEGASCALE_CONTROL_TOKEN"
+    #: While paused, ranks meet in one small collective every this many
+    #: seconds (keeps them far from the collective timeout), and rank 0
+    #: notices ``resume`` at most this late.
+    pause_poll_s: float = 0.5
+    #: Concurrent client connections; more are answered ``busy`` and closed.
+    max_connections: int = 16
+    #: Close a client connection idle for this long, seconds.
+    idle_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
+            raise ConfigError("control.tcp_port", self.tcp_port, "must be in [0, 65535] (0 = any free port) or null")
+        if not self.token_env:
+            raise ConfigError("control.token_env", self.token_env, "must name an environment variable")
+        _positive("control", "pause_poll_s", self.pause_poll_s)
+        _positive("control", "max_connections", self.max_connections)
+        _positive("control", "idle_timeout_s", self.idle_timeout_s)
+
+
+@dataclass
 class CheckpointConfig:
     """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
 
@@ -416,4 +456,5 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -6,8 +6,16 @@ fails in milliseconds with the same message on every rank.
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from megascale_omni.config.errors import ConfigError
-from megascale_omni.config.schema import JobConfig
+from megascale_omni.config.schema import ControlConfig, JobConfig
+
+#: ``sizeof(sockaddr_un.sun_path) - 1`` on Linux: longest Unix socket path, bytes.
+MAX_UNIX_SOCKET_PATH = 107
+#: Shortest accepted control token, characters.
+MIN_TOKEN_CHARS = 16
 
 
 def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
@@ -55,6 +63,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         )
     if model.family == "llava":
         _validate_llava(cfg)
+    if cfg.control.enabled:
+        _validate_control(cfg)
     if model.family == "dit":
         _validate_dit(cfg)
 
@@ -116,6 +126,58 @@ def _validate_llava(cfg: JobConfig) -> None:
         )
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:
         raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
+
+
+def control_socket_path(cfg: JobConfig) -> str:
+    """Absolute Unix socket path of the control server."""
+    return os.path.abspath(cfg.control.socket_path or os.path.join(cfg.logging.output_dir, "control.sock"))
+
+
+def load_control_token(control: ControlConfig) -> Optional[str]:
+    """The control token from ``control.token_file``, else from the environment
+    variable ``control.token_env``; None when neither is set. Never logged."""
+    if control.token_file is not None:
+        try:
+            with open(control.token_file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(
+                "control.token_file", control.token_file, f"cannot be read ({e.strerror}); create it (chmod 600)"
+            ) from None
+        source = "control.token_file"
+    else:
+        token = os.environ.get(control.token_env, "").strip()
+        source = f"environment variable {control.token_env}"
+    if not token:
+        return None
+    if len(token) < MIN_TOKEN_CHARS:
+        # The value itself is a secret: name where it came from, never what it is.
+        raise ConfigError(
+            "control.token_file" if control.token_file else "control.token_env",
+            control.token_file or control.token_env,
+            f"the token from {source} is shorter than {MIN_TOKEN_CHARS} characters; "
+            "use e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`",
+        )
+    return token
+
+
+def _validate_control(cfg: JobConfig) -> None:
+    path = control_socket_path(cfg)
+    if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
+        raise ConfigError(
+            "control.socket_path",
+            path,
+            f"Unix socket paths are limited to {MAX_UNIX_SOCKET_PATH} bytes; set control.socket_path "
+            "to a shorter path (e.g. /tmp/<job>.sock) or use a shorter logging.output_dir",
+        )
+    token = load_control_token(cfg.control)
+    if cfg.control.tcp_port is not None and token is None:
+        raise ConfigError(
+            "control.tcp_port",
+            cfg.control.tcp_port,
+            f"TCP control needs a token: write one to a file (chmod 600) and set control.token_file, "
+            f"or export {cfg.control.token_env}; or set control.tcp_port: null (Unix socket only)",
+        )
 
 
 def _validate_dit(cfg: JobConfig) -> None:

@@ -20,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megascale_omni.checkpoint import CheckpointError
 from megascale_omni.checkpoint.manager import Checkpointer
 from megascale_omni.config import JobConfig, to_dict, validate_platform
+from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
@@ -120,6 +121,10 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
+        self.control = ControlPlane(
+            cfg, _layout(self.dims), sends_metrics=self.is_loss_rank,
+            checkpoint=self._control_checkpoint if self.checkpointer is not None else None,
+        )
 
     def request_checkpoint(self, reason: str = "api") -> None:
         """Save at the next step boundary (thread-safe; e.g. the control socket)."""
@@ -127,25 +132,34 @@ class Trainer:
             raise CheckpointError("checkpointing is disabled: set checkpoint.dir to enable it")
         self.checkpointer.request(reason)
 
+    def _control_checkpoint(self, step: int) -> dict:
+        # Every rank, at the control boundary just before the checkpointer's.
+        self.request_checkpoint("control")
+        return {"requested_at_step": step, "dir": self.cfg.checkpoint.dir}
+
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
         """Run ``train.steps`` optimizer steps (every rank). Returns per-step
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
         bar = self._progress_bar()
-        stopped = False
+        stopped = drained = False
         try:
             with _redirect_logging_for(bar):
                 while self.step < cfg.train.steps:
-                    self._guarded_step()
+                    record = self._guarded_step()
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                         self._evaluate()
+                    # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
+                    if not self.control.step_boundary(self.step, record):
+                        drained = True
+                        break
                     if self.checkpointer is not None and self.checkpointer.at_step_boundary(self):
                         stopped = True
                         break
-                if not stopped and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
+                if not (stopped or drained) and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
                     self._evaluate()
                 if self.checkpointer is not None:
                     self.checkpointer.finish(self, save=cfg.checkpoint.save_at_end and not stopped)
@@ -155,11 +169,11 @@ class Trainer:
             self.sink.close()
         return self.history
 
-    def _guarded_step(self) -> None:
+    def _guarded_step(self) -> dict:
         """One step; if it raises, save the last good state first (when possible)."""
         progress = StepProgress()
         try:
-            self._one_step(progress)
+            return self._one_step(progress)
         except Exception as exc:
             if self.checkpointer is not None:
                 self.checkpointer.save_after_failure(self, exc, progress.optimizer_started)
@@ -229,10 +243,15 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
-        """Stop background writers, destroy process groups (every rank)."""
+        """Stop background writers and the control server, destroy process groups (every rank)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        self.control.close()
         destroy_parallel()
+
+
+def _layout(dims: ParallelDims) -> dict:
+    return {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp, "vpp": dims.vpp}
 
 
 def _format_line(r: dict, total: int) -> str:
