@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Sample images from a trained DiT (Euler ODE, classifier-free guidance) into a PNG grid.
+"""Sample images from a trained DiT checkpoint (Euler ODE, classifier-free guidance) into a PNG grid.
 
-    python tools/sample_dit.py --run runs/dit-tiny --prompt "a red circle" --prompt "a blue square" \\
-        --size 16x16 --size 16x32 --out grid.png [--per-prompt 4] [--steps 20] [--guidance 4] [--score-colors]
+    python tools/sample_dit.py --checkpoint runs/dit-tiny/checkpoints --prompt "a red circle" \\
+        --prompt "a blue square" --size 16x16 --size 16x32 --out grid.png \\
+        [--per-prompt 4] [--steps 20] [--guidance 4] [--raw] [--score-colors]
 
-``--run`` is a pretrain_dit.py output directory: its ``config.yaml`` gives
-the model and its ``sampling-weights/`` the EMA weights written after the
-last step. Run it with the training run's TP/PP layout (plain python for
-TP1/PP1; ``torchrun --nproc-per-node tp*pp`` otherwise). One grid row per
-prompt and size. ``--score-colors`` prints, for prompts that name a colour,
-the fraction of images whose dominant colour is the prompted one.
-Latent runs need ``--vae`` (to decode) and ``--text-encoder`` (to embed the
-prompts), the local directories used by tools/make_dit_latents.py.
+``--checkpoint`` is a pretrain_dit.py checkpoint: the run's ``checkpoint.dir``
+(its newest intact checkpoint is used) or one ``step_NNNNNNNN`` directory.
+It is verified (checksums) and gives the model config, the weights (the EMA
+weights, or the trained ones with ``--raw``) and the tokenizer. One process
+samples whatever TP/PP/DP layout trained the model: the checkpoint is
+resharded on load. One grid row per prompt and size. ``--score-colors``
+prints, for prompts that name a colour, the fraction of images whose
+dominant colour is the prompted one. Latent runs need ``--vae`` (to decode)
+and ``--text-encoder`` (to embed the prompts), the local directories used by
+tools/make_dit_latents.py. Exit codes: 2 bad arguments or not a DiT
+checkpoint, 4 broken or incomplete checkpoint.
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ try:
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megascale_omni.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml, run_cli
+from megascale_omni.config import ConfigError, run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, type=Path, help="pretrain_dit.py output directory")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="checkpoint root (newest intact checkpoint) or a step_NNNNNNNN directory")
     p.add_argument("--prompt", action="append", required=True, help="caption to sample (repeatable)")
     p.add_argument("--size", action="append", default=None, help="HxW in latent pixels (repeatable; default 16x16)")
-    p.add_argument("--out", type=Path, default=None, help="PNG grid path (default RUN/samples.png)")
+    p.add_argument("--out", type=Path, required=True, help="PNG grid path")
+    p.add_argument("--raw", action="store_true", help="sample the trained weights instead of their EMA")
     p.add_argument("--per-prompt", type=int, default=4, help="images per prompt and size")
     p.add_argument("--steps", type=int, default=None, help="Euler steps (default: the run's dit.sample_steps)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the run's dit.guidance_scale)")
@@ -62,43 +68,38 @@ def _sizes(items) -> list[tuple[int, int]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    config_path = args.run / "config.yaml"
-    cfg = from_dict(JobConfig, apply_overrides(load_yaml(config_path), []))
-    if cfg.model.family != "dit":
-        raise ConfigError("--run", str(args.run), f"{config_path} is a {cfg.model.family!r} run, not dit")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ConfigError("WORLD_SIZE", world, "run with plain python (one process): the checkpoint is resharded "
+                          "to one process whatever layout trained it")
+    from megascale_omni.tasks.dit_checkpoint import load_dit_weights, open_dit_checkpoint
+
+    ckpt = open_dit_checkpoint(args.checkpoint, field="--checkpoint")
+    cfg = ckpt.single_process_config()
     sizes = _sizes(args.size)
     for h, w in sizes:
         if h % cfg.dit.patch_size or w % cfg.dit.patch_size:
             raise ConfigError("--size", f"{h}x{w}", f"sides must be multiples of dit.patch_size={cfg.dit.patch_size}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.parallel.tp * cfg.parallel.pp:
-        raise ConfigError("WORLD_SIZE", world, f"launch tp*pp={cfg.parallel.tp * cfg.parallel.pp} processes "
-                          f"(the run's layout; one per model-parallel rank)")
-    cfg.parallel.use_distributed_optimizer = False
+    if cfg.dit.text_encoder != "learned" and args.text_encoder is None:
+        raise ConfigError("--text-encoder", None, "this run trained on precomputed text states; pass the encoder")
+    if cfg.dit.in_channels != 3 and args.vae is None:
+        raise ConfigError("--vae", None, "this run trained on latents; pass the VAE directory to decode them")
 
     from megascale_omni.data.dit_shapes import dominant_color
-    from megascale_omni.data.tokenizer import TextTokenizer
     from megascale_omni.models.dit.model import build_dit_chunks
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.parallel.state import destroy_parallel, initialize_parallel
     from megascale_omni.platform import init_platform
     from megascale_omni.platform.device import init_distributed
-    from megascale_omni.tasks.dit import resolve_dit_dataset
     from megascale_omni.tasks.dit_batches import CaptionEncoder
-    from megascale_omni.tasks.dit_sampling import load_sampling_weights, sample_images, save_grid, to_uint8
+    from megascale_omni.tasks.dit_sampling import sample_images, save_grid, to_uint8
 
     platform = init_platform()
     init_distributed(platform)
-    initialize_parallel(ParallelDims.from_config(cfg.parallel, world), cfg.train.seed)
+    initialize_parallel(ParallelDims.from_config(cfg.parallel, 1), cfg.train.seed)
     try:
-        tokenizer, states = None, None
-        if cfg.dit.text_encoder == "learned":
-            root, _ = resolve_dit_dataset(cfg)
-            tokenizer = TextTokenizer.from_path(Path(cfg.data.tokenizer) if cfg.data.tokenizer
-                                                else root / "tokenizer.json")
-        elif args.text_encoder is None:
-            raise ConfigError("--text-encoder", None, "this run trained on precomputed text states; pass the encoder")
-        else:
+        tokenizer, states = ckpt.tokenizer(), None
+        if tokenizer is None:
             from megascale_omni.data.latents import TextStates
 
             encoder = TextStates.load(args.text_encoder, cfg.dit.max_text_length)
@@ -106,14 +107,14 @@ def main(argv=None) -> None:
         multiple = cfg.model.make_vocab_size_divisible_by
         vocab = -(-tokenizer.vocab_size // multiple) * multiple if tokenizer else 0
         chunks = build_dit_chunks(cfg, platform.default_dtype(cfg.train.precision), vocab)
-        load_sampling_weights(chunks, args.run)
+        load_dit_weights(chunks, ckpt, ema=not args.raw)
+        print(f"loaded the {'trained' if args.raw else 'EMA'} weights of {ckpt.path} "
+              f"(step {ckpt.info.step}, saved with {_layout(ckpt.common)})", file=sys.stderr)
         captions = CaptionEncoder(cfg.dit, tokenizer)
         prompts = [p for p in args.prompt for _ in range(args.per_prompt)]
         prompt_states = None if states is None else [s for s in states for _ in range(args.per_prompt)]
         vae = None
-        if cfg.dit.in_channels != 3 or args.vae is not None:
-            if args.vae is None:
-                raise ConfigError("--vae", None, "this run trained on latents; pass the VAE directory to decode them")
+        if args.vae is not None:
             from megascale_omni.data.latents import VaeCodec
 
             vae = VaeCodec.load(args.vae)
@@ -130,15 +131,18 @@ def main(argv=None) -> None:
                 if args.score_colors and wanted:
                     hits = [dominant_color(im) == wanted for im in block]
                     scores[f"{prompt} @ {h}x{w}"] = float(np.mean(hits))
-        if int(os.environ.get("RANK", "0")) == 0:
-            out = args.out or args.run / "samples.png"
-            save_grid(rows, out)
-            print(f"wrote {len(rows) * args.per_prompt} samples to {out}")
-            if args.score_colors:
-                total = float(np.mean(list(scores.values()))) if scores else float("nan")
-                print(json.dumps({"color_accuracy": total, "per_prompt": scores}, indent=1))
+        save_grid(rows, args.out)
+        print(f"wrote {len(rows) * args.per_prompt} samples to {args.out}")
+        if args.score_colors:
+            total = float(np.mean(list(scores.values()))) if scores else float("nan")
+            print(json.dumps({"color_accuracy": total, "per_prompt": scores}, indent=1))
     finally:
         destroy_parallel()
+
+
+def _layout(common: dict) -> str:
+    saved = common.get("layout", {})
+    return " ".join(f"{k}{saved[k]}" for k in ("tp", "pp", "dp") if k in saved) or "an unknown layout"
 
 
 def dominant_color_name(word: str) -> bool:

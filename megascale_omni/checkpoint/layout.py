@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
+from megascale_omni.checkpoint.errors import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 COMMIT_FILE = "commit.json"
@@ -88,6 +90,15 @@ def _read_commit(path: Path) -> Optional[dict]:
         logger.warning("checkpoint %s: malformed %s; treating it as incomplete", path, COMMIT_FILE)
         return None
     return commit
+
+
+def step_info(path: str | os.PathLike) -> Optional[CheckpointInfo]:
+    """``path`` as one step directory (complete or not); None if it is not one."""
+    path = Path(path)
+    m = _STEP_DIR.match(path.name)
+    if not (m and path.is_dir()):
+        return None
+    return CheckpointInfo(path, int(m.group(1)), "explicit", _read_commit(path))
 
 
 def newest_complete(tiers: Iterable[tuple[str, str | os.PathLike]]) -> list[CheckpointInfo]:
@@ -155,6 +166,52 @@ def verify(info: CheckpointInfo, checksums: bool = True) -> list[str]:
         elif checksums and file_digest(p) != meta.get("sha256"):
             problems.append(f"{rel}: sha256 mismatch")
     return problems
+
+
+def first_intact(
+    candidates: Iterable[CheckpointInfo], checksums: bool = True
+) -> tuple[Optional[CheckpointInfo], list[str]]:
+    """The first of ``candidates`` (newest first) that verifies, and one
+    ``"<path>: <problems>"`` line per broken one skipped (logged)."""
+    rejected = []
+    for info in candidates:
+        problems = verify(info, checksums)
+        if not problems:
+            return info, rejected
+        logger.warning(
+            "checkpoint %s is broken (%s); falling back to the previous complete checkpoint",
+            info.path, "; ".join(problems),
+        )
+        rejected.append(f"{info.path}: {'; '.join(problems)}")
+    return None, rejected
+
+
+def resolve(path: str | os.PathLike, checksums: bool = True) -> CheckpointInfo:
+    """The intact checkpoint a user points at: a ``step_NNNNNNNN`` directory,
+    or a checkpoint root (its newest intact complete checkpoint).
+
+    Raises CheckpointError naming the path and every problem found.
+    """
+    path = Path(path)
+    info = step_info(path)
+    if info is not None:
+        problems = verify(info, checksums)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is broken: " + "; ".join(problems))
+        return info
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (expected a checkpoint root or a step_NNNNNNNN directory)")
+    info, rejected = first_intact(newest_complete([("persistent", path)]), checksums)
+    if info is not None:
+        return info
+    if rejected:
+        raise CheckpointError(f"no intact checkpoint under {path}: " + " | ".join(rejected))
+    incomplete = [c.step for c in scan_tier(path, "persistent")]
+    raise CheckpointError(
+        f"no complete checkpoint under {path} "
+        + (f"(steps {incomplete} never finished saving)" if incomplete
+           else "(expected step_NNNNNNNN directories with a commit.json)")
+    )
 
 
 def remove(info: CheckpointInfo) -> None:

@@ -120,31 +120,23 @@ class Checkpointer:
             candidates = [info]
         else:
             candidates = layout.newest_complete(self.tiers)
-        rejected = []
-        for info in candidates:
-            problems = layout.verify(info, self.cfg.verify_checksums)
-            if problems:
-                logger.warning(
-                    "checkpoint %s is broken (%s); falling back to the previous complete checkpoint",
-                    info.path, "; ".join(problems),
+        info, rejected = layout.first_intact(candidates, self.cfg.verify_checksums)
+        if info is None:
+            if rejected:
+                return None, CheckpointError(
+                    "no intact checkpoint to resume from: " + " | ".join(rejected)
+                    + ". Repair or remove them, or start fresh with checkpoint.resume=none"
                 )
-                rejected.append(f"{info.path}: {'; '.join(problems)}")
-                continue
-            common = dist_checkpointing.load_common_state_dict(str(info.path))
-            diffs = incompatibilities(common.get("config", {}), trainer.cfg)
-            if diffs:
-                return None, ConfigError(
-                    "checkpoint.resume", str(info.path),
-                    "the model differs from this checkpoint (" + "; ".join(diffs) + "): restore those settings, "
-                    "point checkpoint.dir elsewhere, or start fresh with checkpoint.resume=none",
-                )
-            return str(info.path), None
-        if rejected:
-            return None, CheckpointError(
-                "no intact checkpoint to resume from: " + " | ".join(rejected)
-                + ". Repair or remove them, or start fresh with checkpoint.resume=none"
+            return None, None
+        common = dist_checkpointing.load_common_state_dict(str(info.path))
+        diffs = incompatibilities(common.get("config", {}), trainer.cfg)
+        if diffs:
+            return None, ConfigError(
+                "checkpoint.resume", str(info.path),
+                "the model differs from this checkpoint (" + "; ".join(diffs) + "): restore those settings, "
+                "point checkpoint.dir elsewhere, or start fresh with checkpoint.resume=none",
             )
-        return None, None
+        return str(info.path), None
 
     def _load(self, trainer, path: Path) -> None:
         t0 = time.perf_counter()
@@ -153,14 +145,16 @@ class Checkpointer:
         now = layout_of(trainer)
         same_mp = all(saved_layout.get(k) == now[k] for k in ("tp", "pp"))
         template = build_state(trainer, is_loading=True, include_rng=same_mp)
-        model_part = {k: v for k, v in template.items() if k.startswith("model")}
-        mismatches = shape_mismatches(model_part, dist_checkpointing.load_tensors_metadata(str(path)))
+        # Model and task tensors (e.g. EMA weights) must exist with the same
+        # global shapes; optimizer keys follow the model's.
+        checked = {k: v for k, v in template.items() if k.startswith("model") or k == "task"}
+        mismatches = shape_mismatches(checked, dist_checkpointing.load_tensors_metadata(str(path)))
         bad = torch.tensor([int(bool(mismatches))])
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if bad.item():
             raise ConfigError(
                 "checkpoint.resume", str(path),
-                "model tensors differ from the checkpoint ("
+                "model or task tensors differ from the checkpoint ("
                 + ("; ".join(mismatches[:8]) if mismatches else "on another rank") + ")",
             )
         loaded = dist_checkpointing.load(template, str(path))
@@ -333,9 +327,8 @@ def _rebuild(portable: tuple) -> Exception:
     return ConfigError(*args) if kind == "config" else CheckpointError(*args)
 
 
-def _info_for(path: Path, tier: str = "explicit") -> layout.CheckpointInfo:
-    m = layout.scan_tier(path.parent, tier) if path.parent.is_dir() else []
-    for info in m:
-        if info.path.resolve() == path.resolve():
-            return info
-    raise CheckpointError(f"{path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
+def _info_for(path: Path) -> layout.CheckpointInfo:
+    info = layout.step_info(path)
+    if info is None:
+        raise CheckpointError(f"{path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
+    return info

@@ -360,6 +360,10 @@ class LoggingConfig:
         _positive("logging", "log_interval", self.log_interval)
 
 
+#: Stands for ``logging.output_dir`` in ``checkpoint.dir``/``checkpoint.local_dir``.
+OUTPUT_DIR_PLACEHOLDER = "{output_dir}"
+
+
 @dataclass
 class ControlConfig:
     """Control socket of the replica group (served by its rank 0).
@@ -405,6 +409,8 @@ class CheckpointConfig:
     """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
 
     #: Persistent checkpoint directory; empty disables checkpointing.
+    #: ``{output_dir}`` in it (and in ``local_dir``) stands for
+    #: ``logging.output_dir``, e.g. ``{output_dir}/checkpoints``.
     dir: str = ""
     #: Optional fast node-local directory: saves land here first and are
     #: replicated to ``dir`` in the background. Must be visible to every rank
@@ -458,3 +464,10 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        # Checkpoints follow the run directory when a config says so, so
+        # overriding logging.output_dir never resumes another run's checkpoints.
+        ckpt, out = self.checkpoint, self.logging.output_dir
+        ckpt.dir = ckpt.dir.replace(OUTPUT_DIR_PLACEHOLDER, out)
+        ckpt.local_dir = ckpt.local_dir.replace(OUTPUT_DIR_PLACEHOLDER, out)

@@ -96,6 +96,15 @@ class TextTokenizer:
         logger.debug("loading tokenizer from %s", path)
         return cls(Tokenizer.from_file(str(path)), special_tokens)
 
+    @classmethod
+    def from_str(cls, serialized: str, special_tokens: SpecialTokens = SpecialTokens()) -> "TextTokenizer":
+        """Inverse of :meth:`to_str` (e.g. a tokenizer stored in a checkpoint)."""
+        return cls(Tokenizer.from_str(serialized), special_tokens)
+
+    def to_str(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text."""
+        return self._tok.to_str()
+
     # ------------------------------------------------------------------- ids
     @property
     def vocab_size(self) -> int:

@@ -3,8 +3,12 @@
 Data position is the step: global batch ``s`` is ``train.global_batch_size``
 packages of :class:`~megascale_omni.data.buckets.BucketPlan`, a pure
 function of (seed, s); it is split across DP ranks so each computes the
-same number of latent tokens. The embedded default dataset is the
-captioned multi-aspect shapes set (:mod:`megascale_omni.data.dit_shapes`).
+same number of latent tokens. Noise, flow time and caption dropout of a
+sample are functions of (seed, epoch, sample id) (tasks/dit_batches.py).
+So a checkpoint needs only the task state of :meth:`DitTask.checkpoint_state`
+(EMA weights, skip counters, the tokenizer) besides the trainer's step. The
+embedded default dataset is the captioned multi-aspect shapes set
+(:mod:`megascale_omni.data.dit_shapes`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
 from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
-from megascale_omni.tasks.dit_sampling import evaluate_colors, save_sampling_weights
+from megascale_omni.tasks.dit_sampling import evaluate_colors
 from megascale_omni.training.step import masked_token_loss
 
 logger = logging.getLogger(__name__)
@@ -101,7 +105,9 @@ class DitTask:
         self.ema: Optional[EMA] = None
         self.chunks: list = []
         self.rank_token_imbalance = 1.0
-        self.skipped_samples = 0
+        self.skipped_samples = self.seen_samples = 0
+        # Job-wide counts before a resume (see checkpoint_state).
+        self._resumed_counts = (0, 0)
 
     # ----------------------------------------------------------------- setup
     def _scan(self, reader: DitSampleReader) -> tuple[np.ndarray, np.ndarray]:
@@ -130,17 +136,36 @@ class DitTask:
         self.chunks = build_dit_chunks(self.cfg, self.dtype, self.text_vocab)
         return self.chunks
 
+    def _ensure_ema(self) -> Optional[EMA]:
+        """The EMA (None when ``dit.ema_decay`` is 0), created from the current
+        weights on first use: from the initialised weights when the trainer
+        builds a checkpoint template before the first step (resume)."""
+        if self.ema is None and self.cfg.dit.ema_decay > 0:
+            self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
+        return self.ema
+
     def after_step(self, trainer) -> None:
-        """EMA update after each optimizer step (every rank, own shards); after
-        the last step, export the sampling weights."""
-        if self.cfg.dit.ema_decay > 0:
-            if self.ema is None:
-                self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
+        """EMA update after each optimizer step (every rank, own shards)."""
+        if self._ensure_ema() is not None:
             self.ema.update()
-        if trainer.step == self.cfg.train.steps and trainer.dp_rank == 0:
-            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-                path = save_sampling_weights(self.chunks, self.cfg.logging.output_dir)
-            logger.info("sampling weights (EMA) of this model-parallel rank written to %s", path)
+
+    # ------------------------------------------------------------ checkpoint
+    def checkpoint_state(self) -> dict:
+        """EMA weights (ShardedTensors ``ema.<model key>``, resharded with the
+        model), job-wide skip counters and the tokenizer (so sampling needs
+        no dataset). Every rank."""
+        state: dict[str, Any] = {"skipped_samples": self.skipped_samples, "seen_samples": self.seen_samples}
+        if self._ensure_ema() is not None:
+            state["ema"] = self.ema.sharded_state_dict()
+        if self.tokenizer is not None:
+            state["tokenizer"] = self.tokenizer.to_str()
+        return state
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self._resumed_counts = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
+        self.skipped_samples, self.seen_samples = self._resumed_counts
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
     # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
@@ -153,8 +178,10 @@ class DitTask:
         self.rank_token_imbalance = imbalance([sum(packages[i].computed_tokens for i in p) for p in parts])
         epoch = step // self.plan.steps_per_epoch
         batches = [self.batcher.microbatch(packages[i], self.train_ids, epoch) for i in parts[dp_rank]]
-        self.skipped_samples, seen = reduce_skip_counts(self.batcher.counter, self.dims)
-        check_bad_fraction(self.skipped_samples, seen, self.cfg.data.max_bad_sample_fraction, "training")
+        skipped, seen = reduce_skip_counts(self.batcher.counter, self.dims)
+        self.skipped_samples = skipped + self._resumed_counts[0]
+        self.seen_samples = seen + self._resumed_counts[1]
+        check_bad_fraction(self.skipped_samples, self.seen_samples, self.cfg.data.max_bad_sample_fraction, "training")
         return batches
 
     def data_stats(self) -> dict[str, float]:

@@ -84,36 +84,6 @@ def sample_images(
             chunk.train()
 
 
-def weights_path(run_dir: str | Path) -> Path:
-    """This model-parallel rank's sampling-weights file under ``run_dir``."""
-    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    return Path(run_dir) / "sampling-weights" / f"tp{tp}-pp{pp}.pt"
-
-
-def save_sampling_weights(chunks: Sequence[torch.nn.Module], run_dir: str | Path) -> Path:
-    """Write this rank's chunk weights for ``tools/sample_dit.py`` (DP rank 0
-    of each TP/PP rank). A stop-gap until sampling loads full checkpoints:
-    same TP/PP layout only, model weights only."""
-    path = weights_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"chunks": [c.state_dict() for c in chunks]}, tmp)
-    tmp.replace(path)
-    return path
-
-
-def load_sampling_weights(chunks: Sequence[torch.nn.Module], run_dir: str | Path) -> Path:
-    """Inverse of :func:`save_sampling_weights` (every rank)."""
-    path = weights_path(run_dir)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: train with pretrain_dit.py into {run_dir} first, "
-                                f"and sample with the training run's parallel.tp/parallel.pp")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    for chunk, sd in zip(chunks, state["chunks"]):
-        chunk.load_state_dict(sd)
-    return path
-
-
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """``[B, 3, H, W]`` in [-1, 1] -> uint8 ``[B, H, W, 3]``."""
     arr = ((images.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)

@@ -9,6 +9,7 @@ import sys
 import pytest
 from PIL import Image
 
+from megascale_omni.checkpoint import layout
 from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
 from tests.launcher import read_metrics, run, torchrun
 
@@ -30,18 +31,20 @@ def test_train_evaluate_and_sample_tool_run_end_to_end(tmp_path):
     assert result["color_samples"] == 14 and 0.0 <= result["color_accuracy"] <= 1.0
     grid = Image.open(out / "samples-step6.png")
     assert grid.width > 4 * 32 and grid.height > 14 * 16  # 7 colours x 2 resolutions, 4x upscaled
-    assert (out / "sampling-weights" / "tp0-pp0.pt").is_file()
+    # The demo config checkpoints into the run directory; the tool samples from it.
+    [saved] = layout.scan_tier(out / "checkpoints", "persistent")
+    assert saved.complete and saved.step == 6 and saved.commit["reason"] == "end"
 
-    res = run([sys.executable, "tools/sample_dit.py", "--run", str(out), "--prompt", "a red circle",
-               "--prompt", "a blue square", "--size", "12x20", "--per-prompt", "2", "--steps", "2",
+    res = run([sys.executable, "tools/sample_dit.py", "--checkpoint", str(out / "checkpoints"), "--prompt",
+               "a red circle", "--prompt", "a blue square", "--size", "12x20", "--per-prompt", "2", "--steps", "2",
                "--out", str(tmp_path / "grid.png"), "--score-colors"], timeout=120)
     assert res.returncode == 0, res.stderr[-4000:]
     assert Image.open(tmp_path / "grid.png").height > 2 * 12 * 4
     scores = json.loads(res.stdout[res.stdout.index("{"):])
     assert set(scores["per_prompt"]) == {"a red circle @ 12x20", "a blue square @ 12x20"}
 
-    res = run([sys.executable, "tools/sample_dit.py", "--run", str(out), "--prompt", "a red circle",
-               "--size", "10x20"], timeout=60)
+    res = run([sys.executable, "tools/sample_dit.py", "--checkpoint", str(out / "checkpoints"), "--prompt",
+               "a red circle", "--size", "10x20", "--out", str(tmp_path / "bad.png")], timeout=60)
     assert res.returncode == 2 and "--size='10x20'" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -56,8 +59,9 @@ def test_demo_learns_the_prompted_colours(tmp_path):
     result = json.loads(sorted(out.glob("color_accuracy-step*.json"))[-1].read_text())
     assert result["color_accuracy"] >= 0.8, result
     assert (out / "samples-step1200.png").is_file()
-    # the sampling tool reproduces it from the exported weights
-    res = run([sys.executable, "tools/sample_dit.py", "--run", str(out), "--prompt", "a green square",
-               "--prompt", "a magenta circle", "--size", "16x16", "--size", "24x12", "--score-colors"], timeout=300)
+    # the sampling tool reproduces it from the final checkpoint, in one process
+    res = run([sys.executable, "tools/sample_dit.py", "--checkpoint", str(out / "checkpoints"), "--prompt",
+               "a green square", "--prompt", "a magenta circle", "--size", "16x16", "--size", "24x12",
+               "--out", str(out / "tool-samples.png"), "--score-colors"], timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     assert json.loads(res.stdout[res.stdout.index("{"):])["color_accuracy"] >= 0.75

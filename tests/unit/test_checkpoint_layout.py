@@ -145,3 +145,24 @@ def test_ckpt_tool_lists_and_verifies(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         tool.main(["verify", str(tmp_path / "missing")])
     assert exc.value.code == 2
+
+
+def test_resolve_takes_a_step_dir_or_the_newest_intact_under_a_root(tmp_path, caplog):
+    _fake_ckpt(tmp_path, 5)
+    d10 = _fake_ckpt(tmp_path, 10)
+    _fake_ckpt(tmp_path, 15, commit=False)
+    assert layout.resolve(tmp_path).step == 10
+    assert layout.resolve(d10).path == d10
+    (d10 / "__0_0.distcp").write_bytes(b"x" * 60)
+    assert layout.resolve(tmp_path).step == 5  # the broken newest is skipped, with a warning
+    assert "falling back to the previous complete checkpoint" in caplog.text
+    with pytest.raises(layout.CheckpointError, match="is broken: __0_0.distcp: size 60 bytes"):
+        layout.resolve(d10)
+    with pytest.raises(layout.CheckpointError, match=f"no {layout.COMMIT_FILE}"):
+        layout.resolve(tmp_path / layout.step_dir_name(15))
+    _fake_ckpt(tmp_path / "unfinished", 3, commit=False)
+    with pytest.raises(layout.CheckpointError, match=r"steps \[3\] never finished saving"):
+        layout.resolve(tmp_path / "unfinished")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(layout.CheckpointError, match="expected step_NNNNNNNN directories"):
+        layout.resolve(tmp_path / "empty")

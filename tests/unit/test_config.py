@@ -115,3 +115,13 @@ def test_valid_layout_passes_for_matching_world_size():
 def test_apply_overrides_rejects_missing_equals():
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_overrides({}, ["train.steps"])
+
+
+def test_checkpoint_dirs_follow_the_output_dir_placeholder():
+    raw = {"logging": {"output_dir": "runs/a"},
+           "checkpoint": {"dir": "{output_dir}/checkpoints", "local_dir": "/fast/{output_dir}"}}
+    cfg = from_dict(JobConfig, raw)
+    assert (cfg.checkpoint.dir, cfg.checkpoint.local_dir) == ("runs/a/checkpoints", "/fast/runs/a")
+    moved = from_dict(JobConfig, apply_overrides(raw, ["logging.output_dir=runs/b"]))
+    assert moved.checkpoint.dir == "runs/b/checkpoints"
+    assert from_dict(JobConfig, apply_overrides(raw, ["checkpoint.dir=/ckpt"])).checkpoint.dir == "/ckpt"

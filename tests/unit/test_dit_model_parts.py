@@ -54,14 +54,19 @@ def test_ema_tracks_and_applies_temporarily():
     m = torch.nn.Linear(2, 2)
     ema = EMA([m], decay=0.5)
     start = m.weight.detach().clone()
+    assert torch.equal(ema.shadow["0.weight"], start)
     with torch.no_grad():
         m.weight.add_(1.0)
-    ema.update()  # warm-up decay min(0.5, 2/11)
-    d = 2 / 11
-    assert torch.allclose(ema.shadow["0.weight"], d * start + (1 - d) * (start + 1))
+    ema.update()  # the first update copies
+    assert torch.equal(ema.shadow["0.weight"], start + 1)
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    ema.update()  # warm-up decay min(0.5, 3/12)
+    d = 3 / 12
+    assert torch.allclose(ema.shadow["0.weight"], d * (start + 1) + (1 - d) * (start + 2))
     with ema.applied():
         assert torch.allclose(m.weight, ema.shadow["0.weight"])
-    assert torch.allclose(m.weight, start + 1)
+    assert torch.allclose(m.weight, start + 2)
 
 
 def test_dominant_color_reads_the_generated_colour():

@@ -1,32 +1,78 @@
 """Exponential moving average of the weights, for sampling.
 
 Each rank averages its *own* parameter shards (TP/PP slices), so EMA needs
-no communication and its state has exactly the model's layout.
+no communication and its state has exactly the model's layout. In a
+checkpoint the shadow is a set of megatron ShardedTensors that mirror the
+model's own (same global shape, offsets and replica ids, keys prefixed with
+``ema.``), so it reshards across TP/PP/DP exactly like the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import dataclasses
+from typing import Iterator, Mapping, Sequence
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+#: Key prefix of the EMA weights in a checkpoint (``ema.<model key>``).
+EMA_PREFIX = "ema."
+
+
+def chunk_param_names(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """``("<chunk index>.<parameter name>", parameter)`` of every parameter of ``chunks``."""
+    return [(f"{i}.{name}", p) for i, c in enumerate(chunks) for name, p in c.named_parameters()]
+
+
+def mirror_sharded(
+    chunks: Sequence[torch.nn.Module], tensors: Mapping[str, torch.Tensor], prefix: str = EMA_PREFIX
+) -> dict[str, ShardedTensor]:
+    """ShardedTensors holding ``tensors`` (named as by :func:`chunk_param_names`,
+    each shaped like its parameter) with the metadata of the parameter's entry
+    in its chunk's ``sharded_state_dict()`` and the key ``prefix + key``.
+
+    Used to save/load the EMA shadow and, with ``tensors`` the parameters
+    themselves, to load EMA weights straight into a model (every rank).
+    Raises KeyError when a parameter has no ShardedTensor entry.
+    """
+    out = {}
+    for i, chunk in enumerate(chunks):
+        entries = chunk.sharded_state_dict()
+        for name, _ in chunk.named_parameters():
+            full = f"{i}.{name}"
+            if full not in tensors:
+                continue
+            sh = entries.get(name)
+            if not isinstance(sh, ShardedTensor):
+                raise KeyError(f"parameter {name} has no ShardedTensor in the model's sharded_state_dict")
+            out[full] = dataclasses.replace(sh, key=prefix + sh.key, data=tensors[full])
+    return out
 
 
 class EMA:
-    """``shadow <- d * shadow + (1 - d) * param`` after every optimizer step,
-    with the usual warm-up ``d = min(decay, (1 + n) / (10 + n))`` so early
-    averages are not dominated by the random initialisation (every rank)."""
+    """``shadow <- d * shadow + (1 - d) * param`` after every optimizer step
+    (every rank, own shards).
+
+    The shadow starts as a copy of the parameters. The first update copies
+    the parameters (``d = 0``), later ones use the warm-up
+    ``d = min(decay, (1 + n) / (10 + n))`` (``n`` = updates so far, this one
+    included), so early averages are not dominated by the random
+    initialisation.
+    """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], decay: float):
         self.decay = decay
-        self.named = [(f"{i}.{name}", p) for i, c in enumerate(chunks) for name, p in c.named_parameters()]
+        self.chunks = list(chunks)
+        self.named = chunk_param_names(chunks)
         self.shadow = {name: p.detach().clone() for name, p in self.named}
         self.num_updates = 0
 
     @torch.no_grad()
     def update(self) -> None:
         self.num_updates += 1
-        d = min(self.decay, (1.0 + self.num_updates) / (10.0 + self.num_updates))
+        n = self.num_updates
+        d = 0.0 if n == 1 else min(self.decay, (1.0 + n) / (10.0 + n))
         for name, p in self.named:
             self.shadow[name].lerp_(p.detach(), 1.0 - d)
 
@@ -44,13 +90,19 @@ class EMA:
                 for (_, p), b in zip(self.named, backup):
                     p.copy_(b)
 
-    def state_dict(self) -> dict:
-        return {"decay": self.decay, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+    def sharded_state_dict(self) -> dict:
+        """Checkpoint state: the shadow as ShardedTensors (see :func:`mirror_sharded`)
+        plus ``decay`` and ``num_updates`` (plain values)."""
+        return {"decay": self.decay, "num_updates": self.num_updates,
+                "shadow": mirror_sharded(self.chunks, self.shadow)}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`sharded_state_dict` after loading (shadow tensors
+        in this rank's layout). ``decay`` stays the configured one."""
         missing = set(self.shadow) - set(state["shadow"])
         if missing:
-            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...; was it saved with another layout?")
+            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")
         self.num_updates = int(state["num_updates"])
         for name, t in state["shadow"].items():
             self.shadow[name].copy_(t)
