@@ -22,7 +22,9 @@ def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
     """A lighthouse on a free port; returns (process, address)."""
     port = free_port()
     proc = spawn(
-        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "1000",
+        # join_timeout far above a step time: two joiners must never form a
+        # quorum of their own while the running replica is mid-step.
+        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "60000",
          "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", "50"],
         timeout=timeout,
     )
