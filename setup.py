@@ -18,8 +18,13 @@ INSTALL_REQUIRES = [
     "psutil==7.2.2",
 ]
 
+# Offline DiT latent tools only (tools/make_dit_latents.py, tools/sample_dit.py --vae);
+# training and the CPU demo never import them. The test extra includes them so
+# CI exercises the latent tool end to end.
+LATENTS = ["diffusers==0.42.1", "transformers==5.23.0"]
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", *LATENTS],
+    "latents": LATENTS,
     # Chosen automatically on CUDA hosts; never imported by a CPU run.
     "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
 }
@@ -35,6 +40,7 @@ setup(
     entry_points={
         "console_scripts": [
             "omni-smoke=megascale_omni.smoke:cli",
+            "omni-ctl=megascale_omni.control.cli:cli",
         ]
     },
 )

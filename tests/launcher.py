@@ -3,6 +3,7 @@ cleanup of the whole process group (no stray ranks survive a failed test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,6 +119,27 @@ def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: 
     return run(torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
 
 
+@contextlib.contextmanager
+def spawn_torchrun(
+    nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start :func:`torchrun_cmd` in the background for tests that talk to the
+    job while it runs (wait on it yourself; read its log with :func:`output_of`).
+    The whole process group is killed on exit, whatever happened."""
+    proc = spawn(torchrun_cmd(nproc, target, args), timeout, env)
+    try:
+        yield proc
+    finally:
+        _kill_group(proc)
+        proc.wait()
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    """stdout + stderr of a :func:`spawn`-ed process so far."""
+    out, err = _read(proc)
+    return out + err
+
+
 def read_metrics(output_dir: str | Path) -> list[dict]:
     """Per-step training records (records with a ``loss`` key) from metrics.jsonl."""
     path = Path(output_dir) / "metrics.jsonl"
@@ -135,3 +157,17 @@ def train_and_read(
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     return records
+
+
+def assert_same_training(baseline: list[dict], records: list[dict], name: str, rtol: float, counters: Sequence[str]) -> float:
+    """Per-step loss within ``rtol`` and grad norm within 1e-2 (relative) of
+    ``baseline``, equal ``counters`` per step; returns the worst relative loss difference."""
+    import pytest
+
+    assert len(records) == len(baseline)
+    for ref, got in zip(baseline, records):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=rtol), f"{name} step {got['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), f"{name} step {got['step']}"
+    for key in counters:
+        assert [r[key] for r in records] == [r[key] for r in baseline], key
+    return max(abs(g["loss"] - r["loss"]) / abs(r["loss"]) for r, g in zip(baseline, records))

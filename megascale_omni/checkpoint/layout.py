@@ -39,6 +39,10 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def is_step_dir_name(name: str) -> bool:
+    return _STEP_DIR.match(name) is not None
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """One step directory of one tier, as found on disk."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +46,7 @@ from megascale_omni.checkpoint.state import (
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
 from megascale_omni.config import CheckpointConfig, ConfigError
+from megascale_omni.metrics.writers import JsonlWriter
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ FAILURE_BARRIER_S = 30.0
 class Checkpointer:
     """Owns the writer, the triggers and the tiers of one job (every rank)."""
 
-    def __init__(self, cfg: CheckpointConfig):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str):
         self.cfg = cfg
         self.tiers: list[tuple[str, str]] = ([("local", cfg.local_dir)] if cfg.local_dir else []) + [
             ("persistent", cfg.dir)
@@ -74,6 +76,8 @@ class Checkpointer:
         self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
         #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes.
         self.saves: list[dict] = []
+        # Written by the committer thread only (one writer per file).
+        self._log = JsonlWriter(os.path.join(run_dir, "checkpoints.jsonl")) if self.rank == 0 else None
 
     # --------------------------------------------------------------- resume
     def resume(self, trainer) -> Optional[Path]:
@@ -191,8 +195,12 @@ class Checkpointer:
         Blocks for the host copy and planning only, unless ``wait`` or
         ``checkpoint.async_save=false``; then returns after the commit.
         """
-        self.wait()
+        t_request = time.perf_counter()
+        self.wait()  # at most one save in flight
         t0 = time.perf_counter()
+        waited = t0 - t_request
+        if waited > 0.01:
+            logger.info("checkpoint: waited %.2f s for the previous save to commit", waited)
         step = trainer.step
         target = self.save_root / layout.step_dir_name(step)
         skip = [self._prepare_target(target, step) if self.rank == 0 else None]
@@ -206,15 +214,18 @@ class Checkpointer:
             state, str(target), sharded_strategy=self._strategy, async_sharded_save=True
         )
         request = prepare_request(request)
-        blocking_s = time.perf_counter() - t0
-        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s)
+        blocking_s = waited + time.perf_counter() - t0
+        synchronous = wait or not self.cfg.async_save
+        meta = {"layout": layout_of(trainer), "mode": "sync" if synchronous else "async"}
+        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta)
         self.triggers.saved()
-        logger.info(
-            "checkpoint step %d (%s): training blocked %.3f s (host copy of %.1f MB on this rank); writing in background",
-            step, reason, blocking_s, staged / 2**20,
-        )
-        if wait or not self.cfg.async_save:
-            self.wait()
+        if not synchronous:
+            logger.info(
+                "checkpoint step %d (%s): training blocked %.3f s (host copy of %.1f MB on this rank); "
+                "writing in background", step, reason, blocking_s, staged / 2**20,
+            )
+            return
+        self.wait()
 
     def _prepare_target(self, target: Path, step: int) -> bool:
         """Rank 0: True if ``step`` is already committed; else an empty ``target``."""
@@ -243,16 +254,18 @@ class Checkpointer:
     def _publish(self, save: InflightSave) -> None:
         """Rank 0, committer thread: checksum, commit marker, replicate, prune."""
         path = self.save_root / layout.step_dir_name(save.step)
-        commit = layout.write_commit(path, save.step, {"reason": save.reason, "blocking_s": save.blocking_s})
+        commit = layout.write_commit(path, save.step, {"reason": save.reason, **save.meta})
         info = layout.CheckpointInfo(path, save.step, self.save_tier, commit)
         total_s = time.perf_counter() - save.started
+        # A synchronous save blocks training until its commit.
+        blocking_s = total_s if save.meta.get("mode") == "sync" else save.blocking_s
         record = {
-            "step": save.step, "reason": save.reason, "blocking_s": save.blocking_s,
+            "step": save.step, "reason": save.reason, "mode": save.meta.get("mode"), "blocking_s": blocking_s,
             "total_s": total_s, "bytes": info.size_bytes, "path": str(path),
         }
         logger.info(
             "checkpoint step %d committed: %s, %.1f MB, blocked %.3f s, total %.2f s",
-            save.step, path, info.size_bytes / 2**20, save.blocking_s, total_s,
+            save.step, path, info.size_bytes / 2**20, blocking_s, total_s,
         )
         for tier, root in self.tiers[1:]:
             t0 = time.perf_counter()
@@ -264,6 +277,8 @@ class Checkpointer:
             if removed:
                 logger.info("pruned %s checkpoints %s (keep_last=%d)", tier, removed, self.cfg.keep_last)
         self.saves.append(record)
+        if self._log is not None:
+            self._log.write(record)
 
     # ------------------------------------------------------------- failures
     def save_after_failure(self, trainer, exc: BaseException, optimizer_started: bool) -> bool:
@@ -299,6 +314,8 @@ class Checkpointer:
         self.triggers.restore_signal_handlers()
         self.writer.close()
         self._committer.shutdown(wait=True)
+        if self._log is not None:
+            self._log.close()
 
 
 def _portable(e: Optional[Exception]) -> Optional[tuple]:

@@ -39,6 +39,8 @@ class InflightSave:
     future: Future
     started: float
     blocking_s: float
+    #: Recorded in the commit marker (layout, world size).
+    meta: dict
 
 
 class AsyncWriter:
@@ -48,11 +50,13 @@ class AsyncWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self.inflight: Optional[InflightSave] = None
 
-    def submit(self, step: int, reason: str, request: AsyncRequest, started: float, blocking_s: float) -> None:
+    def submit(
+        self, step: int, reason: str, request: AsyncRequest, started: float, blocking_s: float, meta: dict
+    ) -> None:
         """Start writing ``request``'s files in the background (host copies staged)."""
         assert self.inflight is None, "at most one checkpoint save may be in flight"
         future = self._pool.submit(_run_write, request)
-        self.inflight = InflightSave(step, reason, request, future, started, blocking_s)
+        self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta)
 
     def done_locally(self) -> bool:
         """True when no save is in flight or this rank's files are written."""

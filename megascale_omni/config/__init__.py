@@ -1,12 +1,14 @@
 """Typed job configuration: dataclass sections, YAML + overrides, validation."""
 
-from megascale_omni.config.cli import parse_job_config, run_cli
+from megascale_omni.config.cli import load_job_config, parse_job_config, run_cli
 from megascale_omni.config.errors import ConfigError
-from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, to_dict
+from megascale_omni.config.loader import apply_overrides, coerce_field, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
+    ControlConfig,
     CheckpointConfig,
     DataConfig,
     ElasticConfig,
+    DitConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
@@ -14,13 +16,21 @@ from megascale_omni.config.schema import (
     TrainConfig,
     VisionConfig,
 )
-from megascale_omni.config.validate import data_parallel_size, validate_job, validate_platform
+from megascale_omni.config.validate import (
+    control_socket_path,
+    data_parallel_size,
+    load_control_token,
+    validate_job,
+    validate_platform,
+)
 
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "ControlConfig",
     "DataConfig",
     "ElasticConfig",
+    "DitConfig",
     "JobConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -28,8 +38,12 @@ __all__ = [
     "TrainConfig",
     "VisionConfig",
     "apply_overrides",
+    "coerce_field",
+    "control_socket_path",
     "data_parallel_size",
     "from_dict",
+    "load_control_token",
+    "load_job_config",
     "load_yaml",
     "parse_job_config",
     "run_cli",

@@ -29,6 +29,20 @@ def parse_job_config(
     ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 under plain python).
     Raises ConfigError; never starts a process group.
     """
+    cfg = load_job_config(argv, cls, description)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_job(cfg, world_size)  # type: ignore[arg-type]
+    return cfg
+
+
+def load_job_config(
+    argv: Sequence[str] | None = None,
+    cls: type[C] = JobConfig,  # type: ignore[assignment]
+    description: str = "",
+) -> C:
+    """Parse ``--config`` + overrides into ``cls`` with per-section checks only
+    (no world-size validation; see :func:`parse_job_config`)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config file (see examples/)")
     parser.add_argument(
@@ -37,11 +51,7 @@ def parse_job_config(
     args = parser.parse_args(argv)
     raw = load_yaml(args.config) if args.config else {}
     raw = apply_overrides(raw, args.overrides)
-    cfg = from_dict(cls, raw)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_job(cfg, world_size)  # type: ignore[arg-type]
-    return cfg
+    return from_dict(cls, raw)
 
 
 def run_cli(main: Callable[[], object]) -> None:

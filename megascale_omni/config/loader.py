@@ -85,6 +85,20 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") ->
     return cls(**kwargs)
 
 
+def coerce_field(cfg: Any, dotted: str, value: Any) -> Any:
+    """Check ``value`` for field ``section.name`` of config ``cfg`` exactly as a
+    YAML value would be checked (type, then the section's ``__post_init__``).
+
+    Returns the coerced value; raises ConfigError naming the field. ``cfg`` is
+    not modified. Used for run-time changes (control ``config set``).
+    """
+    section_name, _, name = dotted.partition(".")
+    section = getattr(cfg, section_name)
+    coerced = _coerce(typing.get_type_hints(type(section))[name], value, dotted)
+    dataclasses.replace(section, **{name: coerced})  # runs the section's own range checks
+    return coerced
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megascale_omni.config.errors import ConfigError
 
@@ -61,6 +61,10 @@ class ModelConfig:
     layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     #: Freeze the language model (LLaVA stage-1 "train the projector only").
     freeze: bool = False
+    #: Full activation recomputation of every LM and ViT layer (megatron
+    #: ``recompute_granularity=full``): keeps only each layer's input between
+    #: forward and backward, at the price of a second forward in backward.
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -110,10 +114,15 @@ class VisionConfig:
     freeze: bool = False
     #: Freeze the projector.
     freeze_projector: bool = False
+    #: Images per packed ``model.seq_length`` row that the pipeline cost model
+    #: assumes (the ViT's share of pipeline stage 0 grows with it). The
+    #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
+    images_per_sequence: float = 9.8
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
             _positive("vision", name, getattr(self, name))
+        _positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
         if self.image_size % self.patch_size:
             raise ConfigError(
                 "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
@@ -132,6 +141,86 @@ class VisionConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def _default_buckets() -> list[list[int]]:
+    return [[16, 16], [12, 20], [20, 12], [24, 24], [16, 32], [32, 16]]
+
+
+@dataclass
+class DitConfig:
+    """DiT-specific settings (ignored by other families). The transformer
+    shape (layers, width, heads, MLP) comes from ``model``.
+
+    Sizes are in *latent* pixels: image pixels for pixel-space training (the
+    embedded shapes data), VAE latent pixels for latent shards made by
+    ``tools/make_dit_latents.py``.
+    """
+
+    #: Side of a square patch; one patch is one transformer token.
+    patch_size: int = 2
+    #: Channels of the training tensor: 3 for RGB pixels, 4 for SD-style VAE latents.
+    in_channels: int = 3
+    #: Aspect-ratio bucket table, ``[height, width]`` pairs; each side a multiple of patch_size.
+    buckets: list[list[int]] = field(default_factory=_default_buckets)
+    #: Latent tokens per micro-batch ("package"): a bucket of N tokens gets
+    #: ``token_budget // N`` images, so small images come in large batches.
+    token_budget: int = 512
+    #: ``learned``: captions are tokenized and embedded by the model;
+    #: ``precomputed``: shards carry text-encoder states of width ``text_dim``.
+    text_encoder: Literal["learned", "precomputed"] = "learned"
+    #: Width of the caption embeddings (``0`` = ``model.hidden_size`` for learned).
+    text_dim: int = 0
+    #: Caption tokens kept (longer captions are truncated), including <bos>.
+    max_text_length: int = 8
+    #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
+    #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    #: Probability of training a sample with the empty caption (enables CFG).
+    caption_dropout: float = 0.1
+    #: EMA decay of the weights used for sampling; 0 disables EMA.
+    ema_decay: float = 0.999
+    #: Euler steps of the ODE sampler.
+    sample_steps: int = 25
+    #: Classifier-free guidance scale (1 = no guidance).
+    guidance_scale: float = 4.0
+    #: Images sampled per colour prompt and resolution in evaluation.
+    eval_samples_per_prompt: int = 4
+    #: ``[height, width]`` resolutions sampled in evaluation.
+    eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "in_channels", "token_budget", "max_text_length", "sample_steps",
+                     "eval_samples_per_prompt"):
+            _positive("dit", name, getattr(self, name))
+        _positive("dit", "text_dim", self.text_dim, allow_zero=True)
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ConfigError("dit.caption_dropout", self.caption_dropout, "must be in [0, 1)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError("dit.ema_decay", self.ema_decay, "must be in [0, 1) (0 disables EMA)")
+        _positive("dit", "logit_std", self.logit_std)
+        if not self.buckets:
+            raise ConfigError("dit.buckets", self.buckets, "needs at least one [height, width] bucket")
+        for name in ("buckets", "eval_resolutions"):
+            for i, hw in enumerate(getattr(self, name)):
+                if len(hw) != 2 or min(hw) <= 0 or hw[0] % self.patch_size or hw[1] % self.patch_size:
+                    raise ConfigError(
+                        f"dit.{name}[{i}]", hw,
+                        f"must be [height, width], positive multiples of dit.patch_size={self.patch_size}",
+                    )
+        # Fail at start, not at the first large-image step: every bucket must
+        # fit at least one image into a micro-batch.
+        p = self.patch_size
+        for i, (h, w) in enumerate(self.buckets):
+            tokens = (h // p) * (w // p)
+            if tokens > self.token_budget:
+                raise ConfigError(
+                    "dit.token_budget", self.token_budget,
+                    f"bucket dit.buckets[{i}]={h}x{w} has {tokens} tokens (patch {p}) and cannot fit; "
+                    f"raise dit.token_budget to >= {tokens} or remove that bucket",
+                )
 
 
 @dataclass
@@ -153,10 +242,28 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     #: Megatron sequence parallelism (requires tp > 1).
     sequence_parallel: bool = False
+    #: Language-model layers per pipeline stage. ``uniform``: megatron's even
+    #: split (``num_layers`` divisible by pp*vpp). ``auto``: the split that
+    #: minimises the slowest stage under the cost model (or the measured
+    #: ``pipeline_profile``) within ``pipeline_memory_gib``; stage 0 also runs
+    #: the ViT, projector and embedding, the last stage the output layer and
+    #: loss. A list gives the counts explicitly, one per model chunk in
+    #: megatron's layout order (virtual stage 0 of pp ranks 0..pp-1, then
+    #: virtual stage 1, ...), each >= 1, summing to ``model.num_layers``.
+    pipeline_partition: Union[Literal["uniform", "auto"], list[int]] = "uniform"
+    #: JSON written by ``tools/profile_layers.py`` with measured per-component
+    #: times; ``null`` uses the FLOP cost model.
+    pipeline_profile: Optional[str] = None
+    #: Memory capacity of one pipeline rank, GiB (weights, gradients,
+    #: optimizer state and in-flight activations as the cost model estimates
+    #: them); ``null`` leaves memory unchecked.
+    pipeline_memory_gib: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
             _positive("parallel", name, getattr(self, name))
+        if self.pipeline_memory_gib is not None:
+            _positive("parallel", "pipeline_memory_gib", self.pipeline_memory_gib)
         if self.vpp is not None:
             if self.vpp < 2:
                 raise ConfigError("parallel.vpp", self.vpp, "must be >= 2, or null to disable interleaving")
@@ -255,6 +362,46 @@ class LoggingConfig:
 
 
 @dataclass
+class ControlConfig:
+    """Control socket of the replica group (served by its rank 0).
+
+    See ``docs/control-protocol.md``. There is deliberately no inline token
+    field: the resolved config is written to ``output_dir/config.yaml``.
+    """
+
+    #: Serve the control socket and apply commands at step boundaries.
+    enabled: bool = True
+    #: Unix socket path; ``null`` = ``<logging.output_dir>/control.sock``. Mode 0600.
+    socket_path: Optional[str] = None
+    #: Also listen on TCP at this port (0 = any free port); ``null`` = no TCP.
+    #: TCP requests must carry the token (``token_file`` or ``token_env``).
+    tcp_port: Optional[int] = None
+    #: TCP bind address; loopback by default. Anything else exposes the job to the network.
+    tcp_host: str = "127.0.0.1"
+    #: File holding the shared secret for TCP clients (first line; >= 16 characters).
+    token_file: Optional[str] = None
+    #: Environment variable holding the token when ``token_file`` is null.
+    token_env: str = "MEGASCALE_CONTROL_TOKEN"
+    #: While paused, ranks meet in one small collective every this many
+    #: seconds (keeps them far from the collective timeout), and rank 0
+    #: notices ``resume`` at most this late.
+    pause_poll_s: float = 0.5
+    #: Concurrent client connections; more are answered ``busy`` and closed.
+    max_connections: int = 16
+    #: Close a client connection idle for this long, seconds.
+    idle_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
+            raise ConfigError("control.tcp_port", self.tcp_port, "must be in [0, 65535] (0 = any free port) or null")
+        if not self.token_env:
+            raise ConfigError("control.token_env", self.token_env, "must name an environment variable")
+        _positive("control", "pause_poll_s", self.pause_poll_s)
+        _positive("control", "max_connections", self.max_connections)
+        _positive("control", "idle_timeout_s", self.idle_timeout_s)
+
+
+@dataclass
 class CheckpointConfig:
     """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
 
@@ -348,9 +495,11 @@ class JobConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    dit: DitConfig = field(default_factory=DitConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)

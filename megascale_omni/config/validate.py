@@ -6,8 +6,16 @@ fails in milliseconds with the same message on every rank.
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from megascale_omni.config.errors import ConfigError
-from megascale_omni.config.schema import JobConfig
+from megascale_omni.config.schema import ControlConfig, JobConfig
+
+#: ``sizeof(sockaddr_un.sun_path) - 1`` on Linux: longest Unix socket path, bytes.
+MAX_UNIX_SOCKET_PATH = 107
+#: Shortest accepted control token, characters.
+MIN_TOKEN_CHARS = 16
 
 
 def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
@@ -35,19 +43,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         ("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by),
     ):
         _require_divisible_by_tp(name, value, par.tp)
-    chunks = par.pp * (par.vpp or 1)
-    if model.num_layers < chunks:
-        raise ConfigError(
-            "model.num_layers",
-            model.num_layers,
-            f"needs at least pp*vpp={chunks} layers (one per model chunk); add layers or lower pp/vpp",
-        )
-    if model.num_layers % chunks:
-        raise ConfigError(
-            "model.num_layers",
-            model.num_layers,
-            f"must be divisible by pp*vpp={chunks} for a uniform pipeline split",
-        )
+    _validate_pipeline_partition(cfg)
     if par.cp > 1:
         # megatron would build CP groups, but our data path does not yet
         # split sequences across CP ranks; refusing beats training wrongly.
@@ -69,6 +65,49 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         )
     if model.family == "llava":
         _validate_llava(cfg)
+    if cfg.control.enabled:
+        _validate_control(cfg)
+    if model.family == "dit":
+        _validate_dit(cfg)
+
+
+def _validate_pipeline_partition(cfg: JobConfig) -> None:
+    """Layer-count checks of ``parallel.pipeline_partition`` that need no cost
+    model (memory feasibility is checked by the planner, also before start-up)."""
+    par, layers = cfg.parallel, cfg.model.num_layers
+    vpp = par.vpp or 1
+    chunks = par.pp * vpp
+    if layers < chunks:
+        raise ConfigError(
+            "model.num_layers",
+            layers,
+            f"needs at least pp*vpp={chunks} layers (one per model chunk); add layers or use "
+            f"parallel.pp <= {max(layers // vpp, 1)}" + (" or a smaller parallel.vpp" if par.vpp else ""),
+        )
+    partition = par.pipeline_partition
+    if partition == "uniform" and layers % chunks:
+        raise ConfigError(
+            "model.num_layers",
+            layers,
+            f"must be divisible by pp*vpp={chunks} for a uniform pipeline split; "
+            f"or set parallel.pipeline_partition: auto",
+        )
+    if isinstance(partition, list):
+        order = " in megatron layout order (virtual stage-major)" if par.vpp else ""
+        if len(partition) != chunks:
+            raise ConfigError(
+                "parallel.pipeline_partition",
+                partition,
+                f"needs one layer count per model chunk, pp*vpp={chunks} entries{order}",
+            )
+        if min(partition) < 1:
+            raise ConfigError("parallel.pipeline_partition", partition, "every model chunk needs at least 1 layer")
+        if sum(partition) != layers:
+            raise ConfigError(
+                "parallel.pipeline_partition",
+                partition,
+                f"sums to {sum(partition)} but model.num_layers={layers}; the counts must add up to it",
+            )
 
 
 def _validate_elastic(cfg: JobConfig) -> None:
@@ -112,6 +151,76 @@ def _validate_llava(cfg: JobConfig) -> None:
         )
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:
         raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
+
+
+def control_socket_path(cfg: JobConfig) -> str:
+    """Absolute Unix socket path of the control server."""
+    return os.path.abspath(cfg.control.socket_path or os.path.join(cfg.logging.output_dir, "control.sock"))
+
+
+def load_control_token(control: ControlConfig) -> Optional[str]:
+    """The control token from ``control.token_file``, else from the environment
+    variable ``control.token_env``; None when neither is set. Never logged."""
+    if control.token_file is not None:
+        try:
+            with open(control.token_file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(
+                "control.token_file", control.token_file, f"cannot be read ({e.strerror}); create it (chmod 600)"
+            ) from None
+        source = "control.token_file"
+    else:
+        token = os.environ.get(control.token_env, "").strip()
+        source = f"environment variable {control.token_env}"
+    if not token:
+        return None
+    if len(token) < MIN_TOKEN_CHARS:
+        # The value itself is a secret: name where it came from, never what it is.
+        raise ConfigError(
+            "control.token_file" if control.token_file else "control.token_env",
+            control.token_file or control.token_env,
+            f"the token from {source} is shorter than {MIN_TOKEN_CHARS} characters; "
+            "use e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`",
+        )
+    return token
+
+
+def _validate_control(cfg: JobConfig) -> None:
+    path = control_socket_path(cfg)
+    if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
+        raise ConfigError(
+            "control.socket_path",
+            path,
+            f"Unix socket paths are limited to {MAX_UNIX_SOCKET_PATH} bytes; set control.socket_path "
+            "to a shorter path (e.g. /tmp/<job>.sock) or use a shorter logging.output_dir",
+        )
+    token = load_control_token(cfg.control)
+    if cfg.control.tcp_port is not None and token is None:
+        raise ConfigError(
+            "control.tcp_port",
+            cfg.control.tcp_port,
+            f"TCP control needs a token: write one to a file (chmod 600) and set control.token_file, "
+            f"or export {cfg.control.token_env}; or set control.tcp_port: null (Unix socket only)",
+        )
+
+
+def _validate_dit(cfg: JobConfig) -> None:
+    dit, par = cfg.dit, cfg.parallel
+    if cfg.train.micro_batch_size != 1:
+        raise ConfigError(
+            "train.micro_batch_size", cfg.train.micro_batch_size,
+            "DiT micro-batches are bucket packages sized by dit.token_budget; set train.micro_batch_size: 1 "
+            "(train.global_batch_size counts packages per step)",
+        )
+    if par.vpp is not None:
+        raise ConfigError("parallel.vpp", par.vpp, "DiT supports tp/pp/dp without interleaving; set parallel.vpp: null")
+    if par.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", True, "DiT supports tp/pp/dp; set it to false")
+    # The patch output projection is a column-parallel linear over C * p * p outputs.
+    _require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
+    if dit.text_encoder == "precomputed" and dit.text_dim == 0:
+        raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
 
 
 def validate_platform(cfg: JobConfig, cuda: bool) -> None:

@@ -209,6 +209,15 @@ def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_
         FileExistsError: ``out_dir`` already holds shards or an index and
             ``overwrite`` is False (stale shards would silently mix in).
     """
+    return write_member_shards((encode_sample(s) for s in samples), out_dir, samples_per_shard, overwrite)
+
+
+def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | os.PathLike,
+                        samples_per_shard: int, overwrite: bool = False) -> ShardIndex:
+    """Like :func:`write_shards` for already-encoded records (member suffix ->
+    bytes, e.g. ``{"json": ..., "png": ...}``); the ``json`` member should carry
+    an integer ``"id"``. Used by sample formats other than :class:`Sample`
+    (DiT images and latents, see :mod:`megascale_omni.data.dit_data`)."""
     if samples_per_shard <= 0:
         raise ValueError(f"samples_per_shard must be > 0, got {samples_per_shard}")
     out = Path(out_dir)
@@ -226,7 +235,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_
     names: list[str] = []
     fileobj = writer = None
     try:
-        for pos, sample in enumerate(samples):
+        for pos, record in enumerate(records):
             if pos % samples_per_shard == 0:
                 if writer is not None:
                     writer.close()
@@ -236,7 +245,7 @@ def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_
                 # Fixed metadata so identical samples give byte-identical tars.
                 writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444,
                                               compress=False, encoder=False, mtime=0.0)
-            writer.write({"__key__": f"{pos:09d}", **encode_sample(sample)})
+            writer.write({"__key__": f"{pos:09d}", **record})
     finally:
         if writer is not None:
             writer.close()
@@ -347,6 +356,15 @@ class ShardedSampleReader:
         return self.index.num_samples
 
     def __getitem__(self, idx: int) -> Sample:
+        loc, shard_path, members = self.read_members(idx)
+        try:
+            return decode_sample(members)
+        except SampleDecodeError as exc:
+            raise BadSampleError(loc.id, shard_path, str(exc)) from exc
+
+    def read_members(self, idx: int) -> tuple[SampleLocation, Path, dict[str, bytes]]:
+        """Raw bytes of every member of sample ``idx`` (no decoding), with its
+        location and shard path for error reports. Raises IndexError or BadSampleError."""
         idx = operator.index(idx)
         n = len(self)
         if idx < 0:
@@ -357,19 +375,17 @@ class ShardedSampleReader:
         shard_path = self.root / self.index.shards[loc.shard].name
         members = {suffix: self._read_member(loc, shard_path, suffix, offset, size)
                    for suffix, (offset, size) in loc.members.items()}
-        try:
-            return decode_sample(members)
-        except SampleDecodeError as exc:
-            raise BadSampleError(loc.id, shard_path, str(exc)) from exc
+        return loc, shard_path, members
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def read_metadata(self, idx: int) -> dict[str, Any]:
+    def read_metadata(self, idx: int, required: Iterable[str] = _REQUIRED_JSON_FIELDS) -> dict[str, Any]:
         """Only the JSON member of sample ``idx`` (no image decode): what a
         planner needs to compute lengths and costs for a whole split quickly.
 
-        Raises BadSampleError like ``__getitem__`` for unreadable or corrupt JSON.
+        Raises BadSampleError like ``__getitem__`` for unreadable or corrupt
+        JSON, or when a field of ``required`` is missing.
         """
         loc = self.index.samples[operator.index(idx)]
         shard_path = self.root / self.index.shards[loc.shard].name
@@ -383,7 +399,7 @@ class ShardedSampleReader:
             raise BadSampleError(loc.id, shard_path, f"corrupt json member: {exc}") from exc
         if not isinstance(meta, dict):
             raise BadSampleError(loc.id, shard_path, "json member is not an object")
-        missing = [f for f in _REQUIRED_JSON_FIELDS if f not in meta]
+        missing = [f for f in required if f not in meta]
         if missing:
             raise BadSampleError(loc.id, shard_path, f"json member lacks field(s) {missing}")
         return meta

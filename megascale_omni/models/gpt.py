@@ -9,6 +9,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megascale_omni.config import ModelConfig, ParallelConfig
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+from megascale_omni.parallel.pipeline_plan import megatron_layout
 
 
 def common_config_kwargs(tp: int, dtype: torch.dtype, init_method_std: float) -> dict:
@@ -36,6 +37,26 @@ def common_config_kwargs(tp: int, dtype: torch.dtype, init_method_std: float) ->
     )
 
 
+def recompute_kwargs(recompute: bool) -> dict:
+    """Full activation recomputation of every layer (``model.recompute``)."""
+    if not recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def pipeline_kwargs(parallel: ParallelConfig) -> dict:
+    """Pipeline degrees and split for megatron. Explicit per-chunk counts
+    (``auto`` is resolved to them before start-up) become megatron's
+    ``pipeline_model_parallel_layout``; ``uniform`` leaves megatron's even split."""
+    partition = parallel.pipeline_partition
+    if partition == "auto":
+        raise ValueError("parallel.pipeline_partition=auto must be resolved (pipeline_plan.resolve_partition) first")
+    kwargs = dict(pipeline_model_parallel_size=parallel.pp, virtual_pipeline_model_parallel_size=parallel.vpp)
+    if isinstance(partition, list) and parallel.pp > 1:
+        kwargs["pipeline_model_parallel_layout"] = megatron_layout(partition, parallel.pp)
+    return kwargs
+
+
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -48,6 +69,10 @@ def transformer_config(
     ``finalize_model_grads``,
     so every DP/PP layout optimises exactly the same objective even when
     micro-batches carry different numbers of loss tokens.
+
+    A non-uniform pipeline split reaches megatron as its layout string, so
+    megatron numbers the layers globally (``get_transformer_layer_offset``)
+    and the layout-invariant init keys stay the same under any split.
     """
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -58,10 +83,10 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         normalization=model.normalization,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
+        **pipeline_kwargs(parallel),
+        **recompute_kwargs(model.recompute),
         **common_config_kwargs(parallel.tp, dtype, model.init_method_std),
     )
 

@@ -45,6 +45,12 @@ def _norm_param_storage(module: torch.nn.Module) -> set[int]:
     return ptrs
 
 
+def _zero_init_storage(module: torch.nn.Module) -> set[int]:
+    """Storage pointers of parameters tagged ``zero_init`` (e.g. DiT's adaLN-Zero
+    modulation and output layers, which must start at exactly zero)."""
+    return {p.data_ptr() for p in module.parameters() if getattr(p, "zero_init", False)}
+
+
 def _full_init(
     key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, stream: str, is_norm: bool
 ) -> torch.Tensor:
@@ -71,14 +77,15 @@ def init_layout_invariant(
 ) -> int:
     """Overwrite every parameter of ``chunks`` from (seed, global key) (every rank).
 
-    Norm weights become 1, biases 0, matrices N(0, std) with output
-    projections scaled by ``1/sqrt(2 * num_layers)``. Returns the number of
+    Norm weights become 1, biases 0, parameters tagged ``zero_init`` 0,
+    matrices N(0, std) with output projections scaled by ``1/sqrt(2 * num_layers)``. Returns the number of
     tensors initialised. Call before wrapping in DDP so grad buffers are
     created from the final values.
     """
     count = 0
     for chunk in chunks:
         norm_ptrs = _norm_param_storage(chunk)
+        zero_ptrs = _zero_init_storage(chunk)
         sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
         for sh in _iter_sharded(sharded):
             if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
@@ -87,10 +94,13 @@ def init_layout_invariant(
             # on its own so only one layer's full tensor is materialised.
             npre = sh.prepend_axis_num
             layer_key = sh.key + "".join(f"[{i}]" for i in sh.global_offset[:npre])
-            full = _full_init(
-                sh.key, tuple(sh.global_shape[npre:]), seed, std, num_layers,
-                stream=layer_key, is_norm=sh.data.data_ptr() in norm_ptrs,
-            )
+            if sh.data.data_ptr() in zero_ptrs:
+                full = torch.zeros(tuple(sh.global_shape[npre:]))
+            else:
+                full = _full_init(
+                    sh.key, tuple(sh.global_shape[npre:]), seed, std, num_layers,
+                    stream=layer_key, is_norm=sh.data.data_ptr() in norm_ptrs,
+                )
             index = tuple(
                 slice(off, off + size) for off, size in zip(sh.global_offset[npre:], sh.data.shape)
             )

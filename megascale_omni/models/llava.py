@@ -30,7 +30,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
-from megascale_omni.models.gpt import common_config_kwargs, transformer_config
+from megascale_omni.models.gpt import common_config_kwargs, recompute_kwargs, transformer_config
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
 
 
@@ -45,6 +45,7 @@ def vision_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> Transformer
         hidden_dropout=0.0,
         attention_dropout=0.0,
         pipeline_model_parallel_size=1,
+        **recompute_kwargs(cfg.model.recompute),
         **common_config_kwargs(cfg.parallel.tp, dtype, cfg.model.init_method_std),
     )
     config.vision_model_type = "clip"

@@ -39,3 +39,49 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+
+
+def dit_layer_specs(impl: str) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:
+    """``(self_attention, cross_attention, mlp)`` specs of a DiT block.
+
+    The adaLN modulation sits between the norm and the first linear of each
+    branch, so the fused norm+linear modules of transformer-engine's GPT spec
+    cannot be used; the unfused TE linears and TE attention can.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import (
+        CrossAttention,
+        CrossAttentionSubmodules,
+        SelfAttention,
+        SelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    column, row, core = ColumnParallelLinear, RowParallelLinear, DotProductAttention
+    if impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TERowParallelLinear,
+        )
+
+        column, row, core = TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+    self_attention = ModuleSpec(
+        module=SelfAttention,
+        # Image tokens attend to each other in both directions.
+        params={"attn_mask_type": AttnMaskType.no_mask},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=column, core_attention=core, linear_proj=row, q_layernorm=IdentityOp, k_layernorm=IdentityOp
+        ),
+    )
+    cross_attention = ModuleSpec(
+        module=CrossAttention,
+        # Caption padding is masked with a [b, 1, 1, text_len] mask.
+        params={"attn_mask_type": AttnMaskType.arbitrary},
+        submodules=CrossAttentionSubmodules(linear_q=column, linear_kv=column, core_attention=core, linear_proj=row),
+    )
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
+    return self_attention, cross_attention, mlp

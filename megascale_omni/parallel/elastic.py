@@ -107,9 +107,6 @@ class ElasticReplica:
             # (layout-invariant init), so step 0 needs no weight sync.
             init_sync=False,
         )
-        # Drain requests reach one rank (the control server's); every rank
-        # of the replica must leave at the same step boundary.
-        self._flag_group = dist.new_group(backend="gloo")
         self._participation: Optional[Participation] = None
         #: Seconds the last begin_step waited for the quorum (and a heal).
         self.quorum_wait_s = 0.0
@@ -182,17 +179,16 @@ class ElasticReplica:
         """Committed steps according to torchft (equals the trainer's step)."""
         return self.manager.current_step()
 
-    def agree_flag(self, local: bool) -> bool:
-        """True on every rank of the replica if ``local`` is True on any (collective)."""
-        flag = torch.tensor([1.0 if local else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
-        return bool(flag.item())
-
     def leave(self) -> None:
         """Stop heartbeats and the state server (every rank). The lighthouse
         drops this replica from the next quorum once its heartbeat times out."""
         self.manager.shutdown(wait=False)
         logger.info("elastic: replica %s left the quorum", self.cfg.replica_id)
+
+    @property
+    def healing(self) -> bool:
+        """True while this replica is in a quorum it does not yet participate in."""
+        return self._participation is not None and not self._participation.participating
 
     def describe(self) -> dict:
         """``{"replica_id", "participants", "participant_rank", "quorum_id"}`` for status reporting."""

@@ -15,14 +15,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
-from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -32,6 +30,7 @@ from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
+from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
 from megascale_omni.training.step import LOSS_KEY, masked_token_loss, reduce_reports, run_forward_backward
 
 logger = logging.getLogger(__name__)
@@ -129,13 +128,7 @@ class LlavaTask:
         return np.asarray(ids), np.asarray(lengths), np.asarray(costs)
 
     def _check_bad_fraction(self, bad: int, seen: int, where: str) -> None:
-        limit = self.cfg.data.max_bad_sample_fraction
-        if seen and bad / seen > limit:
-            raise DataQualityError(
-                f"{bad} of {seen} samples were bad while {where} ({bad / seen:.1%} > "
-                f"data.max_bad_sample_fraction={limit:.1%}); fix or rebuild the shards "
-                f"(see the warnings above for which samples) or raise the limit"
-            )
+        check_bad_fraction(bad, seen, self.cfg.data.max_bad_sample_fraction, where)
 
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
@@ -168,12 +161,7 @@ class LlavaTask:
 
     def _check_skips(self) -> None:
         """Abort on every rank together when bad samples exceed the limit (collective)."""
-        c = self.train_batcher.counter
-        counts = torch.tensor([c.skipped, c.seen + c.skipped], dtype=torch.float64)
-        dist.all_reduce(counts)
-        # Each replica's TP/PP ranks read the same samples; count each once.
-        per_sample = self.dims.tp * self.dims.pp * self.dims.cp
-        skipped, seen = int(counts[0]) // per_sample, int(counts[1]) // per_sample
+        skipped, seen = reduce_skip_counts(self.train_batcher.counter, self.dims)
         # Counts before a resume come from the checkpoint (see checkpoint_state).
         skipped, seen = skipped + self._resumed_counts[0], seen + self._resumed_counts[1]
         self.skipped_samples, self.seen_samples = skipped, seen

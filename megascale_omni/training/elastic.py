@@ -15,7 +15,6 @@ uses the same samples and a membership change re-splits the same batch.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,7 +39,7 @@ class StepShare:
 
 
 class ElasticTrainer:
-    """Replica membership, data share, ledger and drain for one Trainer (every rank)."""
+    """Replica membership, data share, ledger and status for one Trainer (every rank)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -55,8 +54,10 @@ class ElasticTrainer:
             and mpu.get_tensor_model_parallel_rank() == 0
         )
         self.ledger = SampleLedger(cfg.ledger_dir, cfg.replica_id, trainer.dp_rank) if writes_ledger else None
-        self._drain = threading.Event()
         self.left = False
+        #: Whether the last finished attempt committed (None before the first).
+        self.last_committed: Optional[bool] = None
+        self.retries = 0
 
     # ------------------------------------------------------------- per step
     def begin_step(self) -> StepShare:
@@ -85,6 +86,8 @@ class ElasticTrainer:
         return mbs
 
     def end_step(self, share: StepShare, committed: bool) -> None:
+        self.last_committed = committed
+        self.retries += 0 if committed else 1
         if self.ledger is not None:
             self.ledger.commit(share.step, share.participation.quorum_id, committed)
         if not committed:
@@ -93,15 +96,10 @@ class ElasticTrainer:
                 share.step + 1, share.participation.quorum_id, share.participation.size,
             )
 
-    # ---------------------------------------------------------------- drain
-    def request_drain(self) -> None:
-        """Leave at the next step boundary and stop (thread-safe, any rank)."""
-        self._drain.set()
-
-    def should_leave(self) -> bool:
-        """Every rank agrees whether a drain was requested on any rank (collective)."""
-        return self.replica.agree_flag(self._drain.is_set())
-
+    # ---------------------------------------------------- leave and status
+    # Drain is the control plane's: `omni-ctl drain` reaches every rank of the
+    # replica at the same step boundary (ControlPlane.step_boundary returns
+    # False), the loop stops and the Trainer calls leave() on every rank.
     def leave(self) -> None:
         if not self.left:
             self.left = True
@@ -109,6 +107,18 @@ class ElasticTrainer:
         if self.ledger is not None:
             self.ledger.close()
             self.ledger = None
+
+    def describe(self) -> dict:
+        """Replica view for ``omni-ctl status`` (training thread): replica id,
+        participants and this replica's participant rank in the last quorum,
+        quorum id, committed steps, whether the last attempt committed, retries."""
+        return {
+            **self.replica.describe(),
+            "committed_steps": self.trainer.step,
+            "last_step_committed": self.last_committed,
+            "uncommitted_attempts": self.retries,
+            "healing": self.replica.healing,
+        }
 
     # ------------------------------------------------ state for joining peers
     def _peer_state(self) -> dict:

@@ -20,9 +20,11 @@ from megatron.core.transformer.module import MegatronModule
 from megascale_omni.checkpoint import CheckpointError
 from megascale_omni.checkpoint.manager import Checkpointer
 from megascale_omni.config import JobConfig, to_dict, validate_platform
+from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel, is_loss_rank
+from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_if_needed, resolve_partition
 from megascale_omni.platform import Platform, init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
@@ -69,6 +71,9 @@ class Task(Protocol):
     #                                    (e.g. EMA weights); same on every call
     #   load_checkpoint_state(dict)      the loaded counterpart
     # The data position needs neither: it is the trainer's step.
+    # Optional: ``after_step(trainer)``, called on every rank after each
+    # optimizer step, with ``trainer.step`` already counting it (e.g. DiT's
+    # EMA update). Tasks without it are fine.
 
 
 TaskFactory = Callable[[JobConfig, Platform, ParallelDims], Task]
@@ -78,10 +83,14 @@ class Trainer:
     """Owns the distributed set-up, the model/optimizer and the training loop."""
 
     def __init__(self, cfg: JobConfig, task_factory: TaskFactory):
-        self.cfg = cfg
         setup_logging(cfg.logging.level)
         self.platform = init_platform()
         validate_platform(cfg, self.platform.is_cuda)
+        # Before any process group: an infeasible split exits 2 on every rank.
+        self.pipeline_plan = plan_if_needed(
+            cfg, cuda=self.platform.is_cuda, world_size=int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        self.cfg = cfg = resolve_partition(cfg, self.pipeline_plan)
         if self.platform.cpu_patches:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
@@ -105,12 +114,17 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.train, cfg.parallel, self.dtype)
         self.step = 0
         self.is_loss_rank = is_loss_rank()
+        if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
+            logger.info(
+                "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
+                self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),
+            )
         self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
         self._fault_step = injected_fault_step()
-        self.checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint.enabled else None
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
         self.elastic: Optional[ElasticTrainer] = None
@@ -118,6 +132,11 @@ class Trainer:
             from megascale_omni.training.elastic import ElasticTrainer
 
             self.elastic = ElasticTrainer(self)
+        self.control = ControlPlane(
+            cfg, _layout(self.dims), sends_metrics=self.is_loss_rank,
+            checkpoint=self._control_checkpoint if self.checkpointer is not None else None,
+            replica_info=self.elastic.describe if self.elastic is not None else None,
+        )
 
     def request_checkpoint(self, reason: str = "api") -> None:
         """Save at the next step boundary (thread-safe; e.g. the control socket)."""
@@ -125,12 +144,10 @@ class Trainer:
             raise CheckpointError("checkpointing is disabled: set checkpoint.dir to enable it")
         self.checkpointer.request(reason)
 
-    def request_drain(self) -> None:
-        """Elastic jobs: leave the quorum at the next step boundary and stop
-        training; the process then exits 0 (thread-safe, any rank)."""
-        if self.elastic is None:
-            raise RuntimeError("drain needs elastic.enabled=true")
-        self.elastic.request_drain()
+    def _control_checkpoint(self, step: int) -> dict:
+        # Every rank, at the control boundary just before the checkpointer's.
+        self.request_checkpoint("control")
+        return {"requested_at_step": step, "dir": self.cfg.checkpoint.dir}
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -138,24 +155,25 @@ class Trainer:
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
         bar = self._progress_bar()
-        stopped = False
+        stopped = drained = False
         try:
             with _redirect_logging_for(bar):
                 while self.step < cfg.train.steps:
-                    if self.elastic is not None and self.elastic.should_leave():
-                        logger.info("drain: leaving the quorum after step %d", self.step)
-                        stopped = True
-                        break
-                    if self._guarded_step() is None:
-                        continue  # elastic step not committed: retry it
+                    record = self._guarded_step()
+                    if record is None:
+                        continue  # elastic step not committed: retry it with the same samples
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                         self._evaluate()
+                    # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
+                    if not self.control.step_boundary(self.step, record):
+                        drained = True
+                        break
                     if self.checkpointer is not None and self.checkpointer.at_step_boundary(self):
                         stopped = True
                         break
-                if not stopped and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
+                if not (stopped or drained) and (not cfg.train.eval_interval or self.step % cfg.train.eval_interval):
                     self._evaluate()
                 if self.checkpointer is not None:
                     self.checkpointer.finish(self, save=cfg.checkpoint.save_at_end and not stopped)
@@ -205,6 +223,9 @@ class Trainer:
             if not stats.committed:
                 return None
         self.step += 1
+        after_step = getattr(self.task, "after_step", None)
+        if after_step is not None:
+            after_step(self)
         record = self._record(stats, t_data, step_s)
         if share is not None:
             record.update(participants=share.participation.size, quorum_s=t_quorum,
@@ -252,10 +273,15 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:
-        """Stop background writers, destroy process groups (every rank)."""
+        """Stop background writers and the control server, destroy process groups (every rank)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        self.control.close()
         destroy_parallel()
+
+
+def _layout(dims: ParallelDims) -> dict:
+    return {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "dp": dims.dp, "vpp": dims.vpp}
 
 
 def _format_line(r: dict, total: int) -> str:

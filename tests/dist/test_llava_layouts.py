@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale_omni.data.shapes_dataset import make_shapes_dataset
-from tests.launcher import train_and_read
+from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -25,33 +24,22 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shapes")
-    make_shapes_dataset(root / "d", num_train=600, num_val=40, seed=7, image_size=32, samples_per_shard=200)
-    return root / "d"
-
-
-def _train(tmp_path_factory, dataset, name, nproc, overrides):
-    args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={dataset}", f"train.steps={STEPS}",
+def _train(tmp_path_factory, llava_dataset, name, nproc, overrides):
+    args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_dataset}", f"train.steps={STEPS}",
             "train.eval_interval=0", *overrides]
     out = tmp_path_factory.mktemp(f"llava-{name}")
     return train_and_read("pretrain_llava.py", nproc, args, out, STEPS, timeout=400)
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, dataset):
-    records = _train(tmp_path_factory, dataset, "base", 1, [])
+def baseline(tmp_path_factory, llava_dataset):
+    records = _train(tmp_path_factory, llava_dataset, "base", 1, [])
     assert records[-1]["loss"] < records[0]["loss"]  # it trains
     return records
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_llava_layout_matches_single_process(tmp_path_factory, dataset, baseline, name):
+def test_llava_layout_matches_single_process(tmp_path_factory, llava_dataset, baseline, name):
     nproc, overrides = LAYOUTS[name]
-    records = _train(tmp_path_factory, dataset, name, nproc, overrides)
-    for ref, got in zip(baseline, records):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"{name} step {got['step']}"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), f"{name} step {got['step']}"
-    assert [r["samples"] for r in records] == [r["samples"] for r in baseline]
-    assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in baseline]
+    records = _train(tmp_path_factory, llava_dataset, name, nproc, overrides)
+    assert_same_training(baseline, records, name, RTOL, counters=("samples", "loss_tokens"))

@@ -122,3 +122,26 @@ def test_remove_unpublishes_before_deleting(tmp_path, monkeypatch):
 def test_only_canonical_step_names_are_checkpoints(tmp_path, name):
     (tmp_path / name).mkdir()
     assert layout.scan_tier(tmp_path, "t") == []
+
+
+def test_ckpt_tool_lists_and_verifies(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckpt_tool", "tools/ckpt.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    _fake_ckpt(tmp_path, 3)
+    d7 = _fake_ckpt(tmp_path, 7)
+    _fake_ckpt(tmp_path, 9, commit=False)
+    assert tool.main(["list", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["state"]) for r in rows] == [(9, "incomplete"), (7, "complete"), (3, "complete")]
+    assert tool.main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count(": OK") == 2
+    (d7 / "__0_0.distcp").write_bytes(b"z" * 100)
+    assert tool.main(["verify", str(d7)]) == 1
+    assert "BROKEN: __0_0.distcp: sha256 mismatch" in capsys.readouterr().out
+    assert tool.main(["verify", str(d7), "--no-checksums"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["verify", str(tmp_path / "missing")])
+    assert exc.value.code == 2

@@ -1,0 +1,69 @@
+"""How long a checkpoint save blocks training: synchronous vs asynchronous.
+
+    python benchmarks/checkpoint_async.py [--hidden 1024 --layers 8 --steps 9 --interval 4]
+
+Runs the same GPT (about 135M parameters with the defaults: ~1.6 GB of model
++ Adam state in fp32) twice in one process each, side by side in one
+invocation: once with ``checkpoint.async_save=false`` (training waits for the
+whole save) and once with the default async save (training waits for the
+host copy and megatron's planning only). Each run saves every ``--interval``
+steps; the per-save numbers come from the run's ``checkpoints.jsonl``.
+Prints one table and the ratio async blocking / sync save time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(mode: str, root: Path, args) -> list[dict]:
+    out = root / mode
+    cmd = [
+        sys.executable, "-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
+        f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}", "model.num_attention_heads=16",
+        "model.vocab_size=32000", "model.seq_length=128", "train.global_batch_size=1", "train.micro_batch_size=1",
+        f"train.steps={args.steps}", f"logging.output_dir={out}", "logging.tensorboard=false",
+        "logging.progress_bar=false", f"checkpoint.dir={out / 'ckpt'}", f"checkpoint.interval={args.interval}",
+        "checkpoint.save_at_end=false", f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+        "checkpoint.keep_last=1",
+    ]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"  {mode}: run took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return [json.loads(line) for line in (out / "checkpoints.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--interval", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
+        results = {mode: run(mode, Path(tmp), args) for mode in ("sync", "async")}
+    sync_s = statistics.mean(r["blocking_s"] for r in results["sync"])
+    async_block = statistics.mean(r["blocking_s"] for r in results["async"])
+    async_total = statistics.mean(r["total_s"] for r in results["async"])
+    size_gb = results["sync"][0]["bytes"] / 1e9
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
+    print(f"checkpoint size: {size_gb:.2f} GB; saves per run: {len(results['sync'])}")
+    print("| mode | training blocked per save (s) | save complete after (s) |")
+    print("|---|---|---|")
+    print(f"| sync (baseline) | {sync_s:.2f} | {sync_s:.2f} |")
+    print(f"| async | {async_block:.3f} | {async_total:.2f} |")
+    print(f"ratio async blocking / sync save: {async_block / sync_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The one collective per step boundary: commands out of rank 0, metrics into it.
+
+Every rank of the replica group contributes one float64 vector to a SUM
+all-reduce. Rank 0 (the socket server) fills the command slots, the loss rank
+(last pipeline stage, TP 0, DP 0) fills the metric slots, everyone else sends
+zeros. Adding zeros is exact, so after the all-reduce every rank holds rank
+0's ops bit for bit (and applies them identically), and rank 0 holds the
+loss rank's step record even when it owns no loss (PP > 1). 1 + 3*8 + 1 + 15
+slots: 328 bytes.
+
+Pipelined: the all-reduce started at boundary *s* runs in the background
+(``async_op``) during step *s+1* and is read at boundary *s+1*, so the
+boundary is not a synchronisation point of its own (on a busy host a
+blocking one cost milliseconds of scheduling per step, see BENCHMARKS.md).
+Commands therefore apply one boundary after rank 0 took them: still at the
+same step on every rank. With one rank nothing is in flight and there is no lag.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op
+
+#: Ops carried per boundary; more wait for the next boundary (or pause poll).
+MAX_OPS = 8
+OP_KINDS: tuple[str, ...] = ("pause", "resume", "drain", "checkpoint", "config_set")
+#: Step-record fields carried to rank 0 for ``status`` and ``metrics``.
+METRIC_FIELDS: tuple[str, ...] = (
+    "step", "loss", "lr", "grad_norm", "skipped", "loss_tokens", "tokens", "samples", "tokens_per_s",
+    "samples_per_s", "step_s", "data_s", "fwd_bwd_s", "optimizer_s", "microbatches",
+)
+_INT_FIELDS = {"step", "loss_tokens", "tokens", "samples", "microbatches"}
+_OPS_AT = 1
+_MASK_AT = _OPS_AT + 3 * MAX_OPS
+_METRICS_AT = _MASK_AT + 1
+SIZE = _METRICS_AT + len(METRIC_FIELDS)
+
+
+class BoundaryExchange:
+    """Encodes, all-reduces and decodes the boundary vector (every rank calls it,
+    the same number of times).
+
+    ``group`` is a gloo process group spanning the replica group, used for
+    nothing else; with ``world_size == 1`` no collective runs at all.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, sends_ops: bool, sends_metrics: bool):
+        self.group = group
+        self.world_size = world_size
+        self.sends_ops = sends_ops
+        self.sends_metrics = sends_metrics
+        #: Calls between sending ops and getting them back (0 or 1).
+        self.lag = 0 if world_size == 1 else 1
+        self._inflight: Optional[tuple[Any, torch.Tensor]] = None
+
+    def __call__(self, ops: Sequence[Op], record: Optional[dict]) -> tuple[list[Op], Optional[dict]]:
+        """Send ``ops`` (rank 0) and ``record`` (loss rank); return what was
+        sent ``lag`` calls ago: (rank 0's ops, the loss rank's record or None)."""
+        values = [0.0] * SIZE
+        if self.sends_ops:
+            encode_ops(values, ops)
+        if self.sends_metrics and record is not None:
+            encode_record(values, record)
+        if self.world_size == 1:
+            return decode_ops(values), decode_record(values)
+        buf = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        previous, self._inflight = self._inflight, (work, buf)
+        return self._finish(previous)
+
+    def flush(self, timeout_s: float) -> tuple[list[Op], Optional[dict]]:
+        """Wait for the all-reduce still in flight (every rank, once, at the
+        end) and return its contents."""
+        previous, self._inflight = self._inflight, None
+        return self._finish(previous, timeout_s)
+
+    @staticmethod
+    def _finish(inflight, timeout_s: Optional[float] = None) -> tuple[list[Op], Optional[dict]]:
+        if inflight is None:
+            return [], None
+        work, buf = inflight
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        values = buf.tolist()
+        return decode_ops(values), decode_record(values)
+
+
+def encode_ops(values: list[float], ops: Sequence[Op]) -> None:
+    assert len(ops) <= MAX_OPS, f"at most {MAX_OPS} ops per boundary"
+    values[0] = float(len(ops))
+    for i, op in enumerate(ops):
+        at = _OPS_AT + 3 * i
+        values[at] = float(OP_KINDS.index(op.kind) + 1)
+        if op.kind == "config_set":
+            values[at + 1] = float(MUTABLE_FIELD_NAMES.index(op.field) + 1)
+            values[at + 2] = float(op.value)
+
+
+def decode_ops(values: Sequence[float]) -> list[Op]:
+    ops = []
+    for i in range(int(values[0])):
+        at = _OPS_AT + 3 * i
+        kind = OP_KINDS[int(values[at]) - 1]
+        if kind != "config_set":
+            ops.append(Op(kind))
+            continue
+        name = MUTABLE_FIELD_NAMES[int(values[at + 1]) - 1]
+        ops.append(Op(kind, name, values[at + 2]))
+    return ops
+
+
+def encode_record(values: list[float], record: dict) -> None:
+    mask = 0
+    for i, name in enumerate(METRIC_FIELDS):
+        value = record.get(name)
+        if value is None:
+            continue
+        mask |= 1 << i
+        values[_METRICS_AT + i] = float(value)
+    values[_MASK_AT] = float(mask)
+
+
+def decode_record(values: Sequence[float]) -> Optional[dict]:
+    mask = int(values[_MASK_AT])
+    if not mask:
+        return None
+    record: dict[str, Any] = {}
+    for i, name in enumerate(METRIC_FIELDS):
+        if not mask >> i & 1:
+            record[name] = None
+            continue
+        value = values[_METRICS_AT + i]
+        if name == "skipped":
+            value = bool(value)
+        elif name in _INT_FIELDS and math.isfinite(value):
+            value = int(value)
+        record[name] = value
+    return record

@@ -1,0 +1,137 @@
+"""Measure the forward+backward time of each model component on this device.
+
+The pipeline cost model (``parallel/pipeline_cost.py``) needs, per micro-batch,
+the time of the vision encoder and projector (per image), the embedding, one
+language-model decoder layer and the output layer + loss. FLOPs predict these
+poorly where kernels are small or memory-bound (CPU, the embedding, the loss),
+so :func:`profile_components` times the real megatron modules instead, each in
+isolation, on inputs of the configured shapes.
+
+Clock: on CPU the CPU time of the calling thread (``time.thread_time``), so
+waiting for a core does not count; on CUDA wall time between device
+synchronisations. Each component reports its fastest of ``repeats`` passes:
+on a shared host, interference only ever adds time. Call after megatron's parallel state exists (TP as
+configured, pp = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from megascale_omni.config import JobConfig
+from megascale_omni.parallel.pipeline_cost import EMBEDDING, LM_LAYER, OUTPUT, PROJECTOR, VISION
+
+
+def single_stage_config(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with one LM layer and no pipeline: the model whose pieces are timed."""
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, num_layers=1),
+        parallel=dataclasses.replace(cfg.parallel, pp=1, vpp=None, pipeline_partition="uniform"),
+    )
+
+
+def _timer(cuda: bool) -> Callable[[], float]:
+    if cuda:
+        def now() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return now
+    return time.thread_time
+
+
+def _best_seconds(step: Callable[[], None], repeats: int, warmup: int, cuda: bool) -> float:
+    now = _timer(cuda)
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(repeats):
+        t0 = now()
+        step()
+        samples.append(now() - t0)
+    return min(samples)
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """One forward of ``fn`` and a backward from a unit gradient."""
+    def step() -> None:
+        out = fn()
+        if out.requires_grad:  # frozen modules with no trainable input run forward only
+            out.backward(torch.ones_like(out))
+    return step
+
+
+@torch.no_grad()
+def _causal_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
+    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).expand(b, 1, s, s)
+
+
+def profile_components(
+    cfg: JobConfig, device: torch.device, vocab_size: int, repeats: int = 5, warmup: int = 2
+) -> dict[str, float]:
+    """Fastest forward+backward seconds of each component (every TP rank).
+
+    Keys: ``vision_per_image`` and ``projector_per_image`` (LLaVA only, per
+    image), ``embedding``, ``lm_layer`` and ``output`` (per micro-batch of
+    ``train.micro_batch_size`` rows of ``model.seq_length`` tokens).
+    """
+    from megascale_omni.models.init import init_layout_invariant
+
+    cfg = single_stage_config(cfg)
+    m, train = cfg.model, cfg.train
+    dtype = torch.float32 if cfg.train.precision == "fp32" or device.type == "cpu" else torch.bfloat16
+    b, s = train.micro_batch_size, m.seq_length
+    cuda = device.type == "cuda"
+    if m.family == "llava":
+        from megascale_omni.models.llava import build_llava_chunks
+
+        (chunk,) = build_llava_chunks(cfg, dtype, vocab_size, image_token_id=vocab_size - 1)
+        lm = chunk.language_model
+    else:
+        from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
+
+        (chunk,) = build_gpt_chunks(
+            m, transformer_config(m, cfg.parallel, dtype), vocab_size=vocab_size, max_sequence_length=s
+        )
+        lm = chunk
+    init_layout_invariant([chunk], seed=train.seed, std=m.init_method_std, num_layers=m.num_layers)
+    chunk.to(device)
+    gen = torch.Generator().manual_seed(train.seed)
+    tokens = torch.randint(0, vocab_size, (b, s), generator=gen).to(device)
+    positions = torch.arange(s, device=device).expand(b, s)
+    mask = _causal_mask(b, s, device) if m.family == "llava" else None
+    hidden = torch.randn(s, b, m.hidden_size, generator=gen).to(device, dtype).requires_grad_()
+    rope = lm.rotary_pos_emb(s) if m.position_embedding_type == "rope" else None
+    layer = lm.decoder.layers[0]
+    seconds = {
+        EMBEDDING: _best_seconds(
+            _fwd_bwd(lambda: lm.embedding(input_ids=tokens, position_ids=positions)), repeats, warmup, cuda
+        ),
+        LM_LAYER: _best_seconds(
+            _fwd_bwd(lambda: layer(hidden, attention_mask=mask, rotary_pos_emb=rope)[0]), repeats, warmup, cuda
+        ),
+    }
+    labels = torch.randint(0, vocab_size, (b, s), generator=gen).to(device)
+
+    def output_and_loss() -> torch.Tensor:
+        logits, _ = lm.output_layer(lm.decoder.final_layernorm(hidden))
+        return lm.compute_language_model_loss(labels, logits).sum()
+
+    seconds[OUTPUT] = _best_seconds(_fwd_bwd(output_and_loss), repeats, warmup, cuda)
+    if m.family == "llava":
+        v = cfg.vision
+        n = max(1, round(b * v.images_per_sequence))
+        images = torch.rand(n, 3, v.image_size, v.image_size, generator=gen).to(device, dtype)
+        p = v.tokens_per_image
+        full = torch.zeros(1, 1, p, p, dtype=torch.bool, device=device)
+        feats = torch.randn(p, n, v.hidden_size, generator=gen).to(device, dtype)
+        feats.requires_grad_(not v.freeze)
+        vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=full))
+        projector = _fwd_bwd(lambda: chunk.vision_projection(feats))
+        seconds[f"{VISION}_per_image"] = _best_seconds(vision, repeats, warmup, cuda) / n
+        seconds[f"{PROJECTOR}_per_image"] = _best_seconds(projector, repeats, warmup, cuda) / n
+    return seconds

@@ -1,0 +1,1 @@
+"""DiT (diffusion transformer) on megatron-core building blocks."""

@@ -1,0 +1,186 @@
+"""The DiT model chunk of one pipeline stage.
+
+Data flow of one micro-batch (one bucket, ``B`` images of ``C x H x W``,
+``N = (H/p)(W/p)`` tokens, captions of ``L`` tokens)::
+
+    stage 0:   x_t --patchify--> [N, B, C p p] --linear--> + 2-D sin-cos positions  -> x   [N, B, h]
+               caption --embed/project-------------------------------------------->  ctx [L, B, h]
+               t --sin features--> MLP  +  MLP(mean of ctx over real tokens)        -> c   [B, h]
+    blocks:    x = DiTLayer(x, c, ctx)   (adaLN-Zero from c, cross-attention to ctx)
+    last:      x --adaLN(c)--> zero-init linear --unpatchify--> velocity [B, C, H, W]
+
+Pipeline parallelism: the condition ``c`` and caption states ``ctx`` are made
+once, on stage 0, by trainable modules, but every block needs them. They
+travel with the image tokens in the one tensor megatron's schedules pass
+between stages, ``[N + L + 1, B, h] = cat(x, ctx, c)``; the backward pass
+carries their gradients back to stage 0 the same way. Shapes differ per
+bucket, hence ``variable_seq_lengths``. (megatron's alternative for
+diffusion models - a copy of the condition embedders on every stage with
+``has_cond_embedder`` grad all-reduce - counts those weights once per stage
+in the gradient norm, so clipping, and thus training, would depend on the
+pipeline split.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from megascale_omni.config import JobConfig
+from megascale_omni.models.dit.embed import patchify, sincos_2d, timestep_features, unpatchify
+from megascale_omni.models.dit.layer import (
+    DiTLayerStack,
+    layer_norm,
+    mark_zero_init,
+    modulate,
+    modulation_linear,
+)
+from megascale_omni.models.gpt import common_config_kwargs
+from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl
+
+#: Width of the sinusoidal timestep features fed to the timestep MLP.
+TIME_FEATURES = 128
+
+
+def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
+    """megatron config of the DiT blocks; shapes vary per bucket across stages."""
+    m = cfg.model
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=True,
+        bias_activation_fusion=False,
+        pipeline_model_parallel_size=cfg.parallel.pp,
+        variable_seq_lengths=True,
+        # No MoE here; megatron rejects variable_seq_lengths with the default
+        # (allgather) dispatcher even when it is unused.
+        moe_token_dispatcher_type="alltoall",
+        **common_config_kwargs(cfg.parallel.tp, dtype, m.init_method_std),
+    )
+
+
+class DiTChunk(MegatronModule):
+    """One pipeline stage of the DiT (built on every rank).
+
+    ``forward(x_t [B, C, H, W], t [B], text, text_mask [B, L] bool (True =
+    real token), target=None)``; ``text`` is token ids ``[B, L]`` (learned
+    text encoder) or states ``[B, L, text_dim]`` (precomputed). Every stage
+    receives the whole micro-batch (it reads shapes and masks from it).
+
+    Returns, on the last stage, per-token squared error ``[B, N]`` (mean over
+    the ``C p p`` values of a token) when ``target`` is given, else the
+    predicted velocity ``[B, C, H, W]``; on other stages the pipeline tensor.
+    """
+
+    def __init__(
+        self, cfg: JobConfig, config: TransformerConfig, *, text_vocab_size: int, pre_process: bool, post_process: bool
+    ):
+        super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder
+        # Looked up by finalize_model_grads; nothing is tied across stages.
+        self.share_embeddings_and_output_weights = False
+        self.pre_process, self.post_process = pre_process, post_process
+        d, h = cfg.dit, config.hidden_size
+        self.patch, self.channels = d.patch_size, d.in_channels
+        patch_dim = d.in_channels * d.patch_size**2
+        self.input_tensor: Optional[torch.Tensor] = None
+        if pre_process:
+            self.x_embedder = _linear(config, patch_dim, h)
+            mlp = dit_layer_specs("local")[2]
+            self.t_embedder = build_module(mlp, config=config, input_size=TIME_FEATURES)
+            text_dim = d.text_dim or h
+            self.text_embedding = (
+                VocabParallelEmbedding(text_vocab_size, text_dim, init_method=config.init_method, config=config)
+                if d.text_encoder == "learned"
+                else None
+            )
+            self.text_proj = _linear(config, text_dim, h)
+            self.pooled_embedder = build_module(mlp, config=config, input_size=h)
+        impl = resolve_layer_impl(cfg.model.layer_impl)
+        per_stage = config.num_layers // cfg.parallel.pp
+        first = mpu.get_pipeline_model_parallel_rank() * per_stage
+        self.layers = DiTLayerStack(config, dit_layer_specs(impl), first, per_stage)
+        if post_process:
+            self.final_adaln = modulation_linear(config, h, 2 * h)
+            self.final_linear = _linear(config, h, patch_dim)
+            mark_zero_init(self.final_adaln)
+            mark_zero_init(self.final_linear)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook: the previous stage's ``cat(x, ctx, c)``."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def embed(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor):
+        """Stage 0: ``(x [N, B, h], ctx [L, B, h], c [B, h])``."""
+        _, _, height, width = x_t.shape
+        x, _ = self.x_embedder(patchify(x_t, self.patch))
+        pos = sincos_2d(height // self.patch, width // self.patch, x.shape[-1]).to(x.dtype)
+        x = x + pos[:, None, :]
+        emb = self.text_embedding(text) if self.text_embedding is not None else text.to(x.dtype)  # [B, L, D]
+        ctx, _ = self.text_proj(emb.transpose(0, 1).contiguous())  # [L, B, h]
+        keep = text_mask.transpose(0, 1).unsqueeze(-1).to(ctx.dtype)  # [L, B, 1]
+        pooled = (ctx * keep).sum(0) / keep.sum(0).clamp(min=1.0)  # [B, h]
+        c_t, b_t = self.t_embedder(timestep_features(t, TIME_FEATURES).to(x.dtype).unsqueeze(0))
+        c_p, b_p = self.pooled_embedder(pooled.unsqueeze(0))
+        c = (c_t + b_t + c_p + b_p).squeeze(0)
+        return x, ctx, c
+
+    def forward(
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        text_mask: torch.Tensor,
+        target: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        _, _, height, width = x_t.shape
+        n = (height // self.patch) * (width // self.patch)
+        if self.pre_process:
+            x, ctx, c = self.embed(x_t, t, text, text_mask)
+        else:
+            hidden = self.input_tensor
+            x, ctx, c = hidden[:n], hidden[n:-1], hidden[-1]
+        context_mask = ~text_mask[:, None, None, :]  # [B, 1, 1, L], True = masked
+        x = self.layers(x, c, ctx, context_mask)
+        if not self.post_process:
+            return torch.cat([x, ctx, c.unsqueeze(0)], dim=0)
+        shift, scale = self.final_adaln(torch.nn.functional.silu(c).unsqueeze(0))[0].chunk(2, dim=-1)
+        out, _ = self.final_linear(modulate(layer_norm(x), shift, scale))  # [N, B, C p p]
+        if target is None:
+            return unpatchify(out, self.patch, height, width, self.channels)
+        err = (out.float() - patchify(target, self.patch).float()) ** 2
+        return err.mean(-1).transpose(0, 1).contiguous()  # [B, N]
+
+
+def _linear(config: TransformerConfig, in_size: int, out_size: int) -> ColumnParallelLinear:
+    """TP-sharded linear gathered to the full output (small projections at the model's edges)."""
+    return ColumnParallelLinear(
+        in_size, out_size, config=config, init_method=config.init_method, gather_output=True, bias=True
+    )
+
+
+def build_dit_chunks(cfg: JobConfig, dtype: torch.dtype, text_vocab_size: int) -> list[DiTChunk]:
+    """This rank's DiT chunk (every rank; one chunk, no interleaving)."""
+    config = dit_transformer_config(cfg, dtype)
+    return [
+        DiTChunk(
+            cfg,
+            config,
+            text_vocab_size=text_vocab_size,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=True),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=True),
+        )
+    ]

@@ -1,0 +1,198 @@
+"""DiT task: bucketed, token-balanced rectified-flow pretraining.
+
+Data position is the step: global batch ``s`` is ``train.global_batch_size``
+packages of :class:`~megascale_omni.data.buckets.BucketPlan`, a pure
+function of (seed, s); it is split across DP ranks so each computes the
+same number of latent tokens. The embedded default dataset is the
+captioned multi-aspect shapes set (:mod:`megascale_omni.data.dit_shapes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.data.buckets import BucketPlan, BucketTable, bucket_report, split_packages
+from megascale_omni.data.balance import imbalance
+from megascale_omni.data.dit_data import DitSampleReader, load_dataset_description
+from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.data.shards import BadSampleError
+from megascale_omni.data.tokenizer import TextTokenizer
+from megascale_omni.models.dit.ema import EMA
+from megascale_omni.models.dit.model import build_dit_chunks
+from megascale_omni.parallel import ParallelDims
+from megascale_omni.platform import Platform
+from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
+from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
+from megascale_omni.tasks.dit_sampling import evaluate_colors, save_sampling_weights
+from megascale_omni.training.step import masked_token_loss
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATASET_DIR = "data/dit-shapes-{num_train}-{num_val}"
+
+
+def resolve_dit_dataset(cfg: JobConfig) -> tuple[Path, dict]:
+    """Dataset root and its description (every rank); builds the embedded default on first use."""
+    if cfg.data.path is None:
+        d = cfg.data
+        root = ensure_dit_shapes_dataset(
+            DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val),
+            d.default_num_train, d.default_num_val,
+        )
+    else:
+        root = Path(cfg.data.path)
+        if not (root / "train").is_dir():
+            raise ConfigError("data.path", str(root), "has no train/ split; make one with tools/make_dit_latents.py "
+                              "or set data.path: null for the embedded shapes data")
+    desc = load_dataset_description(root)
+    dit = cfg.dit
+    if int(desc.get("in_channels", 3)) != dit.in_channels:
+        raise ConfigError("dit.in_channels", dit.in_channels,
+                          f"the dataset at {root} has {desc.get('in_channels')} channels; set it to match")
+    text = "precomputed" if desc.get("text") == "precomputed" else "learned"
+    if text == "precomputed" and dit.text_encoder != "precomputed":
+        raise ConfigError("dit.text_encoder", dit.text_encoder,
+                          f"the dataset at {root} stores text-encoder states; set dit.text_encoder: precomputed")
+    return root, desc
+
+
+class DitTask:
+    """Implements :class:`megascale_omni.training.trainer.Task` for DiT (built on every rank)."""
+
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
+        self.dtype = platform.default_dtype(cfg.train.precision)
+        d = cfg.dit
+        root, self.description = resolve_dit_dataset(cfg)
+        self.tokenizer = None
+        self.text_vocab = 0
+        if d.text_encoder == "learned":
+            tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
+            if not tok.exists():
+                raise ConfigError("data.tokenizer", str(tok), "does not exist; point it at a tokenizer.json")
+            self.tokenizer = TextTokenizer.from_path(tok)
+            multiple = cfg.model.make_vocab_size_divisible_by
+            self.text_vocab = -(-self.tokenizer.vocab_size // multiple) * multiple
+        self.captions = CaptionEncoder(d, self.tokenizer)
+        self.table = BucketTable(d.buckets, d.patch_size, d.token_budget)
+        self.reader = DitSampleReader(root / "train", self.description.get("kind", "pixels"))
+        self.train_ids, bucket_ids = self._scan(self.reader)
+        try:
+            self.plan = BucketPlan(bucket_ids, self.table, cfg.train.global_batch_size, cfg.train.seed)
+        except ValueError as err:
+            raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, str(err)) from None
+        self.batcher = DitBatcher(self.reader, self.table, d, self.captions, cfg.train.seed)
+        # Pipeline p2p shapes are communicated per micro-batch (variable_seq_lengths);
+        # this is only the schedule's nominal length.
+        self.seq_length = max(self.table.tokens) + d.max_text_length + 1
+        self.report = bucket_report(self.plan, dims.dp, steps=min(self.plan.steps_per_epoch, 200))
+        logger.info(
+            "train: %d images, %d packages/epoch, %d steps/epoch; buckets %s\n%s",
+            len(self.train_ids), len(self.plan.epoch_packages(0)), self.plan.steps_per_epoch,
+            self.table.describe(), self.report.table(),
+        )
+        self.ema: Optional[EMA] = None
+        self.chunks: list = []
+        self.rank_token_imbalance = 1.0
+        self.skipped_samples = 0
+
+    # ----------------------------------------------------------------- setup
+    def _scan(self, reader: DitSampleReader) -> tuple[np.ndarray, np.ndarray]:
+        """Reader index and bucket of every usable sample (JSON only); the rest is excluded and counted."""
+        ids, buckets, bad = [], [], 0
+        for i in range(len(reader)):
+            try:
+                meta = reader.metadata(i)
+                k = self.table.assign(int(meta["height"]), int(meta["width"]))
+                if k is None:
+                    raise BadSampleError(meta["id"], reader.root, f"image {meta['height']}x{meta['width']} is smaller "
+                                         f"than every bucket (smallest {min(self.table.tokens)} tokens); not upsampled")
+                if not str(meta.get("caption", "")).strip():
+                    raise BadSampleError(meta["id"], reader.root, "missing caption")
+            except (BadSampleError, KeyError, TypeError, ValueError) as err:
+                bad += 1
+                logger.warning("excluding sample %d from the plan: %s", i, err)
+                continue
+            ids.append(i)
+            buckets.append(k)
+        self.excluded_samples = bad
+        check_bad_fraction(bad, len(reader), self.cfg.data.max_bad_sample_fraction, f"scanning {reader.root}")
+        return np.asarray(ids), np.asarray(buckets)
+
+    def build_model(self):
+        self.chunks = build_dit_chunks(self.cfg, self.dtype, self.text_vocab)
+        return self.chunks
+
+    def after_step(self, trainer) -> None:
+        """EMA update after each optimizer step (every rank, own shards); after
+        the last step, export the sampling weights."""
+        if self.cfg.dit.ema_decay > 0:
+            if self.ema is None:
+                self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
+            self.ema.update()
+        if trainer.step == self.cfg.train.steps and trainer.dp_rank == 0:
+            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+                path = save_sampling_weights(self.chunks, self.cfg.logging.output_dir)
+            logger.info("sampling weights (EMA) of this model-parallel rank written to %s", path)
+
+    # ------------------------------------------------------------------ data
+    def global_batch_size_of(self, step: int) -> tuple[int, int]:
+        packages = self.plan.global_batch(step)
+        return sum(len(p.sample_ids) for p in packages), sum(p.real_tokens for p in packages)
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        packages = self.plan.global_batch(step)
+        parts = split_packages(packages, dp_size)
+        self.rank_token_imbalance = imbalance([sum(packages[i].computed_tokens for i in p) for p in parts])
+        epoch = step // self.plan.steps_per_epoch
+        batches = [self.batcher.microbatch(packages[i], self.train_ids, epoch) for i in parts[dp_rank]]
+        self.skipped_samples, seen = reduce_skip_counts(self.batcher.counter, self.dims)
+        check_bad_fraction(self.skipped_samples, seen, self.cfg.data.max_bad_sample_fraction, "training")
+        return batches
+
+    def data_stats(self) -> dict[str, float]:
+        return {
+            "skipped_samples": self.skipped_samples,
+            "excluded_samples": self.excluded_samples,
+            "rank_token_imbalance": self.rank_token_imbalance,
+        }
+
+    # ----------------------------------------------------------------- model
+    def forward_step(self, data_iterator: Any, model):
+        b = next(data_iterator)
+        out = model(b["x_t"].to(self.dtype), b["t"], b["text"], b["text_mask"], target=b["target"].to(self.dtype))
+        return out, partial(masked_token_loss, loss_mask=b["loss_mask"])
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate(self, trainer) -> Optional[dict[str, float]]:
+        """Sample the colour prompts with the EMA weights; write the PNG grid and
+        the colour accuracy into the run directory (loss rank). Pixel-space
+        data with learned captions only (latents need a VAE decoder: use
+        tools/sample_dit.py)."""
+        d = self.cfg.dit
+        if not d.eval_resolutions:
+            return None
+        if self.description.get("kind", "pixels") != "pixels" or self.tokenizer is None:
+            logger.info("evaluation: skipped (sampling latent data needs the VAE; see tools/sample_dit.py)")
+            return None
+        out_dir = Path(self.cfg.logging.output_dir) if trainer.is_loss_rank else None
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            result = evaluate_colors(
+                trainer.chunks, self.captions, d.eval_resolutions, d.eval_samples_per_prompt,
+                d.sample_steps, d.guidance_scale, seed=self.cfg.train.seed, out_dir=out_dir,
+                tag=f"step{trainer.step}",
+            )
+        logger.info(
+            "evaluation at step %d: colour accuracy %.3f over %d samples (%s)%s", trainer.step,
+            result["color_accuracy"], int(result["color_samples"]),
+            ", ".join(f"{k.split('/')[1]}: {v:.3f}" for k, v in result.items() if k.startswith("color_accuracy/")),
+            f"; grid {out_dir / f'samples-step{trainer.step}.png'}" if out_dir else "",
+        )
+        return result

@@ -1,0 +1,172 @@
+"""Sampling from a (possibly pipelined) DiT, and the colour-prompt evaluation.
+
+:func:`sample_images` is the one sampling core: in-process evaluation at the
+end of training and ``tools/sample_dit.py`` both call it with model chunks.
+Each Euler step is one forward-only pass of megatron's schedule over the
+pipeline (conditional and empty-caption rows in one micro-batch for CFG);
+the last stage then broadcasts the velocity to the other stages of its
+pipeline, so every rank holds the same image tensor after every step.
+All ranks of a replica must call it with the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from PIL import Image
+
+from megascale_omni.data.dit_shapes import caption_of, dominant_color
+from megascale_omni.data.shapes import COLORS, SHAPES
+from megascale_omni.models.dit.flow import euler_sample, guided
+from megascale_omni.tasks.dit_batches import CaptionEncoder
+from megascale_omni.training.step import run_forward_backward
+
+logger = logging.getLogger(__name__)
+
+
+def _forward_velocity(data_iterator, model):
+    batch = next(data_iterator)
+    return model(batch["x_t"], batch["t"], batch["text"], batch["text_mask"]), None
+
+
+def _pipeline_velocity(chunks, x: torch.Tensor, t: torch.Tensor, text, mask) -> torch.Tensor:
+    """Velocity for ``x [B, C, H, W]`` at times ``t [B]`` on every PP stage."""
+    batch = {"x_t": x, "t": t, "text": text, "text_mask": mask}
+    outputs = run_forward_backward(chunks, _forward_velocity, [batch], seq_length=x.shape[-2] * x.shape[-1],
+                                   micro_batch_size=x.shape[0], forward_only=True)
+    v = outputs[0].float() if outputs else torch.empty_like(x)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(v, src=mpu.get_pipeline_model_parallel_last_rank(),
+                       group=mpu.get_pipeline_model_parallel_group())
+    return v
+
+
+@torch.no_grad()
+def sample_images(
+    chunks: Sequence[torch.nn.Module],
+    captions: CaptionEncoder,
+    prompts: Sequence[str],
+    height: int,
+    width: int,
+    channels: int,
+    steps: int,
+    guidance_scale: float,
+    seed: int,
+    text_states: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Generate one image per prompt: ``[len(prompts), channels, height, width]``
+    (pixels in about [-1, 1], or latents). Every rank of the replica calls this."""
+    n = len(prompts)
+    cond = [captions.encode(p, None if text_states is None else text_states[i], drop=False)
+            for i, p in enumerate(prompts)]
+    empty = captions.empty()
+    text = torch.stack([c[0] for c in cond] + [empty[0]] * n)
+    mask = torch.stack([c[1] for c in cond] + [empty[1]] * n)
+    noise = torch.randn(n, channels, height, width, generator=torch.Generator().manual_seed(seed))
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        v = _pipeline_velocity(chunks, torch.cat([x, x]), torch.cat([t, t]), text, mask)
+        return guided(v[:n], v[n:], guidance_scale)
+
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        return euler_sample(velocity, noise, steps)
+    finally:
+        for chunk in chunks:
+            chunk.train()
+
+
+def weights_path(run_dir: str | Path) -> Path:
+    """This model-parallel rank's sampling-weights file under ``run_dir``."""
+    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+    return Path(run_dir) / "sampling-weights" / f"tp{tp}-pp{pp}.pt"
+
+
+def save_sampling_weights(chunks: Sequence[torch.nn.Module], run_dir: str | Path) -> Path:
+    """Write this rank's chunk weights for ``tools/sample_dit.py`` (DP rank 0
+    of each TP/PP rank). A stop-gap until sampling loads full checkpoints:
+    same TP/PP layout only, model weights only."""
+    path = weights_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"chunks": [c.state_dict() for c in chunks]}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_sampling_weights(chunks: Sequence[torch.nn.Module], run_dir: str | Path) -> Path:
+    """Inverse of :func:`save_sampling_weights` (every rank)."""
+    path = weights_path(run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: train with pretrain_dit.py into {run_dir} first, "
+                                f"and sample with the training run's parallel.tp/parallel.pp")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for chunk, sd in zip(chunks, state["chunks"]):
+        chunk.load_state_dict(sd)
+    return path
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """``[B, 3, H, W]`` in [-1, 1] -> uint8 ``[B, H, W, 3]``."""
+    arr = ((images.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return arr.permute(0, 2, 3, 1).numpy()
+
+
+def save_grid(rows: Sequence[np.ndarray], path: Path, scale: int = 4, gap: int = 2) -> None:
+    """Write a PNG grid: ``rows`` of uint8 ``[n, H, W, 3]`` arrays (sizes may differ per row)."""
+    tiles = [[Image.fromarray(im).resize((im.shape[1] * scale, im.shape[0] * scale), Image.Resampling.NEAREST)
+              for im in row] for row in rows]
+    width = max(sum(t.width + gap for t in row) for row in tiles) + gap
+    height = sum(max(t.height for t in row) + gap for row in tiles) + gap
+    grid = Image.new("RGB", (width, height), (40, 40, 40))
+    y = gap
+    for row in tiles:
+        x = gap
+        for tile in row:
+            grid.paste(tile, (x, y))
+            x += tile.width + gap
+        y += max(t.height for t in row) + gap
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+
+
+def color_prompts(per_color: int) -> list[tuple[str, str]]:
+    """``(caption, colour)`` pairs: every colour ``per_color`` times, shapes cycling."""
+    return [(caption_of(c, SHAPES[i % len(SHAPES)]), c) for c in COLORS for i in range(per_color)]
+
+
+def evaluate_colors(
+    chunks, captions: CaptionEncoder, resolutions: Sequence[Sequence[int]], per_color: int, steps: int,
+    guidance_scale: float, seed: int, out_dir: Path | None, tag: str,
+) -> dict[str, float]:
+    """Sample every colour prompt at every resolution; score the dominant colour.
+
+    Writes ``<out_dir>/samples-<tag>.png`` (one row per colour and
+    resolution) and ``<out_dir>/color_accuracy-<tag>.json`` when ``out_dir``
+    is given. Returns ``color_accuracy`` and one ``color_accuracy/<H>x<W>``
+    per resolution (fractions in [0, 1]). Every rank calls it.
+    """
+    pairs = color_prompts(per_color)
+    prompts, wanted = [p for p, _ in pairs], [c for _, c in pairs]
+    result, rows, hits_all = {}, [], []
+    for h, w in resolutions:
+        images = to_uint8(sample_images(chunks, captions, prompts, h, w, 3, steps, guidance_scale, seed))
+        got = [dominant_color(im) for im in images]
+        hits = [g == c for g, c in zip(got, wanted)]
+        hits_all += hits
+        result[f"color_accuracy/{h}x{w}"] = float(np.mean(hits))
+        rows += [images[i * per_color : (i + 1) * per_color] for i in range(len(COLORS))]
+    result["color_accuracy"] = float(np.mean(hits_all))
+    result["color_samples"] = float(len(hits_all))
+    if out_dir is not None:
+        save_grid(rows, out_dir / f"samples-{tag}.png")
+        (out_dir / f"color_accuracy-{tag}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return result

@@ -1,0 +1,189 @@
+"""Pipeline planning from a config: cost model, the ViT-heavy example,
+megatron layout strings and layer numbering, and bad-input errors
+(tests/e2e/test_pipeline_tools.py runs the tools and the entry point)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megascale_omni.config import ConfigError, load_job_config, validate_job
+from megascale_omni.parallel.pipeline_cost import (
+    EMBEDDING, LM_LAYER, OUTPUT, PROFILE_VERSION, PROJECTOR, VISION, flop_cost_model, profile_shape,
+)
+from megascale_omni.parallel.pipeline_plan import (
+    GIB, megatron_layout, plan_for, plan_pipeline, resolve_partition, smallest_fitting_pp,
+)
+
+EXAMPLE = "examples/llava/pp4_vit_heavy.yaml"
+
+
+def config(*overrides: str, path: str = EXAMPLE, world_size: int | None = None):
+    cfg = load_job_config(["--config", path, *overrides])
+    validate_job(cfg, world_size or cfg.parallel.model_parallel_size)
+    return cfg
+
+
+def test_example_vit_costs_about_three_lm_layers_and_auto_balances_it():
+    cfg = config()
+    model = flop_cost_model(cfg)
+    head_in_layers = model.head_time / model.layer_time
+    assert 2.5 <= head_in_layers <= 3.5
+    uniform, auto = plan_for(cfg, "uniform"), plan_for(cfg, "auto")
+    assert uniform.counts == (4, 4, 4, 4) and uniform.imbalance >= 1.4
+    assert auto.imbalance <= 1.10
+    assert auto.counts[0] < 4 and sum(auto.counts) == 16
+    assert max(auto.rank_time) < max(uniform.rank_time)
+
+
+def test_cost_model_follows_freezing_and_recompute():
+    base = flop_cost_model(config())
+    frozen = flop_cost_model(config("vision.freeze=true"))
+    # A frozen ViT runs forward only: about a third of forward+backward, no activations kept.
+    assert frozen.time(VISION) == pytest.approx(base.time(VISION) / 3, rel=0.02)
+    assert frozen.activation_bytes(VISION) == 0
+    assert frozen.static_bytes(VISION) == pytest.approx(base.static_bytes(VISION) / 4)  # weights only, fp32
+    recompute = flop_cost_model(config("model.recompute=true"))
+    assert recompute.time(LM_LAYER) == pytest.approx(base.time(LM_LAYER) * 4 / 3, rel=1e-9)
+    assert recompute.activation_bytes(LM_LAYER) < base.activation_bytes(LM_LAYER) / 10
+    gpt = flop_cost_model(config(path="examples/gpt/tiny.yaml"))
+    assert set(gpt.components) == {EMBEDDING, LM_LAYER, OUTPUT} and gpt.head == (EMBEDDING,)
+
+
+def test_layer_parameter_count_matches_megatron():
+    """The cost model's parameter count of one LM layer is megatron's."""
+    cfg = config()
+    model = flop_cost_model(cfg)
+    h, f = cfg.model.hidden_size, cfg.model.ffn_size
+    # QKV, proj, fc1, fc2 weights + biases, two LayerNorms (weight + bias).
+    expected = 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
+    assert model.components[LM_LAYER].params == expected
+
+
+@pytest.mark.parametrize(
+    "counts, pp, layout",
+    [([1, 3, 3, 1], 4, "Et|ttt|ttt|tL"), ([2, 5, 5, 4], 4, "Ett|ttttt|ttttt|ttttL"), ([1, 2, 3, 2], 2, "Et|tt|ttt|ttL")],
+)
+def test_megatron_layout_string_and_global_layer_numbering(counts, pp, layout):
+    """megatron parses our string into the intended stages and numbers layers
+    globally, which is what keeps layout-invariant init keys unchanged."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    assert megatron_layout(counts, pp) == layout
+    parsed = PipelineParallelLayerLayout(layout, pp)
+    vpp = len(counts) // pp
+    assert parsed.virtual_pipeline_model_parallel_size == vpp
+    seen = []
+    # megatron reads the virtual stage only when its VPP size is set.
+    mpu.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    try:
+        for chunk, n in enumerate(counts):
+            v, r = divmod(chunk, pp)
+            ids = parsed.get_layer_id_list(vp_stage=v, pp_rank=r)
+            assert len(ids) == n
+            seen += ids
+    finally:
+        mpu.set_virtual_pipeline_model_parallel_world_size(None)
+    assert seen == list(range(sum(counts)))  # chunk order == layer order
+
+
+def test_auto_resolves_to_explicit_counts_for_megatron():
+    cfg = config()
+    plan = plan_pipeline(cfg)
+    resolved = resolve_partition(cfg, plan)
+    assert resolved.parallel.pipeline_partition == list(plan.counts)
+    assert resolve_partition(config("parallel.pipeline_partition=uniform"), plan_pipeline(
+        config("parallel.pipeline_partition=uniform"))).parallel.pipeline_partition == "uniform"
+
+
+def test_interleaved_auto_plan():
+    cfg = config("parallel.pp=2", "parallel.vpp=2")
+    plan = plan_pipeline(cfg)
+    assert len(plan.counts) == 4 and sum(plan.counts) == 16 and min(plan.counts) >= 1
+    assert plan.counts[0] == min(plan.counts)  # the ViT chunk gets the fewest layers
+    assert plan.imbalance <= plan_for(cfg, "uniform").imbalance
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["parallel.pipeline_partition=[4,4,4]"], "parallel.pipeline_partition", ["pp*vpp=4"]),
+        (["parallel.pipeline_partition=[4,4,4,5]"], "parallel.pipeline_partition", ["sums to 17", "num_layers=16"]),
+        (["parallel.pipeline_partition=[0,6,5,5]"], "parallel.pipeline_partition", ["at least 1 layer"]),
+        (["model.num_layers=3"], "model.num_layers", ["pp*vpp=4", "parallel.pp <= 3"]),
+        (["model.num_layers=18", "parallel.pipeline_partition=uniform"], "model.num_layers", ["auto"]),
+    ],
+)
+def test_bad_partitions_name_field_and_fix(overrides, field, words):
+    with pytest.raises(ConfigError) as err:
+        config(*overrides)
+    assert err.value.field == field
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_uneven_layer_count_is_fine_for_auto():
+    plan = plan_pipeline(config("model.num_layers=18"))
+    assert sum(plan.counts) == 18
+
+
+def test_memory_capacity_names_needed_memory_and_smallest_pp():
+    # At pp=2 every split needs ~0.13 GiB on some rank; from pp=3 on ~0.109
+    # (rank 0's ViT and its in-flight activations then dominate).
+    with pytest.raises(ConfigError) as err:
+        plan_pipeline(config("parallel.pp=2", "parallel.pipeline_memory_gib=0.12", world_size=2))
+    msg = str(err.value)
+    assert err.value.field == "parallel.pipeline_memory_gib"
+    assert "parallel.pp=3 (smallest pp that fits)" in msg
+    assert smallest_fitting_pp(config("parallel.pp=2", "parallel.pipeline_memory_gib=0.12", world_size=2)) == 3
+    need = float(msg.split("the best split at pp=2 needs ")[1].split(" GiB")[0])
+    # The quoted need is enough (rounded up) and tight.
+    plan = plan_pipeline(config("parallel.pp=2", f"parallel.pipeline_memory_gib={need}", world_size=2))
+    assert plan.peak_memory <= need * GIB
+    with pytest.raises(ConfigError):
+        plan_pipeline(config("parallel.pp=2", f"parallel.pipeline_memory_gib={need * 0.99}", world_size=2))
+    # Nothing fits: the message says so instead of naming a pp.
+    with pytest.raises(ConfigError, match="no pp up to 16 fits"):
+        plan_pipeline(config("parallel.pipeline_memory_gib=0.1"))
+
+
+def test_uniform_over_memory_points_at_auto():
+    cfg = config("parallel.pipeline_partition=uniform")
+    uniform = plan_pipeline(cfg)
+    auto = plan_pipeline(config())
+    cap = (auto.peak_memory + uniform.peak_memory) / 2 / GIB  # auto fits, uniform does not
+    with pytest.raises(ConfigError) as err:
+        plan_pipeline(config("parallel.pipeline_partition=uniform", f"parallel.pipeline_memory_gib={cap}"))
+    assert "uniform split [4, 4, 4, 4] needs 0.211 GiB" in str(err.value)
+    assert "set parallel.pipeline_partition: auto" in str(err.value)
+
+
+def test_profile_replaces_flops_and_must_match_the_shape(tmp_path):
+    cfg = config()
+    seconds = {"embedding": 0.001, "lm_layer": 0.02, "output": 0.002,
+               "vision_per_image": 0.003, "projector_per_image": 0.0001}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"version": PROFILE_VERSION, "shape": profile_shape(cfg), "seconds": seconds}))
+    plan = plan_pipeline(config(f"parallel.pipeline_profile={path}"))
+    assert plan.unit == "s"
+    images = cfg.train.micro_batch_size * cfg.vision.images_per_sequence
+    head = 0.001 + images * (0.003 + 0.0001)
+    assert plan.rank_time[0] == pytest.approx(head + plan.counts[0] * 0.02)
+    with pytest.raises(ConfigError) as err:
+        plan_pipeline(config(f"parallel.pipeline_profile={path}", "model.hidden_size=256"))
+    assert "hidden_size=128" in str(err.value) and "profile_layers.py" in str(err.value)
+    with pytest.raises(ConfigError, match="file not found"):
+        plan_pipeline(config(f"parallel.pipeline_profile={tmp_path / 'missing.json'}"))
+
+
+def test_families_without_cost_model_build_uniform_and_explicit_splits():
+    from megascale_omni.parallel.pipeline_plan import plan_if_needed
+
+    dit = ["model.family=dit", "parallel.pp=2", "model.num_layers=4"]
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path="examples/dit/tiny_cpu.yaml")) is None
+    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path="examples/dit/tiny_cpu.yaml")) is None
+    with pytest.raises(ConfigError, match="no cost model for model.family='dit'"):
+        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path="examples/dit/tiny_cpu.yaml"))
+    assert plan_if_needed(config("parallel.pipeline_partition=uniform")) is not None

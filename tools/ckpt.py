@@ -1,0 +1,101 @@
+"""List and verify checkpoints (no torch import: safe on a login node).
+
+    python tools/ckpt.py list runs/x/checkpoints [/fast/ckpt ...] [--json]
+    python tools/ckpt.py verify runs/x/checkpoints/step_00000120 [--no-checksums]
+    python tools/ckpt.py verify runs/x/checkpoints          # every complete one
+
+``list`` shows every step directory of the given tiers, newest first, with
+its state (complete / incomplete), size, reason and layout. ``verify`` checks
+sizes and sha256 checksums against the commit marker; exit code 0 when every
+checkpoint checked is intact, 1 otherwise, 2 for a bad path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from megascale_omni.checkpoint import layout
+
+
+def _infos(path: Path) -> list:
+    """Checkpoints at ``path``: a tier root, or a single step directory."""
+    if not path.is_dir():
+        raise SystemExit(_die(f"{path}: no such directory"))
+    if layout.is_step_dir_name(path.name):
+        return [c for c in layout.scan_tier(path.parent, str(path.parent)) if c.path.name == path.name]
+    return layout.scan_tier(path, str(path))
+
+
+def _die(msg: str) -> int:
+    sys.stderr.write(f"ckpt: {msg}\n")
+    return 2
+
+
+def _row(c) -> dict:
+    commit = c.commit or {}
+    lay = commit.get("layout", {})
+    when = commit.get("committed_unix")
+    return {
+        "tier": c.tier,
+        "step": c.step,
+        "state": "complete" if c.complete else "incomplete",
+        "size_mb": round(c.size_bytes / 2**20, 1),
+        "reason": commit.get("reason", ""),
+        "layout": f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}" if lay else "",
+        "committed": datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds") if when else "",
+        "path": str(c.path),
+    }
+
+
+def cmd_list(args) -> int:
+    rows = [_row(c) for p in args.paths for c in _infos(Path(p))]
+    rows.sort(key=lambda r: r["step"], reverse=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no checkpoints")
+        return 0
+    cols = ["step", "state", "size_mb", "reason", "layout", "committed", "path"]
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in cols}
+    print("  ".join(k.ljust(widths[k]) for k in cols))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(widths[k]) for k in cols))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    infos = _infos(Path(args.path))
+    single = layout.is_step_dir_name(Path(args.path).name)
+    targets = infos if single else [c for c in infos if c.complete]
+    if not targets:
+        return _die(f"{args.path}: no {'such' if single else 'complete'} checkpoint")
+    bad = 0
+    for c in targets:
+        problems = layout.verify(c, checksums=not args.no_checksums)
+        print(f"{c.path}: {'OK' if not problems else 'BROKEN: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="list checkpoints of one or more tiers")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_list)
+    p = sub.add_parser("verify", help="check sizes and checksums against the commit marker")
+    p.add_argument("path")
+    p.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
+    p.set_defaults(fn=cmd_verify)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Print the pipeline partition of a config: uniform beside auto (and the
+configured explicit split, if any), per pp rank: layers, predicted time per
+micro-batch and memory, with the imbalance (slowest rank / mean).
+
+    python tools/plan_pipeline.py --config examples/llava/pp4_vit_heavy.yaml [section.field=value ...]
+        [--world-size N] [--device cpu|cuda]
+
+Exits 2 with one line when the configured split cannot run (too few layers,
+memory), like the training entry points do before they start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megascale_omni.config import load_job_config, run_cli, validate_job  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
+    p.add_argument("--world-size", type=int, default=None, help="processes of the job (default: tp*pp*cp, DP=1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="what train.precision: auto means")
+    args, rest = p.parse_known_args()
+    from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_for, plan_pipeline
+
+    cfg = load_job_config(rest, description=__doc__)
+    world = args.world_size or cfg.parallel.model_parallel_size
+    validate_job(cfg, world)
+    if args.device is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    else:
+        cuda = args.device == "cuda"
+    configured = plan_pipeline(cfg, cuda=cuda, world_size=world)
+    plans = [plan_for(cfg, "uniform", cuda, world)] if cfg.model.num_layers % (cfg.parallel.pp * configured.vpp) == 0 else []
+    plans.append(plan_for(cfg, "auto", cuda, world) if configured.mode != "auto" else configured)
+    if configured.mode == "explicit":
+        plans.append(configured)
+    par = cfg.parallel
+    vpp = f" vpp={par.vpp}" if par.vpp else ""
+    print(f"pp={par.pp}{vpp} tp={par.tp} world={world}; times per micro-batch from the {configured.source}; "
+          f"configured: {par.pipeline_partition}")
+    print(format_plan_table(plans))
+    for plan in plans:
+        print(f"{plan.mode:>9}: layers per chunk {list(plan.counts)}  max/mean {plan.imbalance:.3f}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
