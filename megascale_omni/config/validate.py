@@ -6,7 +6,9 @@ fails in milliseconds with the same message on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from typing import Optional
 
 from megascale_omni.config.errors import ConfigError
@@ -154,8 +156,21 @@ def _validate_llava(cfg: JobConfig) -> None:
 
 
 def control_socket_path(cfg: JobConfig) -> str:
-    """Absolute Unix socket path of the control server."""
-    return os.path.abspath(cfg.control.socket_path or os.path.join(cfg.logging.output_dir, "control.sock"))
+    """Absolute Unix socket path of the control server.
+
+    ``control.socket_path`` when set; else ``<output_dir>/control.sock``, or,
+    when that exceeds the Unix limit, a short path in the temp directory
+    derived from the run directory (``control.json`` in the run directory
+    always names the socket in use).
+    """
+    if cfg.control.socket_path:
+        return os.path.abspath(cfg.control.socket_path)
+    run_dir = os.path.abspath(cfg.logging.output_dir)
+    path = os.path.join(run_dir, "control.sock")
+    if len(os.fsencode(path)) <= MAX_UNIX_SOCKET_PATH:
+        return path
+    digest = hashlib.sha256(os.fsencode(run_dir)).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"megascale-{digest}.sock")
 
 
 def load_control_token(control: ControlConfig) -> Optional[str]:
@@ -192,8 +207,8 @@ def _validate_control(cfg: JobConfig) -> None:
         raise ConfigError(
             "control.socket_path",
             path,
-            f"Unix socket paths are limited to {MAX_UNIX_SOCKET_PATH} bytes; set control.socket_path "
-            "to a shorter path (e.g. /tmp/<job>.sock) or use a shorter logging.output_dir",
+            f"Unix socket paths are limited to {MAX_UNIX_SOCKET_PATH} bytes; set a shorter "
+            "control.socket_path (e.g. /tmp/<job>.sock) or leave it unset for an automatic one",
         )
     token = load_control_token(cfg.control)
     if cfg.control.tcp_port is not None and token is None:

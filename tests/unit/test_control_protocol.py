@@ -194,6 +194,12 @@ def test_control_config_validation(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         validate_job(cfg(socket_path="/tmp/" + "x" * 120), 1)
     assert e.value.field == "control.socket_path" and "107 bytes" in e.value.hint
+    # A run directory too deep for the default socket gets a short one instead of an error.
+    deep = tmp_path / ("d" * 100)
+    long_default = from_dict(JobConfig, {"logging": {"output_dir": str(deep)}})
+    validate_job(long_default, 1)
+    short = control_socket_path(long_default)
+    assert len(short) <= 107 and short.endswith(".sock") and short == control_socket_path(long_default)
     with pytest.raises(ConfigError) as e:
         validate_job(cfg(tcp_port=0), 1)
     assert e.value.field == "control.tcp_port" and "token" in e.value.hint
