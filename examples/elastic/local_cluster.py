@@ -1,12 +1,13 @@
-"""Run an elastic job on one machine and scale it: join, join, SIGKILL.
+"""Run an elastic job on one machine and scale it: join, join, drain, SIGKILL.
 
     .venv/bin/python examples/elastic/local_cluster.py [--steps 300] [--out runs/elastic-local]
 
 Starts a torchft lighthouse, then replica group r0 (a torchrun job of 2
 processes: TP1 x PP2, examples/elastic/gpt_pp2.yaml). When r0 has committed
 10 steps it starts r1 and r2, which heal from r0 and join; a few steps
-after both joined it SIGKILLs r2 (every process of it); r0 and r1 carry on
-to ``--steps``. Each group writes ``<out>/<replica>/metrics.jsonl`` (one
+after both joined it drains r1 with ``omni-ctl drain`` (r1 leaves the quorum
+at the next step boundary and exits 0), then SIGKILLs r2 (every process of
+it); r0 carries on alone to ``--steps``. Each group writes ``<out>/<replica>/metrics.jsonl`` (one
 line per committed step, with ``participants``) and the sample ledger goes
 to ``<out>/ledger``. On a cluster, a scheduler does the same with its own
 launcher; see docs/elastic.md.
@@ -105,9 +106,14 @@ def main() -> None:
         wait_until("r1 and r2 joined", lambda: committed(out, "r0")[-1]["participants"] == 3)
         at = len(committed(out, "r0"))
         wait_until("3 steps with 3 replicas", lambda: len(committed(out, "r0")) >= at + 3)
+        subprocess.run([str(BIN / "omni-ctl"), "--run-dir", str(out / "r1"), "--timeout", "300", "drain"], check=True)
+        print(f"drained r1: exited {groups.pop('r1').wait()}")
+        wait_until("r0 and r2 continue as 2", lambda: committed(out, "r0")[-1]["participants"] == 2)
+        at = len(committed(out, "r0"))
+        wait_until("3 steps with 2 replicas", lambda: len(committed(out, "r0")) >= at + 3)
         kill_replica(groups.pop("r2"))
         print("SIGKILLed r2")
-        wait_until("r0 and r1 continue as 2", lambda: committed(out, "r0")[-1]["participants"] == 2)
+        wait_until("r0 continues alone", lambda: committed(out, "r0")[-1]["participants"] == 1)
         for rid, proc in groups.items():
             print(f"{rid} exited {proc.wait()}")
         recs = committed(out, "r0")
