@@ -14,17 +14,21 @@ from tests.launcher import finish, free_port, spawn, torchrun_cmd
 
 CONFIG = "examples/elastic/gpt_pp2.yaml"
 LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
-#: The lighthouse drops a replica this long after its last heartbeat (drain, SIGKILL).
-HEARTBEAT_TIMEOUT_MS = 1500
+#: The lighthouse drops a replica this long after its last heartbeat (drain,
+#: SIGKILL); long enough for a test to resume a paused replica before a
+#: just-killed peer is dropped (see test_elastic_membership.Job.kill_in_flight).
+HEARTBEAT_TIMEOUT_MS = 10000
 
 
 def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
     """A lighthouse on a free port; returns (process, address)."""
     port = free_port()
     proc = spawn(
-        # join_timeout far above a step time: two joiners must never form a
-        # quorum of their own while the running replica is mid-step.
-        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "60000",
+        # join_timeout far above a step time and above any pause in the tests:
+        # a quorum forms only once every heartbeating replica asks for it, so
+        # joiners never form a quorum of their own while a replica is mid-step
+        # or paused.
+        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
          "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", "50"],
         timeout=timeout,
     )
