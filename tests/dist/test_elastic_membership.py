@@ -214,7 +214,6 @@ def test_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_membership(t
     assert healed["healed"] and healed["step"] > 2
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_join_join_drain_kill_mid_run(tmp_path):
     """The issue's scenario: 1 replica group (TP1 x PP2); a 2nd and a 3rd join
