@@ -77,10 +77,27 @@ def _read(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group and every descendant's group.
+
+    torchrun (torch >= 2.x) starts each worker in a session of its own, so
+    killing the launcher's group alone would leave the workers running.
+    """
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    for pid in [proc.pid, *(d.pid for d in descendants)]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for d in descendants:
+        try:
+            d.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:

@@ -9,6 +9,7 @@ the world size live in :mod:`megascale_omni.config.validate`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -452,6 +453,49 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Elastic data parallelism across replica groups through torchft (see docs/elastic.md).
+
+    One torchrun job is one replica group (a full model copy: tp x pp x cp,
+    optionally an inner dp). Replica groups find each other through a torchft
+    lighthouse; gradients are summed across the current participants and the
+    optimizer steps only when the quorum commits.
+    """
+
+    #: Join the lighthouse's quorum instead of training alone.
+    enabled: bool = False
+    #: Lighthouse address, ``http://host:port`` (``torchft_lighthouse --bind``).
+    lighthouse: str = ""
+    #: This replica group's id: letters, digits, ``-`` and ``_``; unique among live groups.
+    replica_id: str = ""
+    #: Fewest participating replica groups with which a step may commit.
+    min_replicas: int = 1
+    #: Seconds a step waits for the quorum (covers a join or a dead peer's heartbeat timeout).
+    quorum_timeout_s: float = 120.0
+    #: Seconds for each cross-replica collective and peer state transfer before the step is abandoned.
+    timeout_s: float = 60.0
+    #: Directory for the sample ledger (JSONL per replica and inner DP rank); empty disables it.
+    ledger_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("elastic", "min_replicas", self.min_replicas)
+        _positive("elastic", "quorum_timeout_s", self.quorum_timeout_s)
+        _positive("elastic", "timeout_s", self.timeout_s)
+        if not self.enabled:
+            return
+        if not re.fullmatch(r"https?://[^\s/:]+:[0-9]+/?", self.lighthouse):
+            raise ConfigError(
+                "elastic.lighthouse", self.lighthouse,
+                "must be the lighthouse address http://host:port (printed by torchft_lighthouse)",
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.replica_id):
+            raise ConfigError(
+                "elastic.replica_id", self.replica_id,
+                "must be 1-64 letters, digits, '-' or '_' and unique per replica group, e.g. replica_id=r1",
+            )
+
+
+@dataclass
 class JobConfig:
     """A whole training job: one section per concern."""
 
@@ -464,6 +508,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         # Checkpoints follow the run directory when a config says so, so

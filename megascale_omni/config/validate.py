@@ -56,7 +56,9 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         )
     dp = world_size // mp
     per_step = train.micro_batch_size * dp
-    if train.global_batch_size % per_step:
+    if cfg.elastic.enabled:
+        _validate_elastic(cfg)
+    elif train.global_batch_size % per_step:
         raise ConfigError(
             "train.global_batch_size",
             train.global_batch_size,
@@ -108,6 +110,29 @@ def _validate_pipeline_partition(cfg: JobConfig) -> None:
                 partition,
                 f"sums to {sum(partition)} but model.num_layers={layers}; the counts must add up to it",
             )
+
+
+def _validate_elastic(cfg: JobConfig) -> None:
+    """Elastic jobs split the global batch at micro-batch granularity among
+    a participant count that changes while training (see docs/elastic.md)."""
+    train = cfg.train
+    if train.global_batch_size % train.micro_batch_size:
+        raise ConfigError(
+            "train.global_batch_size", train.global_batch_size,
+            f"must be a multiple of train.micro_batch_size={train.micro_batch_size} with elastic.enabled "
+            "(replicas receive whole micro-batches)",
+        )
+    if cfg.parallel.use_distributed_optimizer:
+        raise ConfigError(
+            "parallel.use_distributed_optimizer", True,
+            "is not supported with elastic.enabled (a joining replica heals whole optimizer state from a peer); "
+            "set it to false",
+        )
+    if cfg.checkpoint.enabled:
+        raise ConfigError(
+            "checkpoint.dir", cfg.checkpoint.dir,
+            "is not supported with elastic.enabled yet (replicas heal from live peers); leave checkpoint.dir empty",
+        )
 
 
 def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:

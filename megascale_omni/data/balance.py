@@ -221,6 +221,34 @@ def split_balanced_uneven(
     return _split(items, cost_arr, [base + (r < extra) for r in range(num_participants)])
 
 
+def microbatch_shares(num_items: int, micro_batch_size: int, num_participants: int) -> list[int]:
+    """Items per participant when whole micro-batches are dealt out.
+
+    The global batch holds ``num_items / micro_batch_size`` micro-batches;
+    participant ``r`` gets ``m // P + (r < m % P)`` of them (the first ones
+    take the extra), possibly zero when ``P > m``. Equal shares whenever
+    ``P`` divides ``m``. Pipeline p2p buffers are ``[seq, micro_batch_size,
+    hidden]``, so shares are never split below a micro-batch.
+    """
+    if num_participants <= 0:
+        raise ValueError(f"num_participants must be positive, got {num_participants}")
+    if num_items % micro_batch_size:
+        raise ValueError(f"{num_items} items are not whole micro-batches of {micro_batch_size}")
+    base, extra = divmod(num_items // micro_batch_size, num_participants)
+    return [(base + (r < extra)) * micro_batch_size for r in range(num_participants)]
+
+
+def split_balanced_counts(
+    items: Sequence[int], costs: Sequence[float], counts: Sequence[int]
+) -> list[list[int]]:
+    """Like :func:`split_balanced`, with participant ``r`` receiving exactly
+    ``counts[r]`` items (e.g. from :func:`microbatch_shares`)."""
+    cost_arr = _check_costs(items, costs, len(counts))
+    if sum(counts) != len(items):
+        raise ValueError(f"counts {list(counts)} do not add up to {len(items)} items")
+    return _split(items, cost_arr, list(counts))
+
+
 def split_contiguous(items: Sequence[int], num_participants: int) -> list[list[int]]:
     """Naive baseline: consecutive chunks, sizes differing by at most one (first ones larger)."""
     if num_participants <= 0:

@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from megascale_omni.config import JobConfig
+from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.synthetic_tokens import ArithmeticTokenDataset
 from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
@@ -55,12 +56,21 @@ class GptSmokeTask:
         return self.cfg.train.global_batch_size, self.cfg.train.global_batch_size * self.seq_length
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        return self._collate(self.sample_ids(step, dp_rank, dp_size), self.dataset)
+
+    def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        """Sample ids of DP rank ``dp_rank``'s share of global batch ``step``:
+        a contiguous run of whole micro-batches (see ``microbatch_shares``)."""
         ids = self.plan.global_batch(step)
-        return self._split(ids, self.dataset, dp_rank, dp_size)
+        shares = microbatch_shares(len(ids), self.cfg.train.micro_batch_size, dp_size)
+        start = sum(shares[:dp_rank])
+        return list(ids[start : start + shares[dp_rank]])
 
     def _split(self, ids, dataset, dp_rank: int, dp_size: int) -> list[dict]:
         per_rank = len(ids) // dp_size
-        mine = ids[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        return self._collate(ids[dp_rank * per_rank : (dp_rank + 1) * per_rank], dataset)
+
+    def _collate(self, mine, dataset) -> list[dict]:
         mbs = self.cfg.train.micro_batch_size
         out = []
         for i in range(0, len(mine), mbs):

@@ -20,7 +20,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.data.balance import sample_cost, split_balanced
+from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
 from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -138,10 +138,20 @@ class LlavaTask:
         packs = self.plan.global_batch(step)
         return sum(p.num_samples for p in packs), sum(p.num_tokens for p in packs)
 
-    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+    def _share(self, step: int, dp_rank: int, dp_size: int) -> list[Pack]:
+        """DP rank ``dp_rank``'s packed rows of global batch ``step``: whole
+        micro-batches (``microbatch_shares``), cost-balanced."""
         packs = self.plan.global_batch(step)
-        parts = split_balanced(list(range(len(packs))), [p.cost for p in packs], dp_size)
-        mine = [packs[i] for i in parts[dp_rank]]
+        counts = microbatch_shares(len(packs), self.cfg.train.micro_batch_size, dp_size)
+        parts = split_balanced_counts(list(range(len(packs))), [p.cost for p in packs], counts)
+        return [packs[i] for i in parts[dp_rank]]
+
+    def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        """Dataset indices of the samples packed into DP rank ``dp_rank``'s share of step ``step``."""
+        return [int(self.train_ids[sid]) for pack in self._share(step, dp_rank, dp_size) for sid in pack.sample_ids]
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        mine = self._share(step, dp_rank, dp_size)
         mbs = self.cfg.train.micro_batch_size
         batches = [
             self.train_batcher.microbatch(mine[i : i + mbs], self.train_ids) for i in range(0, len(mine), mbs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ class StepStats:
     grad_norm: Optional[float]
     lr: float
     update_successful: bool
+    #: False when the elastic quorum did not commit the step (nothing changed; retry it).
+    committed: bool
     #: Seconds in forward+backward (including pipeline p2p and DP grad sync).
     fwd_bwd_s: float
     #: Seconds in the optimizer step (including grad-norm collectives).
@@ -71,12 +73,17 @@ def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]
     return {k: total[i] for i, k in enumerate(keys)}
 
 
-def reduce_reported_loss(reports: Sequence[dict]) -> tuple[Optional[float], Optional[int]]:
+def reduce_reported_loss(
+    reports: Sequence[dict], cross_replica: Optional["CrossReplica"] = None
+) -> tuple[Optional[float], Optional[int]]:
     """Token-mean loss over the whole global batch (last-stage ranks; collective
-    over the DP×CP group). Returns (None, None) on other stages."""
+    over the DP×CP group, and over the participants when ``cross_replica``).
+    Returns (None, None) on other stages."""
     totals = reduce_reports(reports)
     if totals is None:
         return None, None
+    if cross_replica is not None:
+        cross_replica.reduce_sum(totals[LOSS_KEY])
     loss_sum, count = totals[LOSS_KEY].tolist()
     return loss_sum / max(count, 1.0), int(count)
 
@@ -111,6 +118,17 @@ def run_forward_backward(
     )
 
 
+class CrossReplica(Protocol):
+    """The elastic replica dimension as train_step sees it
+    (:class:`megascale_omni.parallel.elastic.ElasticReplica`)."""
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def should_commit(self) -> bool: ...
+
+    def finalize_model_grads(self, model: Sequence, num_tokens: Optional[torch.Tensor] = None) -> None: ...
+
+
 @dataclass
 class StepProgress:
     """How far the current step got (read by failure handling)."""
@@ -127,8 +145,15 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     progress: Optional["StepProgress"] = None,
+    cross_replica: Optional[CrossReplica] = None,
 ) -> StepStats:
     """Zero grads, forward/backward, DP grad reduce, clip and optimizer step (every rank).
+
+    With ``cross_replica`` (elastic jobs) gradients and the loss are summed
+    over the participants (in ``finalize_model_grads``), and the optimizer
+    and LR scheduler step only if the quorum commits. ``microbatches`` may
+    then be empty (a healing replica, or more replicas than micro-batches):
+    the rank still joins every collective, contributing zeros.
 
     ``progress.optimizer_started`` turns True just before parameters start
     changing: a failure before that leaves the pre-step state intact.
@@ -137,22 +162,37 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     t0 = time.perf_counter()
-    reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
+    if microbatches:
+        reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
+    else:
+        assert cross_replica is not None, "a step needs micro-batches"
+        cross_replica.finalize_model_grads(list(chunks), num_tokens=torch.zeros([], dtype=torch.int))
+        reports = []
+    loss, count = (None, None)
+    committed = True
+    if cross_replica is not None:
+        # Before the commit decision: a failure here must abandon the step.
+        loss, count = reduce_reported_loss(reports, cross_replica)
+        committed = cross_replica.should_commit()
     t1 = time.perf_counter()
     lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
-    if progress is not None:
-        progress.optimizer_started = True
-    update_successful, grad_norm, _ = optimizer.step()
-    if update_successful:
-        scheduler.step(increment=1)
+    update_successful, grad_norm = False, None
+    if committed:
+        if progress is not None:
+            progress.optimizer_started = True
+        update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=1)
     t2 = time.perf_counter()
-    loss, count = reduce_reported_loss(reports)
+    if cross_replica is None:
+        loss, count = reduce_reported_loss(reports)
     return StepStats(
         loss=loss,
         num_loss_tokens=count,
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         lr=float(lr),
         update_successful=bool(update_successful),
+        committed=committed,
         fwd_bwd_s=t1 - t0,
         optimizer_s=t2 - t1,
         num_microbatches=len(microbatches),

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
@@ -30,6 +30,9 @@ from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
 from megascale_omni.training.faults import injected_fault_step, maybe_fail
 from megascale_omni.training.step import StepProgress, StepStats, train_step
+
+if TYPE_CHECKING:
+    from megascale_omni.training.elastic import ElasticTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class Task(Protocol):
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters (e.g. skipped samples) for the step record."""
 
+    # Optional, for the elastic sample ledger:
+    #   sample_ids(step, dp_rank, dp_size) -> list[int]
+    #                                    dataset ids in microbatches(step, dp_rank, dp_size)
     # Optional, for checkpoints (see megascale_omni/checkpoint/state.py):
     #   checkpoint_state() -> dict       the task's state: plain values, or
     #                                    megatron ShardedTensor/ShardedObject
@@ -121,9 +127,15 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
+        self.elastic: Optional[ElasticTrainer] = None
+        if cfg.elastic.enabled:
+            from megascale_omni.training.elastic import ElasticTrainer
+
+            self.elastic = ElasticTrainer(self)
         self.control = ControlPlane(
             cfg, _layout(self.dims), sends_metrics=self.is_loss_rank,
             checkpoint=self._control_checkpoint if self.checkpointer is not None else None,
+            replica_info=self.elastic.describe if self.elastic is not None else None,
         )
 
     def request_checkpoint(self, reason: str = "api") -> None:
@@ -148,6 +160,8 @@ class Trainer:
             with _redirect_logging_for(bar):
                 while self.step < cfg.train.steps:
                     record = self._guarded_step()
+                    if record is None:
+                        continue  # elastic step not committed: retry it with the same samples
                     if bar is not None:
                         bar.update(1)
                     if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
@@ -164,13 +178,16 @@ class Trainer:
                 if self.checkpointer is not None:
                     self.checkpointer.finish(self, save=cfg.checkpoint.save_at_end and not stopped)
         finally:
+            if self.elastic is not None:
+                self.elastic.leave()
             if bar is not None:
                 bar.close()
             self.sink.close()
         return self.history
 
-    def _guarded_step(self) -> dict:
-        """One step; if it raises, save the last good state first (when possible)."""
+    def _guarded_step(self) -> Optional[dict]:
+        """One step; if it raises, save the last good state first (when possible).
+        Returns the step record, or None when an elastic step was not committed."""
         progress = StepProgress()
         try:
             return self._one_step(progress)
@@ -179,10 +196,15 @@ class Trainer:
                 self.checkpointer.save_after_failure(self, exc, progress.optimizer_started)
             raise
 
-    def _one_step(self, progress: StepProgress) -> dict:
+    def _one_step(self, progress: StepProgress) -> Optional[dict]:
         t0 = time.perf_counter()
-        mbs = self.task.microbatches(self.step, self.dp_rank, self.dims.dp)
-        t_data = time.perf_counter() - t0
+        share = self.elastic.begin_step() if self.elastic is not None else None
+        t_quorum = time.perf_counter() - t0
+        if share is None:
+            mbs = self.task.microbatches(self.step, self.dp_rank, self.dims.dp)
+        else:
+            mbs = self.elastic.microbatches(share)
+        t_data = time.perf_counter() - t0 - t_quorum
         maybe_fail(self.step + 1, self._fault_step)
         stats = train_step(
             self.chunks,
@@ -193,13 +215,21 @@ class Trainer:
             self.task.seq_length,
             self.cfg.train.micro_batch_size,
             progress,
+            cross_replica=self.elastic.replica if self.elastic is not None else None,
         )
         step_s = time.perf_counter() - t0
+        if share is not None:
+            self.elastic.end_step(share, stats.committed)
+            if not stats.committed:
+                return None
         self.step += 1
         after_step = getattr(self.task, "after_step", None)
         if after_step is not None:
             after_step(self)
         record = self._record(stats, t_data, step_s)
+        if share is not None:
+            record.update(participants=share.participation.size, quorum_s=t_quorum,
+                          healed=not share.participation.participating)
         if self.is_loss_rank:
             self.history.append(record)
             self.sink.log(record, self.step)
@@ -258,6 +288,8 @@ def _format_line(r: dict, total: int) -> str:
     loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
     gn = f"{r['grad_norm']:.3f}" if r["grad_norm"] is not None else "-"
     skipped = " SKIPPED" if r["skipped"] else ""
+    if "participants" in r:
+        skipped += f" | replicas {r['participants']}" + (" (healed)" if r["healed"] else "")
     return (
         f"step {r['step']}/{total} | loss {loss} | lr {r['lr']:.2e} | grad_norm {gn} | "
         f"tok/s {r['tokens_per_s']:.0f} | samples/s {r['samples_per_s']:.1f} | "

@@ -1,0 +1,129 @@
+"""Run an elastic job on one machine and scale it: join, join, drain, SIGKILL.
+
+    .venv/bin/python examples/elastic/local_cluster.py [--steps 300] [--out runs/elastic-local]
+
+Starts a torchft lighthouse, then replica group r0 (a torchrun job of 2
+processes: TP1 x PP2, examples/elastic/gpt_pp2.yaml). When r0 has committed
+10 steps it starts r1 and r2, which heal from r0 and join; a few steps
+after both joined it drains r1 with ``omni-ctl drain`` (r1 leaves the quorum
+at the next step boundary and exits 0), then SIGKILLs r2 (every process of
+it); r0 carries on alone to ``--steps``. Each group writes ``<out>/<replica>/metrics.jsonl`` (one
+line per committed step, with ``participants``) and the sample ledger goes
+to ``<out>/ledger``. On a cluster, a scheduler does the same with its own
+launcher; see docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+CONFIG = "examples/elastic/gpt_pp2.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def committed(out: Path, replica: str) -> list[dict]:
+    """Committed step records of ``replica`` so far (a half-written last line is skipped)."""
+    path = out / replica / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            records.append(record)
+    return records
+
+
+def start_replica(replica: str, lighthouse: str, out: Path, steps: int) -> subprocess.Popen:
+    """One replica group: its own torchrun with its own store port."""
+    cmd = [
+        str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        "-m", "megascale_omni.smoke", "--config", CONFIG, f"train.steps={steps}",
+        f"elastic.replica_id={replica}", f"elastic.lighthouse={lighthouse}", f"elastic.ledger_dir={out / 'ledger'}",
+        f"logging.output_dir={out / replica}",
+    ]
+    log = open(out / f"{replica}.log", "w")
+    print(f"start {replica}: {' '.join(cmd)}")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_replica(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (torchrun puts each worker in its own session)."""
+    import psutil
+
+    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in victims:
+        p.send_signal(signal.SIGKILL)
+
+
+def wait_until(what: str, predicate, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.2)
+    print(what)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="runs/elastic-local")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    port = free_port()
+    # join_timeout far above a step time (see docs/elastic.md); heartbeat
+    # timeout = how long survivors wait for a drained or dead group.
+    lighthouse = subprocess.Popen(
+        [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
+         "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "2000"],
+        stdout=open(out / "lighthouse.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    addr = f"http://localhost:{port}"
+    groups: dict[str, subprocess.Popen] = {}
+    try:
+        groups["r0"] = start_replica("r0", addr, out, args.steps)
+        wait_until("r0 committed 10 steps", lambda: len(committed(out, "r0")) >= 10)
+        for rid in ("r1", "r2"):
+            groups[rid] = start_replica(rid, addr, out, args.steps)
+        wait_until("r1 and r2 joined", lambda: committed(out, "r0")[-1]["participants"] == 3)
+        at = len(committed(out, "r0"))
+        wait_until("3 steps with 3 replicas", lambda: len(committed(out, "r0")) >= at + 3)
+        subprocess.run([str(BIN / "omni-ctl"), "--run-dir", str(out / "r1"), "--timeout", "300", "drain"], check=True)
+        print(f"drained r1: exited {groups.pop('r1').wait()}")
+        wait_until("r0 and r2 continue as 2", lambda: committed(out, "r0")[-1]["participants"] == 2)
+        at = len(committed(out, "r0"))
+        wait_until("3 steps with 2 replicas", lambda: len(committed(out, "r0")) >= at + 3)
+        kill_replica(groups.pop("r2"))
+        print("SIGKILLed r2")
+        wait_until("r0 continues alone", lambda: committed(out, "r0")[-1]["participants"] == 1)
+        for rid, proc in groups.items():
+            print(f"{rid} exited {proc.wait()}")
+        recs = committed(out, "r0")
+        print(f"participants per step: {[r['participants'] for r in recs]}")
+        print(f"final loss {recs[-1]['loss']:.4f} at step {recs[-1]['step']}")
+    finally:
+        for proc in [*groups.values(), lighthouse]:
+            if proc.poll() is None:
+                kill_replica(proc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The elastic replica dimension: cross-replica gradient sums through torchft.
+
+A *replica group* is one torchrun job holding a full model copy. Inside it,
+megatron's groups (tp, pp, cp, inner dp) never change. Across replica
+groups, a torchft ``Manager`` per rank asks the lighthouse for a quorum every
+step and sums gradients over the participants through a reconfigurable
+gloo process group that connects the same group rank of every replica.
+
+Seam (why here): megatron's ``finalize_model_grads`` reduces inside the
+replica. :meth:`ElasticReplica.finalize_model_grads` runs it *without* the
+per-token scaling, then sums every DDP buffer's ``grad_data`` and the token
+count across replicas, then scales by ``1 / global tokens``. Gradients are
+therefore exactly those of one large data-parallel job over the whole
+global batch, whatever the participant count and even when replicas hold
+different numbers of micro-batches; grad-norm clipping in
+``optimizer.step()`` sees these global gradients. The alternative seam,
+megatron's ``num_distributed_optimizer_instances`` with a
+``ManagedProcessGroup`` as the inter-instance group, fixes the instance
+count and the gradient scaling when DDP is built and needs the distributed
+optimizer, so it cannot follow a changing participant count.
+
+Every method is called by every rank of the replica group, in the same order
+on every replica (the cross-replica collectives must line up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
+from torch.distributed import ReduceOp
+
+from megascale_omni.config import ElasticConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Participation:
+    """This replica's place in the current step's quorum.
+
+    ``rank`` is the participant rank (None while the replica heals: it then
+    contributes zero gradients and takes no samples); ``size`` is the number
+    of participants whose samples make up the step.
+    """
+
+    rank: Optional[int]
+    size: int
+    quorum_id: int
+
+    @property
+    def participating(self) -> bool:
+        return self.rank is not None
+
+
+class ElasticReplica:
+    """torchft ``Manager`` of this rank plus the gradient seam (every rank).
+
+    ``state_dict`` / ``load_state_dict`` capture and restore everything a
+    joining replica needs from a live peer (model, optimizer, LR scheduler,
+    step); torchft moves it over HTTP from the same group rank of a peer.
+    """
+
+    def __init__(
+        self,
+        cfg: ElasticConfig,
+        state_dict: Callable[[], dict],
+        load_state_dict: Callable[[dict], None],
+    ):
+        # torchft's Rust side logs every quorum and commit at INFO; our step
+        # line already says what matters. RUST_LOG set by the user wins.
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # Imported here: torchft is only needed by elastic jobs.
+        from torchft import Manager, ProcessGroupGloo
+
+        self.cfg = cfg
+        self.group_rank = dist.get_rank()
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        # Each replica group has its own torchrun store (MASTER_ADDR/PORT),
+        # which torchft uses to find the group's manager server.
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=self.group_rank,
+            world_size=dist.get_world_size(),
+            lighthouse_addr=cfg.lighthouse,
+            replica_id=cfg.replica_id,
+            # Every replica initialises identically from the seed
+            # (layout-invariant init), so step 0 needs no weight sync.
+            init_sync=False,
+        )
+        self._participation: Optional[Participation] = None
+        #: Seconds the last begin_step waited for the quorum (and a heal).
+        self.quorum_wait_s = 0.0
+
+    # ---------------------------------------------------------------- steps
+    def begin_step(self) -> Participation:
+        """Join the next quorum and wait for it (every rank). A joining
+        replica also fetches its peer's state here (applied at commit)."""
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        rank = self.manager.participating_rank()
+        size = self.manager.num_participants()
+        self.quorum_wait_s = time.perf_counter() - t0
+        self._participation = Participation(
+            rank=rank if self.manager.is_participating() else None,
+            size=size,
+            # torchft exposes the quorum id only as this attribute (0.2.0);
+            # the ledger keys attempts by it.
+            quorum_id=int(self.manager._quorum_id),
+        )
+        return self._participation
+
+    def finalize_model_grads(
+        self,
+        model: Sequence[Any],
+        num_tokens: Optional[torch.Tensor] = None,
+        pg_collection: Any = None,
+        force_all_reduce: Optional[bool] = False,
+    ) -> None:
+        """megatron ``finalize_model_grads_func`` for elastic jobs (every rank).
+
+        Inner-replica sync first (unscaled), then the cross-replica sums of
+        every grad buffer and of the token count, then ``1 / global tokens``.
+        """
+        finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
+        if pg_collection is not None:
+            pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
+        else:
+            pp_group = mpu.get_pipeline_model_parallel_group()
+            dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        # As megatron does: the count lives on the last stage; share it with
+        # the other stages, then sum over the inner DP ranks.
+        dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
+        dist.all_reduce(num_tokens, group=dp_cp_group)
+        tokens = num_tokens.to(torch.float64).reshape(1)
+        works = [self.manager.allreduce(tokens, reduce_op=ReduceOp.SUM)]
+        for chunk in model:
+            for buffer in chunk.buffers:
+                works.append(self.manager.allreduce(buffer.grad_data, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        total = float(tokens.item())
+        if total > 0:
+            for chunk in model:
+                chunk.scale_gradients(1.0 / total)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the participants in place (same group rank of
+        every replica; e.g. last-stage loss reports). Returns it."""
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor
+
+    def should_commit(self) -> bool:
+        """Whether every participant finished the step (every rank). A
+        joining replica applies its peer's state here, before the update."""
+        return bool(self.manager.should_commit())
+
+    def current_step(self) -> int:
+        """Committed steps according to torchft (equals the trainer's step)."""
+        return self.manager.current_step()
+
+    def leave(self) -> None:
+        """Stop heartbeats and the state server (every rank). The lighthouse
+        drops this replica from the next quorum once its heartbeat times out."""
+        self.manager.shutdown(wait=False)
+        logger.info("elastic: replica %s left the quorum", self.cfg.replica_id)
+
+    @property
+    def healing(self) -> bool:
+        """True while this replica is in a quorum it does not yet participate in."""
+        return self._participation is not None and not self._participation.participating
+
+    def describe(self) -> dict:
+        """``{"replica_id", "participants", "participant_rank", "quorum_id"}`` for status reporting."""
+        p = self._participation
+        return {
+            "replica_id": self.cfg.replica_id,
+            "participants": p.size if p else None,
+            "participant_rank": p.rank if p else None,
+            "quorum_id": p.quorum_id if p else None,
+            "lighthouse": self.cfg.lighthouse,
+            "pid": os.getpid(),
+        }

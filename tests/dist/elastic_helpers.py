@@ -1,0 +1,75 @@
+"""Helpers for elastic tests: a torchft lighthouse and replica groups as real
+processes on loopback (free ports, hard timeouts, process-group cleanup)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tests.launcher import finish, free_port, spawn, torchrun_cmd
+
+CONFIG = "examples/elastic/gpt_pp2.yaml"
+LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
+#: The lighthouse drops a replica this long after its last heartbeat (drain,
+#: SIGKILL); long enough for a test to resume a paused replica before a
+#: just-killed peer is dropped (see test_elastic_membership.Job.kill_in_flight).
+HEARTBEAT_TIMEOUT_MS = 10000
+
+
+def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
+    """A lighthouse on a free port; returns (process, address)."""
+    port = free_port()
+    proc = spawn(
+        # join_timeout far above a step time and above any pause in the tests:
+        # a quorum forms only once every heartbeating replica asks for it, so
+        # joiners never form a quorum of their own while a replica is mid-step
+        # or paused.
+        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
+         "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", "50"],
+        timeout=timeout,
+    )
+    return proc, f"http://localhost:{port}"
+
+
+def start_replica(
+    replica_id: str, lighthouse: str, run_dir: Path, args: Sequence[str], timeout: float, nproc: int = 2
+) -> subprocess.Popen:
+    """One replica group (torchrun of ``nproc`` ranks, its own store port)."""
+    cmd = torchrun_cmd(nproc, "megascale_omni.smoke", [
+        "--config", CONFIG, f"elastic.replica_id={replica_id}", f"elastic.lighthouse={lighthouse}",
+        f"logging.output_dir={run_dir / replica_id}", *args,
+    ])
+    return spawn(cmd, timeout=timeout)
+
+
+def step_records(output_dir: Path) -> list[dict]:
+    """Committed step records written so far (a half-written last line is skipped)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in r:
+            out.append(r)
+    return out
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float, procs: Sequence[subprocess.Popen] = ()) -> None:
+    """Poll ``predicate`` (0.2 s); fail if it stays false for ``timeout`` s or a process in ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            if p.poll() is not None:
+                res = finish(p, 1)
+                raise AssertionError(f"while waiting for {what}: {p.args} exited {p.returncode}\n{res.stderr[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)

@@ -1,0 +1,99 @@
+"""Elastic pieces that need no processes: config checks, the micro-batch
+split policy, and the ledger's exactly-once accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
+from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
+from megascale_omni.training.ledger import SampleLedger, consumed_samples, read_ledger
+
+ELASTIC = {"enabled": True, "lighthouse": "http://localhost:29510", "replica_id": "r1"}
+
+
+def _cfg(elastic: dict, **sections) -> JobConfig:
+    return from_dict(JobConfig, {"elastic": elastic, **sections})
+
+
+@pytest.mark.parametrize(
+    "elastic, sections, field, fragment",
+    [
+        ({**ELASTIC, "lighthouse": "localhost"}, {}, "elastic.lighthouse", "http://host:port"),
+        ({**ELASTIC, "replica_id": ""}, {}, "elastic.replica_id", "letters, digits"),
+        ({**ELASTIC, "replica_id": "r 1"}, {}, "elastic.replica_id", "unique per replica group"),
+        ({**ELASTIC, "min_replicas": 0}, {}, "elastic.min_replicas", "> 0"),
+        ({**ELASTIC, "timeout_s": -1}, {}, "elastic.timeout_s", "> 0"),
+        (ELASTIC, {"train": {"global_batch_size": 7, "micro_batch_size": 2}}, "train.global_batch_size",
+         "multiple of train.micro_batch_size=2"),
+        (ELASTIC, {"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer",
+         "not supported with elastic"),
+        (ELASTIC, {"checkpoint": {"dir": "/tmp/x"}}, "checkpoint.dir", "not supported with elastic"),
+    ],
+)
+def test_invalid_elastic_settings_name_field_and_fix(elastic, sections, field, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate_job(_cfg(elastic, **sections), world_size=2)
+    assert err.value.field == field
+    assert fragment in str(err.value)
+
+
+def test_elastic_accepts_global_batch_not_divisible_by_replicas():
+    # 12 samples = 6 micro-batches; any participant count is fine at config time.
+    validate_job(_cfg(ELASTIC, train={"global_batch_size": 12, "micro_batch_size": 2}), world_size=2)
+
+
+def test_disabled_elastic_ignores_its_fields():
+    validate_job(_cfg({"enabled": False, "lighthouse": "nonsense"}), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "items, mbs, parts, expected",
+    [
+        (12, 2, 1, [12]),
+        (12, 2, 2, [6, 6]),
+        (12, 2, 3, [4, 4, 4]),
+        (12, 2, 4, [4, 4, 2, 2]),  # 6 micro-batches over 4: first two take the extra
+        (12, 2, 7, [2, 2, 2, 2, 2, 2, 0]),  # more participants than micro-batches
+    ],
+)
+def test_microbatch_shares(items, mbs, parts, expected):
+    shares = microbatch_shares(items, mbs, parts)
+    assert shares == expected
+    assert sum(shares) == items and all(s % mbs == 0 for s in shares)
+
+
+def test_split_balanced_counts_keeps_every_item_once():
+    items = list(range(12))
+    costs = [float((7 * i) % 5 + 1) for i in items]
+    parts = split_balanced_counts(items, costs, microbatch_shares(12, 2, 4))
+    assert [len(p) for p in parts] == [4, 4, 2, 2]
+    assert sorted(i for p in parts for i in p) == items
+
+
+def test_ledger_counts_only_committed_quorum(tmp_path):
+    a = SampleLedger(str(tmp_path), "r0", 0)
+    b = SampleLedger(str(tmp_path), "r1", 0)
+    # Step 0 attempted by r0+r1 under quorum 1 (r1 died: no commit from it),
+    # r0's allreduce failed too: not committed. Retried alone under quorum 2.
+    a.attempt(0, 1, 0, 2, 0, 2, [0, 1])
+    b.attempt(0, 1, 1, 2, 1, 2, [2, 3])
+    a.commit(0, 1, False)
+    a.attempt(0, 2, 0, 1, 0, 1, [0, 1, 2, 3])
+    a.commit(0, 2, True)
+    # Step 1 under quorum 3 with both; only r0 wrote its commit line.
+    a.attempt(1, 3, 0, 2, 0, 2, [4, 5])
+    b.attempt(1, 3, 1, 2, 1, 2, [6, 7])
+    a.commit(1, 3, True)
+    a.close()
+    b.close()
+    assert consumed_samples(read_ledger(tmp_path)) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+def test_ledger_rejects_one_step_committed_twice(tmp_path):
+    a = SampleLedger(str(tmp_path), "r0", 0)
+    a.commit(0, 1, True)
+    a.commit(0, 2, True)
+    a.close()
+    with pytest.raises(ValueError, match="committed under quorums 1 and 2"):
+        consumed_samples(read_ledger(tmp_path))
