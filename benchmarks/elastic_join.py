@@ -1,20 +1,33 @@
 """Join latency of an elastic replica group vs a full torchrun restart + checkpoint reload.
 
-    .venv/bin/python benchmarks/elastic_join.py [--steps 200] [--join-after 10]
+    .venv/bin/python benchmarks/elastic_join.py [--join-after 20] [--global-batch 12]
 
-Side by side, on the tiny GPT of examples/elastic/gpt_pp2.yaml (TP1 x PP2):
+Three cases side by side on the tiny GPT of examples/elastic/gpt_pp2.yaml
+(TP1 x PP2 = two processes per replica group), one lighthouse each:
 
-- join: a lighthouse and replica group r0 train; after r0 committed
-  ``--join-after`` steps, replica group r1 is launched. Join latency = r1's
-  launch -> r1's first committed step (healed from r0 over HTTP, no disk).
-  Survivor disruption = the extra time of r0's slowest step while r1 joined,
-  over r0's median step time before the join, in units of that median.
+- cold join: replica group r0 trains; after ``--join-after`` committed
+  steps a new replica group r1 is launched (torchrun). Latency = launch ->
+  r1's first committed step (it heals from r0 over HTTP, no disk).
+- standby join: r1 is launched with ``elastic.standby=true``, builds
+  everything and waits outside the quorum; ``--join-after`` steps of r0
+  later, ``join`` is sent to its control socket. Latency = the command ->
+  r1's first committed step.
 - restart baseline: the same job without elasticity, checkpointing every
-  step; it is killed after ``--join-after`` steps and relaunched with
-  torchrun. Restart latency = relaunch -> first committed step after
-  resuming from the checkpoint. Every replica stops for all of it.
+  step (synchronously, the best case for a restart); killed after
+  ``--join-after`` steps and relaunched with torchrun. Latency = relaunch ->
+  first committed step after resuming from the checkpoint. Every replica
+  stops for all of it.
 
-Times are wall-clock seconds observed by polling metrics.jsonl every 20 ms.
+Survivor disruption (join cases) is r0's lost time in units of its median
+step: over the steps from the one in flight when the join started to two
+steps after the first step with the new participant count, the sum of each
+step's excess over the steady-state median of its participant count (before
+the join: the steps before; after: steps 3..23 after it). On this one
+machine every process shares the same cores, so a cold joiner's start-up
+also slows r0; that is reported separately (``startup_*``) because replica
+groups of a real job run on their own nodes.
+
+Times are wall-clock seconds observed by polling metrics.jsonl every 10 ms.
 """
 
 from __future__ import annotations
@@ -31,10 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megascale_omni.control import ControlClient  # noqa: E402
+from megascale_omni.control.client import endpoint_of_run  # noqa: E402
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records  # noqa: E402
 from tests.launcher import _kill_group, finish, spawn, torchrun_cmd  # noqa: E402
 
-COMMON = ["train.lr_decay_style=constant", "logging.progress_bar=false", "logging.tensorboard=false"]
+#: Steps of r0 after the join used for its new steady-state step time.
+STEADY = range(3, 23)
 
 
 def _wait(predicate, timeout: float, procs=()) -> float:
@@ -45,76 +61,147 @@ def _wait(predicate, timeout: float, procs=()) -> float:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args} exited {p.returncode}: {finish(p, 1).stderr[-2000:]}")
-        time.sleep(0.02)
+        time.sleep(0.01)
     return time.monotonic()
 
 
-def measure_join(work: Path, steps: int, join_after: int) -> dict:
-    run = work / "join"
-    lighthouse, addr = start_lighthouse(timeout=1200)
-    r0 = r1 = lighthouse
-    args = [f"train.steps={steps}", *COMMON]
-    try:
-        r0 = start_replica("r0", addr, run, args, timeout=1200)
-        _wait(lambda: len(step_records(run / "r0")) >= join_after, 600, [r0])
-        launched = time.monotonic()
-        before = len(step_records(run / "r0"))
-        r1 = start_replica("r1", addr, run, args, timeout=1200)
-        first = _wait(lambda: len(step_records(run / "r1")) >= 1, 600, [r0, r1])
-        during = len(step_records(run / "r0"))
-        _wait(lambda: len(step_records(run / "r0")) >= during + 3, 600, [r0, r1])
-    finally:
-        for p in (r0, r1, lighthouse):
-            _kill_group(p)
-    recs = step_records(run / "r0")
-    pre = [r["step_s"] for r in recs[2:before]]  # skip warm-up steps
-    median = statistics.median(pre)
-    window = [r["step_s"] for r in recs[before - 1 : during + 1]]
-    joined = next(r for r in recs if r["participants"] == 2)
+def _disruption(recs: list[dict], first_in_window: int) -> dict:
+    """r0's lost step times around its first step with a new participant count."""
+    before = recs[0]["participants"]
+    changed = next(i for i, r in enumerate(recs) if i >= first_in_window and r["participants"] != before)
+    median_before = statistics.median(r["step_s"] for r in recs[2:first_in_window])  # skip warm-up
+    median_after = statistics.median(recs[changed + k]["step_s"] for k in STEADY)
+    window = recs[first_in_window : changed + 3]
+    lost = sum(r["step_s"] - (median_before if r["participants"] == before else median_after) for r in window)
     return {
-        "join_latency_s": first - launched,
-        "survivor_median_step_s": median,
-        "survivor_worst_step_during_join_s": max(window),
-        "survivor_lost_steps": (max(window) - median) / median,
-        "joined_at_step": joined["step"],
-        "join_step_s": joined["step_s"],
+        "median_step_s_before": median_before,
+        "median_step_s_after": median_after,
+        "window_step_s": [round(r["step_s"], 4) for r in window],
+        "lost_step_times": lost / median_before,
+        "joined_at_step": recs[changed]["step"],
     }
 
 
-def measure_restart(work: Path, steps: int, kill_after: int) -> dict:
+def _first_commit_then_steady(run: Path, procs) -> float:
+    """Wait for r1's first committed step (returns when), then for enough
+    steps of r0 to measure its new steady state."""
+    first = _wait(lambda: len(step_records(run / "r1")) >= 1, 600, procs)
+    at_first = len(step_records(run / "r0"))
+    _wait(lambda: len(step_records(run / "r0")) >= at_first + STEADY.stop + 2, 600, procs)
+    return first
+
+
+def measure_cold_join(work: Path, args: list[str], join_after: int) -> dict:
+    run = work / "cold"
+    lighthouse, addr = start_lighthouse(timeout=1200)
+    procs = [lighthouse]
+    try:
+        r0 = start_replica("r0", addr, run, args, timeout=1200)
+        procs.append(r0)
+        _wait(lambda: len(step_records(run / "r0")) >= join_after, 600, procs)
+        at_launch = len(step_records(run / "r0"))
+        launched = time.monotonic()
+        procs.append(start_replica("r1", addr, run, args, timeout=1200))
+        first = _first_commit_then_steady(run, procs)
+    finally:
+        for p in procs:
+            _kill_group(p)
+    recs = step_records(run / "r0")
+    # The join itself: the step r1 first asked for a quorum in, onwards.
+    healed_step = step_records(run / "r1")[0]["step"]
+    join = _disruption(recs, next(i for i, r in enumerate(recs) if r["step"] >= healed_step - 1))
+    startup = [r["step_s"] for r in recs[at_launch : healed_step - 2]]
+    return {
+        "latency_s": first - launched,
+        **join,
+        "startup_steps": len(startup),
+        "startup_lost_step_times": sum(s - join["median_step_s_before"] for s in startup) / join["median_step_s_before"],
+    }
+
+
+def measure_standby_join(work: Path, args: list[str], join_after: int) -> dict:
+    run = work / "standby"
+    lighthouse, addr = start_lighthouse(timeout=1200)
+    procs = [lighthouse]
+    try:
+        r0 = start_replica("r0", addr, run, args, timeout=1200)
+        r1 = start_replica("r1", addr, run, [*args, "elastic.standby=true"], timeout=1200)
+        procs += [r0, r1]
+        _wait(lambda: _state(run / "r1") == "standby", 600, procs)
+        # The standby's start-up is over; r0 settles before the join.
+        start = len(step_records(run / "r0"))
+        _wait(lambda: len(step_records(run / "r0")) >= start + join_after, 600, procs)
+        at_join = len(step_records(run / "r0"))
+        sent = time.monotonic()
+        with ControlClient(endpoint_of_run(str(run / "r1")), timeout_s=60) as client:
+            client.call("join")
+        first = _first_commit_then_steady(run, procs)
+    finally:
+        for p in procs:
+            _kill_group(p)
+    recs = step_records(run / "r0")
+    return {"latency_s": first - sent, **_disruption(recs, max(at_join - 1, start + 2))}
+
+
+def _state(run_dir: Path):
+    if not (run_dir / "control.json").exists():
+        return None
+    try:
+        with ControlClient(endpoint_of_run(str(run_dir)), timeout_s=5) as client:
+            return client.call("status")["state"]
+    except (OSError, ConnectionError):
+        return None
+
+
+def measure_restart(work: Path, args: list[str], kill_after: int) -> dict:
     out = work / "restart"
-    args = ["--config", CONFIG, "elastic.enabled=false", f"train.steps={steps}", *COMMON,
-            f"logging.output_dir={out}", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.interval=1",
-            "checkpoint.async_save=false"]
-    first = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=1200)
+    cmd = torchrun_cmd(2, "megascale_omni.smoke", [
+        "--config", CONFIG, "elastic.enabled=false", *args, f"logging.output_dir={out}",
+        f"checkpoint.dir={out / 'ckpt'}", "checkpoint.interval=1", "checkpoint.async_save=false",
+    ])
+    first = spawn(cmd, timeout=1200)
     _wait(lambda: len(step_records(out)) >= kill_after + 1, 600, [first])
     _kill_group(first)
     done = len(step_records(out))
     relaunched = time.monotonic()
-    second = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=1200)
+    second = spawn(cmd, timeout=1200)
     try:
         resumed = _wait(lambda: len(step_records(out)) > done, 600, [second])
     finally:
         _kill_group(second)
-    return {"restart_latency_s": resumed - relaunched}
+    return {"latency_s": resumed - relaunched}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200, help="steps of the elastic run (must outlast the join)")
-    p.add_argument("--join-after", type=int, default=10, help="r0's committed steps before r1 is launched")
+    p.add_argument("--join-after", type=int, default=20, help="r0's committed steps before the join starts")
+    p.add_argument("--global-batch", type=int, default=12,
+                   help="samples per step (micro-batches of 2; a larger batch gives a longer step)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    job_args = ["train.steps=100000", f"train.global_batch_size={args.global_batch}", "train.lr_decay_style=constant",
+                "logging.progress_bar=false", "logging.tensorboard=false"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        join = measure_join(work, args.steps, args.join_after)
-        restart = measure_restart(work, args.steps, args.join_after)
-    result = {**join, **restart, "join_over_restart": join["join_latency_s"] / restart["restart_latency_s"]}
+        cold = measure_cold_join(work, job_args, args.join_after)
+        standby = measure_standby_join(work, job_args, args.join_after)
+        restart = measure_restart(work, job_args, args.join_after)
+    result = {
+        "cold_join": cold, "standby_join": standby, "restart": restart,
+        "cold_over_restart": cold["latency_s"] / restart["latency_s"],
+        "standby_over_restart": standby["latency_s"] / restart["latency_s"],
+    }
     print(json.dumps(result, indent=2))
-    print(f"join latency {join['join_latency_s']:.1f} s vs restart+reload {restart['restart_latency_s']:.1f} s "
-          f"(ratio {result['join_over_restart']:.2f}); survivors lost {join['survivor_lost_steps']:.2f} step times "
-          f"during the join (restart: everyone stops for {restart['restart_latency_s']:.1f} s = "
-          f"{restart['restart_latency_s'] / join['survivor_median_step_s']:.0f} step times)")
+    median = standby["median_step_s_before"]
+    print(
+        f"latency: cold join {cold['latency_s']:.2f} s, standby join {standby['latency_s']:.3f} s, "
+        f"restart+reload {restart['latency_s']:.2f} s (ratios {result['cold_over_restart']:.2f} and "
+        f"{result['standby_over_restart']:.3f})\n"
+        f"survivor lost step times at the join: cold {cold['lost_step_times']:.2f}, "
+        f"standby {standby['lost_step_times']:.2f} (median step {median * 1e3:.0f} ms); "
+        f"during the cold joiner's start-up on the same cores {cold['startup_lost_step_times']:.2f}; "
+        f"restart: every replica stops {restart['latency_s'] / median:.0f} step times"
+    )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""Run an elastic job on one machine and scale it: join, join, drain, SIGKILL.
+"""Run an elastic job on one machine and scale it: join, standby join, drain, SIGKILL.
 
-    .venv/bin/python examples/elastic/local_cluster.py [--steps 300] [--out runs/elastic-local]
+    .venv/bin/python examples/elastic/local_cluster.py [--out runs/elastic-local]
 
 Starts a torchft lighthouse, then replica group r0 (a torchrun job of 2
 processes: TP1 x PP2, examples/elastic/gpt_pp2.yaml). When r0 has committed
-10 steps it starts r1 and r2, which heal from r0 and join; a few steps
-after both joined it drains r1 with ``omni-ctl drain`` (r1 leaves the quorum
-at the next step boundary and exits 0), then SIGKILLs r2 (every process of
-it); r0 carries on alone to ``--steps``. Each group writes ``<out>/<replica>/metrics.jsonl`` (one
-line per committed step, with ``participants``) and the sample ledger goes
-to ``<out>/ledger``. On a cluster, a scheduler does the same with its own
-launcher; see docs/elastic.md.
+10 steps it starts r1, which heals from r0 and joins (a cold join), and r2
+as a warm standby (``elastic.standby=true``: built, outside the quorum);
+once r1 trains, ``omni-ctl join`` brings r2 in within a fraction of a
+second. A few steps later it drains r1 with ``omni-ctl drain`` (r1 leaves
+the quorum at the next step boundary and exits 0), then SIGKILLs r2 (every
+process of it); r0 carries on alone for 10 steps and is drained. Each group
+writes ``<out>/<replica>/metrics.jsonl`` (one line per committed step, with
+``participants``) and the sample ledger goes to ``<out>/ledger``. On a
+cluster, a scheduler does the same with its own launcher; see
+docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ def committed(out: Path, replica: str) -> list[dict]:
     return records
 
 
-def start_replica(replica: str, lighthouse: str, out: Path, steps: int) -> subprocess.Popen:
+def start_replica(replica: str, lighthouse: str, out: Path, steps: int, standby: bool = False) -> subprocess.Popen:
     """One replica group: its own torchrun with its own store port."""
     cmd = [
         str(BIN / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         "-m", "megascale_omni.smoke", "--config", CONFIG, f"train.steps={steps}",
         f"elastic.replica_id={replica}", f"elastic.lighthouse={lighthouse}", f"elastic.ledger_dir={out / 'ledger'}",
-        f"logging.output_dir={out / replica}",
+        f"logging.output_dir={out / replica}", f"elastic.standby={str(standby).lower()}",
     ]
     log = open(out / f"{replica}.log", "w")
     print(f"start {replica}: {' '.join(cmd)}")
@@ -71,6 +74,13 @@ def kill_replica(proc: subprocess.Popen) -> None:
         p.send_signal(signal.SIGKILL)
 
 
+def omni_ctl(out: Path, replica: str, *command: str) -> dict:
+    """Send a control command to ``replica``; returns its JSON reply."""
+    res = subprocess.run([str(BIN / "omni-ctl"), "--run-dir", str(out / replica), "--timeout", "300", "--json",
+                          *command], capture_output=True, text=True)
+    return json.loads(res.stdout) if res.stdout.strip() else {"ok": False, "error": res.stderr.strip()}
+
+
 def wait_until(what: str, predicate, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -82,7 +92,7 @@ def wait_until(what: str, predicate, timeout: float = 900) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=100_000, help="step budget; the run ends by drain well before")
     p.add_argument("--out", default="runs/elastic-local")
     args = p.parse_args()
     out = Path(args.out)
@@ -98,22 +108,32 @@ def main() -> None:
     )
     addr = f"http://localhost:{port}"
     groups: dict[str, subprocess.Popen] = {}
+
+    def steps_with(participants: int, n: int) -> None:
+        at = len(committed(out, "r0"))
+        wait_until(f"{n} steps with {participants} replica group(s)",
+                   lambda: len(committed(out, "r0")) >= at + n and committed(out, "r0")[-1]["participants"] == participants)
+
     try:
         groups["r0"] = start_replica("r0", addr, out, args.steps)
         wait_until("r0 committed 10 steps", lambda: len(committed(out, "r0")) >= 10)
-        for rid in ("r1", "r2"):
-            groups[rid] = start_replica(rid, addr, out, args.steps)
-        wait_until("r1 and r2 joined", lambda: committed(out, "r0")[-1]["participants"] == 3)
-        at = len(committed(out, "r0"))
-        wait_until("3 steps with 3 replicas", lambda: len(committed(out, "r0")) >= at + 3)
-        subprocess.run([str(BIN / "omni-ctl"), "--run-dir", str(out / "r1"), "--timeout", "300", "drain"], check=True)
+        groups["r1"] = start_replica("r1", addr, out, args.steps)
+        groups["r2"] = start_replica("r2", addr, out, args.steps, standby=True)
+        wait_until("r1 joined (cold start)", lambda: committed(out, "r0")[-1]["participants"] == 2)
+        wait_until("r2 stands by", lambda: (out / "r2" / "control.json").exists()
+                   and omni_ctl(out, "r2", "status").get("result", {}).get("state") == "standby")
+        sent = time.monotonic()
+        print(f"join r2: {omni_ctl(out, 'r2', 'join')}")
+        wait_until("r2 joined (standby)", lambda: committed(out, "r0")[-1]["participants"] == 3)
+        print(f"r2 joined {time.monotonic() - sent:.2f} s after the join command")
+        steps_with(3, 3)
+        print(f"drain r1: {omni_ctl(out, 'r1', 'drain')}")
         print(f"drained r1: exited {groups.pop('r1').wait()}")
-        wait_until("r0 and r2 continue as 2", lambda: committed(out, "r0")[-1]["participants"] == 2)
-        at = len(committed(out, "r0"))
-        wait_until("3 steps with 2 replicas", lambda: len(committed(out, "r0")) >= at + 3)
+        steps_with(2, 3)
         kill_replica(groups.pop("r2"))
         print("SIGKILLed r2")
-        wait_until("r0 continues alone", lambda: committed(out, "r0")[-1]["participants"] == 1)
+        steps_with(1, 10)
+        print(f"drain r0: {omni_ctl(out, 'r0', 'drain')}")
         for rid, proc in groups.items():
             print(f"{rid} exited {proc.wait()}")
         recs = committed(out, "r0")

@@ -476,6 +476,9 @@ class ElasticConfig:
     timeout_s: float = 60.0
     #: Directory for the sample ledger (JSONL per replica and inner DP rank); empty disables it.
     ledger_dir: str = ""
+    #: Start as a warm standby: build everything, serve the control socket, but
+    #: stay out of the quorum until ``omni-ctl join`` (or exit 0 on ``drain``).
+    standby: bool = False
 
     def __post_init__(self) -> None:
         _positive("elastic", "min_replicas", self.min_replicas)

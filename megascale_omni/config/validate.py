@@ -58,6 +58,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     per_step = train.micro_batch_size * dp
     if cfg.elastic.enabled:
         _validate_elastic(cfg)
+    elif cfg.elastic.standby:
+        raise ConfigError("elastic.standby", True, "applies to elastic jobs only; set elastic.enabled=true")
     elif train.global_batch_size % per_step:
         raise ConfigError(
             "train.global_batch_size",
@@ -132,6 +134,11 @@ def _validate_elastic(cfg: JobConfig) -> None:
         raise ConfigError(
             "checkpoint.dir", cfg.checkpoint.dir,
             "is not supported with elastic.enabled yet (replicas heal from live peers); leave checkpoint.dir empty",
+        )
+    if cfg.elastic.standby and not cfg.control.enabled:
+        raise ConfigError(
+            "elastic.standby", True,
+            "needs the control socket (a standby joins on `omni-ctl join`); set control.enabled=true",
         )
 
 

@@ -5,6 +5,7 @@
     omni-ctl -s 127.0.0.1:7700 --token-file ~/.omni-token metrics --last 5
     omni-ctl -s runs/demo/control.sock config set train.eval_interval 50
     omni-ctl -s runs/demo/control.sock --json status
+    omni-ctl --run-dir runs/elastic/r1 join
 
 Exit codes: 0 ok, 1 the job refused the command (error printed), 2 bad usage,
 3 no connection / no reply in time.
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("drain", help="finish the current step, stop every rank, exit 0")
     sub.add_parser("pause", help="hold training at the next step boundary")
     sub.add_parser("resume", help="continue after pause")
+    sub.add_parser("join", help="a standby replica group (elastic.standby=true) joins the elastic quorum")
     c = sub.add_parser("config", help="get the config or set a run-time mutable field")
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     g = csub.add_parser("get", help="whole config, or one field")

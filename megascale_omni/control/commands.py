@@ -5,7 +5,7 @@ Two kinds of command:
 - *immediate* (``status``, ``metrics``, ``config get``) are answered by the
   server thread from a snapshot the training loop publishes;
 - *deferred* (``pause``, ``resume``, ``drain``, ``checkpoint``,
-  ``config set``) become an :class:`Op` that every rank of the replica group
+  ``config set``, ``join``) become an :class:`Op` that every rank of the replica group
   applies at the same step boundary; the reply is sent once it is applied.
 """
 
@@ -86,6 +86,7 @@ COMMANDS: dict[str, Command] = {
         Command("drain", "finish the current step, stop on every rank, exit 0", op="drain"),
         Command("pause", "hold every rank at the next step boundary", op="pause"),
         Command("resume", "continue after pause", op="resume"),
+        Command("join", "a standby replica group joins the elastic quorum (elastic.standby=true)", op="join"),
         Command(
             "config",
             "get the config, or set a run-time mutable field",

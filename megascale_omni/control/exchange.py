@@ -29,7 +29,8 @@ from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op
 
 #: Ops carried per boundary; more wait for the next boundary (or pause poll).
 MAX_OPS = 8
-OP_KINDS: tuple[str, ...] = ("pause", "resume", "drain", "checkpoint", "config_set")
+#: Index + 1 is the op's code on the wire (append only).
+OP_KINDS: tuple[str, ...] = ("pause", "resume", "drain", "checkpoint", "config_set", "join")
 #: Step-record fields carried to rank 0 for ``status`` and ``metrics``.
 METRIC_FIELDS: tuple[str, ...] = (
     "step", "loss", "lr", "grad_norm", "skipped", "loss_tokens", "tokens", "samples", "tokens_per_s",

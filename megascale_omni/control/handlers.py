@@ -60,6 +60,13 @@ class RequestHandler:
                 request.id,
                 hint="set checkpoint.dir (see docs/checkpoints.md) when launching the job",
             )
+        if op.kind == "join" and status["state"] != "standby":
+            raise ProtocolError(
+                ErrorCode.UNAVAILABLE,
+                f"the replica group is {status['state']}, not standing by; nothing to join",
+                request.id,
+                hint="join applies to replica groups started with elastic.standby=true",
+            )
         if status["state"] in ("draining", "finished"):
             raise ProtocolError(
                 ErrorCode.UNAVAILABLE, f"the replica is {status['state']}; no further commands apply", request.id

@@ -68,6 +68,8 @@ class ControlPlane:
         self.enabled = cfg.control.enabled
         self.paused = False
         self.draining = False
+        #: True while a standby replica group waits for ``join`` (see :meth:`stand_by`).
+        self.standing_by = False
         self.boundaries = 0
         #: Seconds spent in the per-boundary exchange (excluding pause waits).
         self.exchange_s = 0.0
@@ -120,6 +122,26 @@ class ControlPlane:
             self._exchange_and_apply(step, None)
         return not self.draining
 
+    def stand_by(self, step: int) -> bool:
+        """Hold every rank until ``join`` (returns True) or ``drain`` (False).
+
+        For replica groups started with ``elastic.standby``: everything is
+        built, the control socket answers (``status`` says ``standby``), and
+        the ranks poll the exchange every ``control.pause_poll_s`` at most.
+        """
+        if not self.enabled:
+            raise RuntimeError("a standby replica group needs the control plane (control.enabled)")
+        self.standing_by = True
+        if self.serves:
+            replica = self._replica_info() if self._replica_info is not None else None
+            self.state.publish(state="standby", step=step, replica=replica)
+        logger.info("control: standing by at step %d; `omni-ctl join` adds this replica group to the quorum", step)
+        while self.standing_by and not self.draining:
+            if self.serves and not any(self._transit):
+                self.state.wait_for_command(self.cfg.control.pause_poll_s)
+            self._exchange_and_apply(step, None)
+        return not self.draining
+
     def close(self) -> None:
         """Finish the exchange in flight, stop the server, answer commands
         that were never applied (every rank)."""
@@ -165,6 +187,8 @@ class ControlPlane:
         if not self.serves:
             return
         status: dict[str, Any] = {"step": step, "state": "paused" if self.paused else "running"}
+        if self.standing_by:
+            status["state"] = "standby"
         if self.draining:
             status["state"] = "draining"
         if loss_record is not None:
@@ -189,6 +213,12 @@ class ControlPlane:
         """Apply one op (every rank, identically). Returns (result, error)."""
         if self.draining:
             return None, f"the replica is draining since step {step}; {op.kind} not applied"
+        if op.kind == "join":
+            if not self.standing_by:
+                return None, f"the replica group is not standing by at step {step}; join not applied"
+            self.standing_by = False
+            logger.info("control: join at step %d: entering the elastic quorum", step)
+            return {"state": "joining", "step": step}, None
         if op.kind in ("pause", "resume"):
             changed = self.paused != (op.kind == "pause")
             self.paused = op.kind == "pause"

@@ -44,6 +44,23 @@ from megascale_omni.config import ElasticConfig
 logger = logging.getLogger(__name__)
 
 
+def import_torchft():
+    """Import torchft with its logging quieted; returns the module.
+
+    Imported on demand (seconds of start-up): only elastic jobs need it. A
+    standby replica group calls this before it stands by.
+    """
+    # torchft's Rust side logs every quorum and commit at INFO, and reads
+    # RUST_LOG when it loads; our step line already says what matters. A
+    # RUST_LOG set by the user wins.
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    import torchft
+
+    return torchft
+
+
 @dataclass(frozen=True)
 class Participation:
     """This replica's place in the current step's quorum.
@@ -76,13 +93,8 @@ class ElasticReplica:
         state_dict: Callable[[], dict],
         load_state_dict: Callable[[dict], None],
     ):
-        # torchft's Rust side logs every quorum and commit at INFO; our step
-        # line already says what matters. RUST_LOG set by the user wins.
-        os.environ.setdefault("RUST_LOG", "warn")
-        for name in ("torchft", "torchft_quorums", "torchft_commits"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        # Imported here: torchft is only needed by elastic jobs.
-        from torchft import Manager, ProcessGroupGloo
+        torchft = import_torchft()
+        Manager, ProcessGroupGloo = torchft.Manager, torchft.ProcessGroupGloo
 
         self.cfg = cfg
         self.group_rank = dist.get_rank()

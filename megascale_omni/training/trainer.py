@@ -127,16 +127,43 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
+        # A standby replica group enters the quorum only on `omni-ctl join` (train()).
         self.elastic: Optional[ElasticTrainer] = None
-        if cfg.elastic.enabled:
-            from megascale_omni.training.elastic import ElasticTrainer
-
-            self.elastic = ElasticTrainer(self)
+        if cfg.elastic.enabled and not cfg.elastic.standby:
+            self._start_elastic()
         self.control = ControlPlane(
             cfg, _layout(self.dims), sends_metrics=self.is_loss_rank,
             checkpoint=self._control_checkpoint if self.checkpointer is not None else None,
-            replica_info=self.elastic.describe if self.elastic is not None else None,
+            replica_info=self._replica_info if cfg.elastic.enabled else None,
         )
+
+    def _start_elastic(self) -> None:
+        from megascale_omni.training.elastic import ElasticTrainer
+
+        self.elastic = ElasticTrainer(self)
+
+    def _replica_info(self) -> dict:
+        if self.elastic is not None:
+            return self.elastic.describe()
+        e = self.cfg.elastic
+        return {"replica_id": e.replica_id, "lighthouse": e.lighthouse, "standby": True, "pid": os.getpid()}
+
+    def _join_when_told(self) -> bool:
+        """Standby replica group: wait for `omni-ctl join`, then enter the
+        quorum (every rank). False when drained before joining."""
+        # Pay torchft's import (seconds) while standing by, not after `join`.
+        from megascale_omni.parallel.elastic import import_torchft
+
+        import_torchft()
+
+        if not self.control.stand_by(self.step):
+            logger.info("elastic: drained while standing by; replica %s never joined", self.cfg.elastic.replica_id)
+            return False
+        t0 = time.perf_counter()
+        self._start_elastic()
+        logger.info("elastic: replica %s left standby; torchft manager up in %.3f s",
+                    self.cfg.elastic.replica_id, time.perf_counter() - t0)
+        return True
 
     def request_checkpoint(self, reason: str = "api") -> None:
         """Save at the next step boundary (thread-safe; e.g. the control socket)."""
@@ -154,6 +181,9 @@ class Trainer:
         """Run ``train.steps`` optimizer steps (every rank). Returns per-step
         records on the loss rank (empty elsewhere)."""
         cfg = self.cfg
+        if cfg.elastic.enabled and self.elastic is None and not self._join_when_told():
+            self.sink.close()
+            return self.history
         bar = self._progress_bar()
         stopped = drained = False
         try:

@@ -262,6 +262,55 @@ def test_pause_resume_config_drain_via_client(plane):
         assert e.value.code == ErrorCode.UNAVAILABLE
 
 
+def _standing_by(plane, client) -> tuple[threading.Thread, list]:
+    """Run ``plane.stand_by(0)`` in a thread until the server says ``standby``;
+    returns the thread and the list its result lands in."""
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(plane.stand_by(0)), daemon=True)
+    waiter.start()
+    while client.call("status")["state"] != "standby":
+        time.sleep(0.01)
+    return waiter, result
+
+
+def test_standby_waits_for_join_then_trains(tmp_path):
+    """A standby replica group answers status as ``standby`` and holds every
+    rank until ``join``; join is refused once it runs (nothing to join)."""
+    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True,
+                         replica_info=lambda: {"replica_id": "r1", "standby": True})
+    try:
+        with ControlClient(_addr(plane)) as c:
+            waiter, joined = _standing_by(plane, c)
+            status = c.call("status")
+            assert status["replica"] == {"replica_id": "r1", "standby": True} and status["step"] == 0
+            time.sleep(0.1)
+            assert waiter.is_alive() and not joined  # held: nothing but join or drain releases it
+            assert c.call("join") == {"state": "joining", "step": 0}
+            waiter.join(10)
+            assert joined == [True]
+            loop = Loop(plane)
+            with pytest.raises(ControlError) as e:
+                c.call("join")
+            assert e.value.code == ErrorCode.UNAVAILABLE and "not standing by" in e.value.message
+            assert "elastic.standby=true" in e.value.details["hint"]
+            c.call("drain")
+            loop.thread.join(10)
+    finally:
+        plane.close()
+
+
+def test_drain_releases_a_standby_without_joining(tmp_path):
+    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+    try:
+        with ControlClient(_addr(plane)) as c:
+            waiter, joined = _standing_by(plane, c)
+            assert c.call("drain")["state"] == "draining"
+        waiter.join(10)
+        assert joined == [False]
+    finally:
+        plane.close()
+
+
 def test_metrics_and_status_come_from_step_records(plane):
     for step in range(1, 6):
         plane.step_boundary(step, {"step": step, "loss": float(step), "lr": 0.1})

@@ -29,6 +29,8 @@ def _cfg(elastic: dict, **sections) -> JobConfig:
         (ELASTIC, {"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer",
          "not supported with elastic"),
         (ELASTIC, {"checkpoint": {"dir": "/tmp/x"}}, "checkpoint.dir", "not supported with elastic"),
+        ({**ELASTIC, "standby": True}, {"control": {"enabled": False}}, "elastic.standby", "control.enabled=true"),
+        ({"enabled": False, "standby": True}, {}, "elastic.standby", "set elastic.enabled=true"),
     ],
 )
 def test_invalid_elastic_settings_name_field_and_fix(elastic, sections, field, fragment):
