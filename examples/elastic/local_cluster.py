@@ -137,7 +137,13 @@ def main() -> None:
         for rid, proc in groups.items():
             print(f"{rid} exited {proc.wait()}")
         recs = committed(out, "r0")
-        print(f"participants per step: {[r['participants'] for r in recs]}")
+        runs: list[list[int]] = []
+        for r in recs:
+            if runs and runs[-1][0] == r["participants"]:
+                runs[-1][1] += 1
+            else:
+                runs.append([r["participants"], 1])
+        print("participants x steps: " + ", ".join(f"{p}x{n}" for p, n in runs))
         print(f"final loss {recs[-1]['loss']:.4f} at step {recs[-1]['step']}")
     finally:
         for proc in [*groups.values(), lighthouse]:

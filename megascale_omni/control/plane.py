@@ -219,6 +219,8 @@ class ControlPlane:
             self.standing_by = False
             logger.info("control: join at step %d: entering the elastic quorum", step)
             return {"state": "joining", "step": step}, None
+        if self.standing_by and op.kind in ("pause", "resume"):
+            return None, f"the replica group is standing by at step {step}; {op.kind} applies once it trains"
         if op.kind in ("pause", "resume"):
             changed = self.paused != (op.kind == "pause")
             self.paused = op.kind == "pause"

@@ -283,6 +283,9 @@ def test_standby_waits_for_join_then_trains(tmp_path):
             waiter, joined = _standing_by(plane, c)
             status = c.call("status")
             assert status["replica"] == {"replica_id": "r1", "standby": True} and status["step"] == 0
+            with pytest.raises(ControlError) as e:
+                c.call("pause")
+            assert e.value.code == ErrorCode.UNAVAILABLE and "standing by" in e.value.message
             time.sleep(0.1)
             assert waiter.is_alive() and not joined  # held: nothing but join or drain releases it
             assert c.call("join") == {"state": "joining", "step": 0}
