@@ -223,11 +223,14 @@ def remove(info: CheckpointInfo) -> None:
     shutil.rmtree(info.path, ignore_errors=True)
 
 
-def prune(root: str | os.PathLike, tier: str, keep_last: int, keep_steps: Iterable[int] = ()) -> list[int]:
+def prune(
+    root: str | os.PathLike, tier: str, keep_last: int, keep_steps: Iterable[int] = (), remove_abandoned: bool = True
+) -> list[int]:
     """Keep the newest ``keep_last`` complete checkpoints of a tier.
 
-    Also removes incomplete directories older than the newest complete one
-    (abandoned saves). Never removes the newest complete checkpoint nor any
+    With ``remove_abandoned``, also removes incomplete directories older
+    than the newest complete one (abandoned saves; not when several writers
+    share the tier). Never removes the newest complete checkpoint nor any
     step in ``keep_steps`` (e.g. a save in flight). Returns removed steps.
     """
     infos = scan_tier(root, tier)
@@ -238,7 +241,7 @@ def prune(root: str | os.PathLike, tier: str, keep_last: int, keep_steps: Iterab
     newest = complete[-1].step
     removed = []
     for c in infos:
-        if c.step in keep or (not c.complete and c.step > newest):
+        if c.step in keep or (not c.complete and (c.step > newest or not remove_abandoned)):
             continue
         remove(c)
         removed.append(c.step)

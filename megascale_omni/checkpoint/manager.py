@@ -26,7 +26,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,19 @@ FAILURE_BARRIER_S = 30.0
 
 
 class Checkpointer:
-    """Owns the writer, the triggers and the tiers of one job (every rank)."""
+    """Owns the writer, the triggers and the tiers of one job (every rank).
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str):
+    ``shared=True`` is for elastic jobs, whose replica groups share the
+    checkpoint directories: only the group for which :attr:`writes` returns
+    True saves (set by the elastic layer: participant rank 0 of the last
+    quorum), and no group deletes another's unfinished save directory.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str, shared: bool = False):
         self.cfg = cfg
+        self.shared = shared
+        #: Whether this replica group saves at the current step boundary (same on its ranks).
+        self.writes: Callable[[], bool] = lambda: True
         self.tiers: list[tuple[str, str]] = ([("local", cfg.local_dir)] if cfg.local_dir else []) + [
             ("persistent", cfg.dir)
         ]
@@ -87,7 +96,7 @@ class Checkpointer:
         CheckpointError when checkpoints exist but none is intact, and
         ConfigError when the model no longer matches them.
         """
-        if self.rank == 0:
+        if self.rank == 0 and not self.shared:  # shared: another group may be writing
             for tier, root in self.tiers:
                 for step in layout.remove_incomplete(root, tier):
                     logger.warning("removed incomplete checkpoint %s/step %d (a save that never finished)", root, step)
@@ -177,10 +186,16 @@ class Checkpointer:
         decision = self.triggers.agree(trainer.step, writer_busy=not self.writer.done_locally())
         if self.writer.inflight is not None and not decision.writer_busy:
             self._finalize()
-        if decision.save_reason:
+        saving = bool(decision.save_reason) and self.writes()
+        if saving:
             self.save(trainer, decision.save_reason, wait=decision.stop)
-        if decision.stop:
+        elif decision.save_reason and decision.save_reason != "interval":
+            logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
+                        decision.save_reason, trainer.step)
+        if decision.stop and saving:
             logger.warning("SIGTERM: checkpoint at step %d written; stopping", trainer.step)
+        elif decision.stop:
+            logger.warning("SIGTERM: stopping at step %d (another replica group writes the checkpoints)", trainer.step)
         return decision.stop
 
     def save(self, trainer, reason: str, wait: bool = False) -> None:
@@ -267,7 +282,7 @@ class Checkpointer:
             record["replicated_s"] = time.perf_counter() - t0
             logger.info("checkpoint step %d replicated to %s in %.2f s", save.step, root, record["replicated_s"])
         for tier, root in self.tiers:
-            removed = layout.prune(root, tier, self.cfg.keep_last)
+            removed = layout.prune(root, tier, self.cfg.keep_last, remove_abandoned=not self.shared)
             if removed:
                 logger.info("pruned %s checkpoints %s (keep_last=%d)", tier, removed, self.cfg.keep_last)
         self.saves.append(record)
@@ -286,6 +301,9 @@ class Checkpointer:
         if optimizer_started:
             logger.error("step failed inside the optimizer update (%s); state is mixed, not saving", exc)
             return False
+        if self.shared:
+            logger.error("step failed (%s); elastic: the other replica groups carry on and keep checkpointing", exc)
+            return False
         try:
             dist.monitored_barrier(
                 group=self.group, timeout=datetime.timedelta(seconds=FAILURE_BARRIER_S), wait_all_ranks=True
@@ -300,7 +318,7 @@ class Checkpointer:
 
     def finish(self, trainer, save: bool) -> None:
         """Optionally save the final state, then wait for every write (every rank)."""
-        if save:
+        if save and self.writes():
             self.save(trainer, "end", wait=True)
         self.wait()
 

@@ -130,11 +130,6 @@ def _validate_elastic(cfg: JobConfig) -> None:
             "is not supported with elastic.enabled (a joining replica heals whole optimizer state from a peer); "
             "set it to false",
         )
-    if cfg.checkpoint.enabled:
-        raise ConfigError(
-            "checkpoint.dir", cfg.checkpoint.dir,
-            "is not supported with elastic.enabled yet (replicas heal from live peers); leave checkpoint.dir empty",
-        )
     if cfg.elastic.standby and not cfg.control.enabled:
         raise ConfigError(
             "elastic.standby", True,

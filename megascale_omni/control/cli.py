@@ -136,7 +136,11 @@ def format_result(cmd: str, args: dict, result: dict) -> str:
         text = yaml.safe_dump(result["config"], sort_keys=False).rstrip()
         return text + "\n# mutable while running: " + ", ".join(result["mutable"])
     if cmd == "checkpoint":
-        return f"checkpoint saved at step {result['step']}: {result.get('checkpoint')}"
+        where = result.get("checkpoint")
+        if isinstance(where, dict) and where.get("writer") is False:
+            return (f"not saved at step {result['step']}: this elastic replica group does not write checkpoints; "
+                    "send checkpoint to the group whose status shows participant_rank=0")
+        return f"checkpoint saved at step {result['step']}: {where}"
     changed = "" if result.get("changed", True) else " (no change)"
     return f"{result['state']} at step {result['step']}{changed}"
 

@@ -182,6 +182,15 @@ class ElasticReplica:
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return tensor
 
+    @property
+    def participation(self) -> Optional[Participation]:
+        """The last quorum's :class:`Participation` (None before the first step)."""
+        return self._participation
+
+    def resume_at(self, step: int) -> None:
+        """Start counting committed steps at ``step`` (after a checkpoint load; every rank)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
     def should_commit(self) -> bool:
         """Whether every participant finished the step (every rank). A
         joining replica applies its peer's state here, before the update."""

@@ -54,6 +54,10 @@ class ElasticTrainer:
             and mpu.get_tensor_model_parallel_rank() == 0
         )
         self.ledger = SampleLedger(cfg.ledger_dir, cfg.replica_id, trainer.dp_rank) if writes_ledger else None
+        if trainer.step:
+            # Resumed from a checkpoint: torchft counts committed steps from
+            # there, so replica groups that loaded the same step need no heal.
+            self.replica.resume_at(trainer.step)
         self.left = False
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
@@ -95,6 +99,12 @@ class ElasticTrainer:
                 "elastic: step %d not committed (quorum %d, %d participants); retrying it with the same samples",
                 share.step + 1, share.participation.quorum_id, share.participation.size,
             )
+
+    def is_writer(self) -> bool:
+        """Whether this replica group writes the shared checkpoints: it was
+        participant rank 0 in the last quorum (same answer on all its ranks)."""
+        p = self.replica.participation
+        return p is not None and p.rank == 0
 
     # ---------------------------------------------------- leave and status
     # Drain is the control plane's: `omni-ctl drain` reaches every rank of the

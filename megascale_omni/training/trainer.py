@@ -124,7 +124,10 @@ class Trainer:
             _write_config(cfg)
         self.history: list[dict] = []
         self._fault_step = injected_fault_step()
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir) if cfg.checkpoint.enabled else None
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint, cfg.logging.output_dir, shared=cfg.elastic.enabled)
+            if cfg.checkpoint.enabled else None
+        )
         if self.checkpointer is not None:
             self.checkpointer.resume(self)
         # A standby replica group enters the quorum only on `omni-ctl join` (train()).
@@ -141,6 +144,9 @@ class Trainer:
         from megascale_omni.training.elastic import ElasticTrainer
 
         self.elastic = ElasticTrainer(self)
+        if self.checkpointer is not None:
+            # Replica groups share the checkpoint directories; one writes.
+            self.checkpointer.writes = self.elastic.is_writer
 
     def _replica_info(self) -> dict:
         if self.elastic is not None:
@@ -174,7 +180,8 @@ class Trainer:
     def _control_checkpoint(self, step: int) -> dict:
         # Every rank, at the control boundary just before the checkpointer's.
         self.request_checkpoint("control")
-        return {"requested_at_step": step, "dir": self.cfg.checkpoint.dir}
+        writer = self.checkpointer is not None and self.checkpointer.writes()
+        return {"requested_at_step": step, "dir": self.cfg.checkpoint.dir, "writer": writer}
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:

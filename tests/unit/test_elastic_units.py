@@ -28,7 +28,6 @@ def _cfg(elastic: dict, **sections) -> JobConfig:
          "multiple of train.micro_batch_size=2"),
         (ELASTIC, {"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer",
          "not supported with elastic"),
-        (ELASTIC, {"checkpoint": {"dir": "/tmp/x"}}, "checkpoint.dir", "not supported with elastic"),
         ({**ELASTIC, "standby": True}, {"control": {"enabled": False}}, "elastic.standby", "control.enabled=true"),
         ({"enabled": False, "standby": True}, {}, "elastic.standby", "set elastic.enabled=true"),
     ],
@@ -43,6 +42,10 @@ def test_invalid_elastic_settings_name_field_and_fix(elastic, sections, field, f
 def test_elastic_accepts_global_batch_not_divisible_by_replicas():
     # 12 samples = 6 micro-batches; any participant count is fine at config time.
     validate_job(_cfg(ELASTIC, train={"global_batch_size": 12, "micro_batch_size": 2}), world_size=2)
+
+
+def test_elastic_accepts_shared_checkpoints():
+    validate_job(_cfg(ELASTIC, checkpoint={"dir": "/shared/ckpt", "interval": 50}), world_size=2)
 
 
 def test_disabled_elastic_ignores_its_fields():
