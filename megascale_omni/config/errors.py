@@ -17,3 +17,10 @@ class ConfigError(ValueError):
         self.value = value
         self.hint = hint
         super().__init__(f"config error: {field}={value!r}: {hint}")
+
+
+def require_positive(section: str, name: str, value: int | float, allow_zero: bool = False) -> None:
+    """Raise ConfigError for ``section.name`` unless ``value`` > 0 (>= 0 with ``allow_zero``)."""
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{section}.{name}", value, f"must be {bound}")

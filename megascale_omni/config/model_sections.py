@@ -1,0 +1,214 @@
+"""Config sections of what is trained: the language model, the vision tower
+and projector (LLaVA), and the diffusion transformer (DiT).
+
+Every field carries its meaning in the comment above it; ``__post_init__``
+does the cheap, local checks (cross-section checks: :mod:`.validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megascale_omni.config.errors import ConfigError, require_positive
+
+
+@dataclass
+class ModelConfig:
+    """Language-model (decoder) shape. Vision/DiT sections extend this."""
+
+    #: Which trainer this config is for: ``gpt`` (smoke), ``llava`` or ``dit``.
+    family: Literal["gpt", "llava", "dit"] = "gpt"
+    #: Number of transformer layers of the language model.
+    num_layers: int = 4
+    #: Model width (hidden size), elements.
+    hidden_size: int = 64
+    #: Attention heads; must divide ``hidden_size`` and be divisible by TP.
+    num_attention_heads: int = 4
+    #: GQA groups; ``None`` means multi-head attention (groups = heads).
+    num_query_groups: Optional[int] = None
+    #: MLP width; ``None`` means ``4 * hidden_size``.
+    ffn_hidden_size: Optional[int] = None
+    #: Vocabulary size. For LLaVA it is taken from the tokenizer when 0.
+    vocab_size: int = 256
+    #: Pad the vocabulary to a multiple of this (must be divisible by TP).
+    #: Independent of TP so every layout builds the same output layer.
+    make_vocab_size_divisible_by: int = 128
+    #: Tokens per sequence fed to the language model.
+    seq_length: int = 64
+    #: ``learned_absolute`` or ``rope``.
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    #: ``LayerNorm`` or ``RMSNorm``.
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    #: Dropout after attention/MLP blocks (0 makes layouts bitwise comparable).
+    hidden_dropout: float = 0.0
+    #: Dropout on attention probabilities.
+    attention_dropout: float = 0.0
+    #: Std of the normal weight initialisation.
+    init_method_std: float = 0.02
+    #: Tie the input embedding and the output layer.
+    share_embeddings_and_output_weights: bool = False
+    #: Layer implementation: ``auto`` picks transformer-engine on CUDA when installed.
+    layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    #: Freeze the language model (LLaVA stage-1 "train the projector only").
+    freeze: bool = False
+    #: Full activation recomputation of every LM and ViT layer (megatron
+    #: ``recompute_granularity=full``): keeps only each layer's input between
+    #: forward and backward, at the price of a second forward in backward.
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            require_positive("model", name, getattr(self, name))
+        require_positive("model", "vocab_size", self.vocab_size, allow_zero=self.family != "gpt")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "model.hidden_size",
+                self.hidden_size,
+                f"must be divisible by model.num_attention_heads={self.num_attention_heads}",
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                "model.num_query_groups",
+                self.num_query_groups,
+                f"must divide model.num_attention_heads={self.num_attention_heads}",
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass
+class VisionConfig:
+    """ViT encoder + projector of a LLaVA model (ignored by other families)."""
+
+    #: Square input resolution, pixels.
+    image_size: int = 32
+    #: Patch side, pixels; tokens per image = (image_size / patch_size) ** 2.
+    patch_size: int = 8
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    #: ViT MLP width; ``None`` = 4 * hidden_size.
+    ffn_hidden_size: Optional[int] = None
+    #: Hidden width of the 2-layer MLP projector; ``None`` = LM hidden size.
+    projector_hidden_size: Optional[int] = None
+    #: Freeze the ViT (typical for both LLaVA stages with a pretrained encoder).
+    freeze: bool = False
+    #: Freeze the projector.
+    freeze_projector: bool = False
+    #: Images per packed ``model.seq_length`` row that the pipeline cost model
+    #: assumes (the ViT's share of pipeline stage 0 grows with it). The
+    #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
+    images_per_sequence: float = 9.8
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
+            require_positive("vision", name, getattr(self, name))
+        require_positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
+        if self.image_size % self.patch_size:
+            raise ConfigError(
+                "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "vision.hidden_size",
+                self.hidden_size,
+                f"must be divisible by vision.num_attention_heads={self.num_attention_heads}",
+            )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def _default_buckets() -> list[list[int]]:
+    return [[16, 16], [12, 20], [20, 12], [24, 24], [16, 32], [32, 16]]
+
+
+@dataclass
+class DitConfig:
+    """DiT-specific settings (ignored by other families). The transformer
+    shape (layers, width, heads, MLP) comes from ``model``.
+
+    Sizes are in *latent* pixels: image pixels for pixel-space training (the
+    embedded shapes data), VAE latent pixels for latent shards made by
+    ``tools/make_dit_latents.py``.
+    """
+
+    #: Side of a square patch; one patch is one transformer token.
+    patch_size: int = 2
+    #: Channels of the training tensor: 3 for RGB pixels, 4 for SD-style VAE latents.
+    in_channels: int = 3
+    #: Aspect-ratio bucket table, ``[height, width]`` pairs; each side a multiple of patch_size.
+    buckets: list[list[int]] = field(default_factory=_default_buckets)
+    #: Latent tokens per micro-batch ("package"): a bucket of N tokens gets
+    #: ``token_budget // N`` images, so small images come in large batches.
+    token_budget: int = 512
+    #: ``learned``: captions are tokenized and embedded by the model;
+    #: ``precomputed``: shards carry text-encoder states of width ``text_dim``.
+    text_encoder: Literal["learned", "precomputed"] = "learned"
+    #: Width of the caption embeddings (``0`` = ``model.hidden_size`` for learned).
+    text_dim: int = 0
+    #: Caption tokens kept (longer captions are truncated), including <bos>.
+    max_text_length: int = 8
+    #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
+    #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    #: Probability of training a sample with the empty caption (enables CFG).
+    caption_dropout: float = 0.1
+    #: EMA decay of the weights used for sampling; 0 disables EMA.
+    ema_decay: float = 0.999
+    #: Euler steps of the ODE sampler.
+    sample_steps: int = 25
+    #: Classifier-free guidance scale (1 = no guidance).
+    guidance_scale: float = 4.0
+    #: Images sampled per colour prompt and resolution in evaluation.
+    eval_samples_per_prompt: int = 4
+    #: ``[height, width]`` resolutions sampled in evaluation.
+    eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "in_channels", "token_budget", "max_text_length", "sample_steps",
+                     "eval_samples_per_prompt"):
+            require_positive("dit", name, getattr(self, name))
+        require_positive("dit", "text_dim", self.text_dim, allow_zero=True)
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ConfigError("dit.caption_dropout", self.caption_dropout, "must be in [0, 1)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError("dit.ema_decay", self.ema_decay, "must be in [0, 1) (0 disables EMA)")
+        require_positive("dit", "logit_std", self.logit_std)
+        if not self.buckets:
+            raise ConfigError("dit.buckets", self.buckets, "needs at least one [height, width] bucket")
+        for name in ("buckets", "eval_resolutions"):
+            for i, hw in enumerate(getattr(self, name)):
+                if len(hw) != 2 or min(hw) <= 0 or hw[0] % self.patch_size or hw[1] % self.patch_size:
+                    raise ConfigError(
+                        f"dit.{name}[{i}]", hw,
+                        f"must be [height, width], positive multiples of dit.patch_size={self.patch_size}",
+                    )
+        # Fail at start, not at the first large-image step: every bucket must
+        # fit at least one image into a micro-batch.
+        p = self.patch_size
+        for i, (h, w) in enumerate(self.buckets):
+            tokens = (h // p) * (w // p)
+            if tokens > self.token_budget:
+                raise ConfigError(
+                    "dit.token_budget", self.token_budget,
+                    f"bucket dit.buckets[{i}]={h}x{w} has {tokens} tokens (patch {p}) and cannot fit; "
+                    f"raise dit.token_budget to >= {tokens} or remove that bucket",
+                )

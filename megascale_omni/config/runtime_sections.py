@@ -1,0 +1,171 @@
+"""Config sections of how a job runs around the training loop: logging,
+the control socket, checkpoints and elastic replica groups.
+
+Every field carries its meaning in the comment above it; ``__post_init__``
+does the cheap, local checks (cross-section checks: :mod:`.validate`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megascale_omni.config.errors import ConfigError, require_positive
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics and logs go."""
+
+    #: Run directory for JSONL metrics, TensorBoard events and checkpoints by default.
+    output_dir: str = "runs/default"
+    #: Log one line every N steps.
+    log_interval: int = 1
+    #: Write TensorBoard event files under ``output_dir/tensorboard``.
+    tensorboard: bool = True
+    #: Python logging level.
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: Show a progress bar on the logging rank.
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        require_positive("logging", "log_interval", self.log_interval)
+
+
+#: Stands for ``logging.output_dir`` in ``checkpoint.dir``/``checkpoint.local_dir``.
+OUTPUT_DIR_PLACEHOLDER = "{output_dir}"
+
+
+@dataclass
+class ControlConfig:
+    """Control socket of the replica group (served by its rank 0).
+
+    See ``docs/control-protocol.md``. There is deliberately no inline token
+    field: the resolved config is written to ``output_dir/config.yaml``.
+    """
+
+    #: Serve the control socket and apply commands at step boundaries.
+    enabled: bool = True
+    #: Unix socket path; ``null`` = ``<logging.output_dir>/control.sock``. Mode 0600.
+    socket_path: Optional[str] = None
+    #: Also listen on TCP at this port (0 = any free port); ``null`` = no TCP.
+    #: TCP requests must carry the token (``token_file`` or ``token_env``).
+    tcp_port: Optional[int] = None
+    #: TCP bind address; loopback by default. Anything else exposes the job to the network.
+    tcp_host: str = "127.0.0.1"
+    #: File holding the shared secret for TCP clients (first line; >= 16 characters).
+    token_file: Optional[str] = None
+    #: Environment variable holding the token when ``token_file`` is null.
+    token_env: str = "MEGASCALE_CONTROL_TOKEN"
+    #: While paused, ranks meet in one small collective every this many
+    #: seconds (keeps them far from the collective timeout), and rank 0
+    #: notices ``resume`` at most this late.
+    pause_poll_s: float = 0.5
+    #: Concurrent client connections; more are answered ``busy`` and closed.
+    max_connections: int = 16
+    #: Close a client connection idle for this long, seconds.
+    idle_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
+            raise ConfigError("control.tcp_port", self.tcp_port, "must be in [0, 65535] (0 = any free port) or null")
+        if not self.token_env:
+            raise ConfigError("control.token_env", self.token_env, "must name an environment variable")
+        require_positive("control", "pause_poll_s", self.pause_poll_s)
+        require_positive("control", "max_connections", self.max_connections)
+        require_positive("control", "idle_timeout_s", self.idle_timeout_s)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded async checkpoints: where, when, how many (see docs/checkpoints.md)."""
+
+    #: Persistent checkpoint directory; empty disables checkpointing.
+    #: ``{output_dir}`` in it (and in ``local_dir``) stands for
+    #: ``logging.output_dir``, e.g. ``{output_dir}/checkpoints``.
+    dir: str = ""
+    #: Optional fast node-local directory: saves land here first and are
+    #: replicated to ``dir`` in the background. Must be visible to every rank
+    #: of the job (one node, or a shared fast file system).
+    local_dir: str = ""
+    #: Save every N optimizer steps (0 = off).
+    interval: int = 0
+    #: Also save when this many minutes passed since the last save (0 = off).
+    interval_minutes: float = 0.0
+    #: Complete checkpoints kept per tier; older ones are pruned.
+    keep_last: int = 3
+    #: Training blocks only for the host copy; a background writer does the rest.
+    async_save: bool = True
+    #: Save when training finishes.
+    save_at_end: bool = True
+    #: ``auto`` = newest complete checkpoint of either tier (fresh start if
+    #: none), ``none`` = always fresh, or a checkpoint directory path.
+    resume: str = "auto"
+    #: Verify file checksums (sha256) before loading, not only sizes.
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        require_positive("checkpoint", "interval", self.interval, allow_zero=True)
+        require_positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
+        require_positive("checkpoint", "keep_last", self.keep_last)
+        if self.local_dir and not self.dir:
+            raise ConfigError(
+                "checkpoint.local_dir", self.local_dir,
+                "the fast tier needs a persistent tier: set checkpoint.dir as well",
+            )
+        if self.local_dir and self.dir and os.path.abspath(self.local_dir) == os.path.abspath(self.dir):
+            raise ConfigError("checkpoint.local_dir", self.local_dir, "must differ from checkpoint.dir")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume", self.resume, "use auto, none or a checkpoint path")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+
+@dataclass
+class ElasticConfig:
+    """Elastic data parallelism across replica groups through torchft (see docs/elastic.md).
+
+    One torchrun job is one replica group (a full model copy: tp x pp x cp,
+    optionally an inner dp). Replica groups find each other through a torchft
+    lighthouse; gradients are summed across the current participants and the
+    optimizer steps only when the quorum commits.
+    """
+
+    #: Join the lighthouse's quorum instead of training alone.
+    enabled: bool = False
+    #: Lighthouse address, ``http://host:port`` (``torchft_lighthouse --bind``).
+    lighthouse: str = ""
+    #: This replica group's id: letters, digits, ``-`` and ``_``; unique among live groups.
+    replica_id: str = ""
+    #: Fewest participating replica groups with which a step may commit.
+    min_replicas: int = 1
+    #: Seconds a step waits for the quorum (covers a join or a dead peer's heartbeat timeout).
+    quorum_timeout_s: float = 120.0
+    #: Seconds for each cross-replica collective and peer state transfer before the step is abandoned.
+    timeout_s: float = 60.0
+    #: Directory for the sample ledger (JSONL per replica and inner DP rank); empty disables it.
+    ledger_dir: str = ""
+    #: Start as a warm standby: build everything, serve the control socket, but
+    #: stay out of the quorum until ``omni-ctl join`` (or exit 0 on ``drain``).
+    standby: bool = False
+
+    def __post_init__(self) -> None:
+        require_positive("elastic", "min_replicas", self.min_replicas)
+        require_positive("elastic", "quorum_timeout_s", self.quorum_timeout_s)
+        require_positive("elastic", "timeout_s", self.timeout_s)
+        if not self.enabled:
+            return
+        if not re.fullmatch(r"https?://[^\s/:]+:[0-9]+/?", self.lighthouse):
+            raise ConfigError(
+                "elastic.lighthouse", self.lighthouse,
+                "must be the lighthouse address http://host:port (printed by torchft_lighthouse)",
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.replica_id):
+            raise ConfigError(
+                "elastic.replica_id", self.replica_id,
+                "must be 1-64 letters, digits, '-' or '_' and unique per replica group, e.g. replica_id=r1",
+            )
