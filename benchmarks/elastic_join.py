@@ -1,6 +1,6 @@
 """Join latency of an elastic replica group vs a full torchrun restart + checkpoint reload.
 
-    .venv/bin/python benchmarks/elastic_join.py [--join-after 20] [--global-batch 12]
+    .venv/bin/python benchmarks/elastic_join.py [--join-after 20] [--global-batch 12] [--pin]
 
 Three cases side by side on the tiny GPT of examples/elastic/gpt_pp2.yaml
 (TP1 x PP2 = two processes per replica group), one lighthouse each:
@@ -25,7 +25,9 @@ step's excess over the steady-state median of its participant count (before
 the join: the steps before; after: steps 3..23 after it). On this one
 machine every process shares the same cores, so a cold joiner's start-up
 also slows r0; that is reported separately (``startup_*``) because replica
-groups of a real job run on their own nodes.
+groups of a real job run on their own nodes. ``--pin`` emulates that with
+``taskset``: r0 (and the restarted job) on one half of the cores, r1 on the
+other.
 
 Times are wall-clock seconds observed by polling metrics.jsonl every 10 ms.
 """
@@ -91,17 +93,17 @@ def _first_commit_then_steady(run: Path, procs) -> float:
     return first
 
 
-def measure_cold_join(work: Path, args: list[str], join_after: int) -> dict:
+def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict) -> dict:
     run = work / "cold"
     lighthouse, addr = start_lighthouse(timeout=1200)
     procs = [lighthouse]
     try:
-        r0 = start_replica("r0", addr, run, args, timeout=1200)
+        r0 = start_replica("r0", addr, run, args, timeout=1200, cpus=cpus.get("r0"))
         procs.append(r0)
         _wait(lambda: len(step_records(run / "r0")) >= join_after, 600, procs)
         at_launch = len(step_records(run / "r0"))
         launched = time.monotonic()
-        procs.append(start_replica("r1", addr, run, args, timeout=1200))
+        procs.append(start_replica("r1", addr, run, args, timeout=1200, cpus=cpus.get("r1")))
         first = _first_commit_then_steady(run, procs)
     finally:
         for p in procs:
@@ -119,13 +121,13 @@ def measure_cold_join(work: Path, args: list[str], join_after: int) -> dict:
     }
 
 
-def measure_standby_join(work: Path, args: list[str], join_after: int) -> dict:
+def measure_standby_join(work: Path, args: list[str], join_after: int, cpus: dict) -> dict:
     run = work / "standby"
     lighthouse, addr = start_lighthouse(timeout=1200)
     procs = [lighthouse]
     try:
-        r0 = start_replica("r0", addr, run, args, timeout=1200)
-        r1 = start_replica("r1", addr, run, [*args, "elastic.standby=true"], timeout=1200)
+        r0 = start_replica("r0", addr, run, args, timeout=1200, cpus=cpus.get("r0"))
+        r1 = start_replica("r1", addr, run, [*args, "elastic.standby=true"], timeout=1200, cpus=cpus.get("r1"))
         procs += [r0, r1]
         _wait(lambda: _state(run / "r1") == "standby", 600, procs)
         # The standby's start-up is over; r0 settles before the join.
@@ -153,12 +155,14 @@ def _state(run_dir: Path):
         return None
 
 
-def measure_restart(work: Path, args: list[str], kill_after: int) -> dict:
+def measure_restart(work: Path, args: list[str], kill_after: int, cpus: dict) -> dict:
     out = work / "restart"
     cmd = torchrun_cmd(2, "megascale_omni.smoke", [
         "--config", CONFIG, "elastic.enabled=false", *args, f"logging.output_dir={out}",
         f"checkpoint.dir={out / 'ckpt'}", "checkpoint.interval=1", "checkpoint.async_save=false",
     ])
+    if cpus.get("r0"):
+        cmd = ["taskset", "-c", cpus["r0"], *cmd]
     first = spawn(cmd, timeout=1200)
     _wait(lambda: len(step_records(out)) >= kill_after + 1, 600, [first])
     _kill_group(first)
@@ -177,16 +181,25 @@ def main() -> None:
     p.add_argument("--join-after", type=int, default=20, help="r0's committed steps before the join starts")
     p.add_argument("--global-batch", type=int, default=12,
                    help="samples per step (micro-batches of 2; a larger batch gives a longer step)")
+    p.add_argument("--pin", action="store_true",
+                   help="give each replica group cores of its own (taskset: r0 and the restarted job on the first "
+                        "half, r1 on the second), as on separate nodes")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cpus: dict = {}
+    if args.pin:
+        n = os.cpu_count() or 2
+        half = max(n // 2, 1)
+        cpus = {"r0": f"0-{half - 1}", "r1": f"{half}-{n - 1}" if n > 1 else "0"}
     job_args = ["train.steps=100000", f"train.global_batch_size={args.global_batch}", "train.lr_decay_style=constant",
                 "logging.progress_bar=false", "logging.tensorboard=false"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        cold = measure_cold_join(work, job_args, args.join_after)
-        standby = measure_standby_join(work, job_args, args.join_after)
-        restart = measure_restart(work, job_args, args.join_after)
+        cold = measure_cold_join(work, job_args, args.join_after, cpus)
+        standby = measure_standby_join(work, job_args, args.join_after, cpus)
+        restart = measure_restart(work, job_args, args.join_after, cpus)
     result = {
+        "pinned_cpus": cpus or None,
         "cold_join": cold, "standby_join": standby, "restart": restart,
         "cold_over_restart": cold["latency_s"] / restart["latency_s"],
         "standby_over_restart": standby["latency_s"] / restart["latency_s"],

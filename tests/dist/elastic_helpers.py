@@ -36,14 +36,16 @@ def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
 
 
 def start_replica(
-    replica_id: str, lighthouse: str, run_dir: Path, args: Sequence[str], timeout: float, nproc: int = 2
+    replica_id: str, lighthouse: str, run_dir: Path, args: Sequence[str], timeout: float, nproc: int = 2,
+    cpus: str | None = None,
 ) -> subprocess.Popen:
-    """One replica group (torchrun of ``nproc`` ranks, its own store port)."""
+    """One replica group (torchrun of ``nproc`` ranks, its own store port);
+    ``cpus`` (``taskset -c`` list) confines it to those cores, like a node of its own."""
     cmd = torchrun_cmd(nproc, "megascale_omni.smoke", [
         "--config", CONFIG, f"elastic.replica_id={replica_id}", f"elastic.lighthouse={lighthouse}",
         f"logging.output_dir={run_dir / replica_id}", *args,
     ])
-    return spawn(cmd, timeout=timeout)
+    return spawn(["taskset", "-c", cpus, *cmd] if cpus else cmd, timeout=timeout)
 
 
 def step_records(output_dir: Path) -> list[dict]:
