@@ -50,7 +50,9 @@ def test_omni_ctl_pause_config_resume_drain(tmp_path):
         assert len(metrics) == 3 and all(r["loss"] > 0 for r in metrics)
 
         requested = omni_ctl(run, "checkpoint")["result"]
-        assert requested["checkpoint"] == {"requested_at_step": requested["step"], "dir": str(tmp_path / "ckpt")}
+        assert requested["checkpoint"] == {
+            "requested_at_step": requested["step"], "dir": str(tmp_path / "ckpt"), "writer": True,
+        }
 
         drained = omni_ctl(run, "drain")["result"]
         d = drained["step"]

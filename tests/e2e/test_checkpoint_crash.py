@@ -17,7 +17,8 @@ from tests.launcher import finish, spawn
 
 pytestmark = pytest.mark.timeout(600)
 
-TRIALS = 10
+#: Kill trials: a few in `make test`, all of them in `make test-all`.
+TRIALS = [pytest.param(4, id="4-kills"), pytest.param(10, id="10-kills", marks=pytest.mark.slow)]
 
 
 def _cmd(out, fast, slow, steps):
@@ -36,11 +37,12 @@ def _newest(fast, slow):
     return found[0] if found else None
 
 
-def test_random_sigkills_never_break_the_newest_checkpoint(tmp_path):
+@pytest.mark.parametrize("trials", TRIALS)
+def test_random_sigkills_never_break_the_newest_checkpoint(tmp_path, trials):
     rng = random.Random(20261129)
     out, fast, slow = tmp_path / "run", tmp_path / "fast", tmp_path / "slow"
     expected_resume = None
-    for trial in range(TRIALS):
+    for trial in range(trials):
         proc = spawn(_cmd(out, fast, slow, steps=100000), timeout=120)
         # Kill only after this run committed a checkpoint of its own, at a
         # random moment of the saves that follow (one per step).
