@@ -1,13 +1,18 @@
-"""List and verify checkpoints (no torch import: safe on a login node).
+"""List, verify and clean checkpoints (no torch import: safe on a login node).
 
     python tools/ckpt.py list runs/x/checkpoints [/fast/ckpt ...] [--json]
     python tools/ckpt.py verify runs/x/checkpoints/step_00000120 [--no-checksums]
     python tools/ckpt.py verify runs/x/checkpoints          # every complete one
+    python tools/ckpt.py clean /shared/ckpt [--min-age-minutes 30] [--yes]
 
 ``list`` shows every step directory of the given tiers, newest first, with
 its state (complete / incomplete), size, reason and layout. ``verify`` checks
 sizes and sha256 checksums against the commit marker; exit code 0 when every
-checkpoint checked is intact, 1 otherwise, 2 for a bad path.
+checkpoint checked is intact, 1 otherwise, 2 for a bad path. ``clean``
+removes unfinished saves (incomplete step directories) that are older than
+the newest complete checkpoint and untouched for ``--min-age-minutes``;
+without ``--yes`` it only says what it would remove. Elastic jobs leave such
+directories when a writer dies mid-save (docs/elastic.md#checkpoints).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 from megascale_omni.checkpoint import layout
@@ -82,6 +88,30 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_clean(args) -> int:
+    infos = _infos(Path(args.path))
+    complete = [c for c in infos if c.complete]
+    if not complete:
+        return _die(f"{args.path}: no complete checkpoint; refusing to clean (every save may still be running)")
+    newest = complete[-1].step
+    cutoff = time.time() - args.min_age_minutes * 60
+    stale = [c for c in infos if not c.complete and c.step < newest and _last_modified(c.path) < cutoff]
+    for c in stale:
+        if args.yes:
+            layout.remove(c)
+        print(f"{'removed' if args.yes else 'would remove'} {c.path} (unfinished save of step {c.step})")
+    if not stale:
+        print(f"nothing to clean (newest complete checkpoint: step {newest})")
+    elif not args.yes:
+        print("run again with --yes to remove them")
+    return 0
+
+
+def _last_modified(path: Path) -> float:
+    """Newest mtime of ``path`` and everything under it (a save in flight keeps touching it)."""
+    return max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.rglob("*"))])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("path")
     p.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("clean", help="remove unfinished saves older than the newest complete checkpoint")
+    p.add_argument("path")
+    p.add_argument("--min-age-minutes", type=float, default=30.0,
+                   help="only directories untouched this long (a save in flight keeps writing; default 30)")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only list them)")
+    p.set_defaults(fn=cmd_clean)
     args = parser.parse_args(argv)
     return args.fn(args)
 

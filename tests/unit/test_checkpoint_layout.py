@@ -147,6 +147,32 @@ def test_ckpt_tool_lists_and_verifies(tmp_path, capsys):
     assert exc.value.code == 2
 
 
+def test_ckpt_tool_cleans_only_old_unfinished_saves(tmp_path, capsys):
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("ckpt_tool", "tools/ckpt.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    _fake_ckpt(tmp_path, 2, commit=False)
+    # Nothing complete yet: every save may still be running.
+    assert tool.main(["clean", str(tmp_path), "--min-age-minutes", "0", "--yes"]) == 2
+    assert (tmp_path / layout.step_dir_name(2)).exists()
+    old = _fake_ckpt(tmp_path, 4, commit=False)
+    _fake_ckpt(tmp_path, 6)
+    fresh = _fake_ckpt(tmp_path, 5, commit=False)  # older step, but touched just now
+    newer = _fake_ckpt(tmp_path, 8, commit=False)  # newer than the newest complete: maybe in flight
+    hour_ago = os.path.getmtime(old) - 3600
+    for d in (tmp_path / layout.step_dir_name(2), old, newer):
+        for p in [d, *d.rglob("*")]:
+            os.utime(p, (hour_ago, hour_ago))
+    assert tool.main(["clean", str(tmp_path)]) == 0
+    assert "would remove" in capsys.readouterr().out and old.exists()
+    assert tool.main(["clean", str(tmp_path), "--yes"]) == 0
+    assert [c.step for c in layout.scan_tier(tmp_path, "t")] == [5, 6, 8]
+    assert fresh.exists() and newer.exists()
+
+
 def test_resolve_takes_a_step_dir_or_the_newest_intact_under_a_root(tmp_path, caplog):
     _fake_ckpt(tmp_path, 5)
     d10 = _fake_ckpt(tmp_path, 10)
