@@ -89,6 +89,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_clean(args) -> int:
+    if args.min_age_minutes < 0:
+        return _die(f"--min-age-minutes={args.min_age_minutes}: must be >= 0 (a save in flight must be left alone)")
     infos = _infos(Path(args.path))
     complete = [c for c in infos if c.complete]
     if not complete:

@@ -189,9 +189,13 @@ class Checkpointer:
         saving = bool(decision.save_reason) and self.writes()
         if saving:
             self.save(trainer, decision.save_reason, wait=decision.stop)
-        elif decision.save_reason and decision.save_reason != "interval":
-            logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
-                        decision.save_reason, trainer.step)
+        elif decision.save_reason:
+            # Restart the wall-clock timer as if saved: otherwise a due timer
+            # fires (and logs) at every step of a group that never writes.
+            self.triggers.saved()
+            if decision.save_reason != "interval":
+                logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
+                            decision.save_reason, trainer.step)
         if decision.stop and saving:
             logger.warning("SIGTERM: checkpoint at step %d written; stopping", trainer.step)
         elif decision.stop:

@@ -158,6 +158,8 @@ def test_ckpt_tool_cleans_only_old_unfinished_saves(tmp_path, capsys):
     # Nothing complete yet: every save may still be running.
     assert tool.main(["clean", str(tmp_path), "--min-age-minutes", "0", "--yes"]) == 2
     assert (tmp_path / layout.step_dir_name(2)).exists()
+    assert tool.main(["clean", str(tmp_path), "--min-age-minutes", "-1", "--yes"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
     old = _fake_ckpt(tmp_path, 4, commit=False)
     _fake_ckpt(tmp_path, 6)
     fresh = _fake_ckpt(tmp_path, 5, commit=False)  # older step, but touched just now

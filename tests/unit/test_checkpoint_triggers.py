@@ -64,3 +64,27 @@ def test_sigterm_outranks_other_reasons(group):
     t.request("api")
     t._on_sigterm(signal.SIGTERM, None)
     assert t.agree(1, writer_busy=False).save_reason == "sigterm"
+
+
+def test_a_group_that_does_not_write_skips_saves_and_rearms_its_timer(group, tmp_path, caplog):
+    """Elastic: a replica group that is not the writer saves nothing; a due
+    timer is re-armed, so it is not reported again at every step."""
+    import logging
+    from types import SimpleNamespace
+
+    from megascale_omni.checkpoint.manager import Checkpointer
+    from megascale_omni.config import CheckpointConfig
+
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt"), interval_minutes=1.0), str(tmp_path), shared=True)
+    try:
+        ckpt.writes = lambda: False
+        ckpt.triggers._last_save -= 120.0  # the 1-minute timer is due
+        trainer = SimpleNamespace(step=7)
+        with caplog.at_level(logging.INFO, logger="megascale_omni.checkpoint.manager"):
+            assert ckpt.at_step_boundary(trainer) is False
+            trainer.step = 8
+            assert ckpt.at_step_boundary(trainer) is False
+        assert caplog.text.count("another replica group writes") == 1
+        assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    finally:
+        ckpt.close()
