@@ -114,12 +114,7 @@ class ControlPlane:
         self._exchange_and_apply(step, record)
         self.exchange_s += time.perf_counter() - t0
         self.boundaries += 1
-        while self.paused and not self.draining:
-            if self.serves and not any(self._transit):  # nothing on its way back: wait for news
-                self.state.wait_for_command(self.cfg.control.pause_poll_s)
-            # Other ranks wait inside this collective, at most ~pause_poll_s
-            # per round: far below the collective timeout, however long the pause.
-            self._exchange_and_apply(step, None)
+        self._hold(step, lambda: self.paused)
         return not self.draining
 
     def stand_by(self, step: int) -> bool:
@@ -136,11 +131,17 @@ class ControlPlane:
             replica = self._replica_info() if self._replica_info is not None else None
             self.state.publish(state="standby", step=step, replica=replica)
         logger.info("control: standing by at step %d; `omni-ctl join` adds this replica group to the quorum", step)
-        while self.standing_by and not self.draining:
-            if self.serves and not any(self._transit):
-                self.state.wait_for_command(self.cfg.control.pause_poll_s)
-            self._exchange_and_apply(step, None)
+        self._hold(step, lambda: self.standing_by)
         return not self.draining
+
+    def _hold(self, step: int, held: Callable[[], bool]) -> None:
+        """Keep exchanging commands at ``step`` while ``held()`` and not draining (every rank)."""
+        while held() and not self.draining:
+            if self.serves and not any(self._transit):  # nothing on its way back: wait for news
+                self.state.wait_for_command(self.cfg.control.pause_poll_s)
+            # Other ranks wait inside this collective, at most ~pause_poll_s
+            # per round: far below the collective timeout, however long the hold.
+            self._exchange_and_apply(step, None)
 
     def close(self) -> None:
         """Finish the exchange in flight, stop the server, answer commands
