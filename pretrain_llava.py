@@ -3,16 +3,7 @@
     torchrun --nproc-per-node 2 pretrain_llava.py --config examples/llava/tiny_cpu.yaml [k=v ...]
 """
 
-from megascale_omni.config import parse_job_config, run_cli
-
-
-def main() -> None:
-    cfg = parse_job_config(description=__doc__)
-    from megascale_omni.tasks.llava import LlavaTask
-    from megascale_omni.training.trainer import run_training
-
-    run_training(cfg, LlavaTask)
-
+from megascale_omni.entry import run_cli, train_family
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(lambda: train_family("llava", __doc__))

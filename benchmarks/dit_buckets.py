@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 from megascale_omni.config import JobConfig, from_dict, load_yaml
-from megascale_omni.data.buckets import BucketPlan, BucketTable, bucket_report
-from megascale_omni.data.dit_data import DitSampleReader
-from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report
+from megascale_omni.data.dit.reader import DitSampleReader
+from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 
 
 def main() -> None:

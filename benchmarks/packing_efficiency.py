@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megascale_omni.data.llava_data import LlavaEncoder
+from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency
-from megascale_omni.data.shapes_dataset import ensure_shapes_dataset, load_shapes_tokenizer, open_shapes_split
+from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset, load_shapes_tokenizer, open_shapes_split
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def imbalance(values: list[float]) -> float:
 
 
 def driver(args: argparse.Namespace) -> None:
-    from megascale_omni.data.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pp-bench-"))
     data = work / "shapes"

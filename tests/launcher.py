@@ -100,13 +100,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
+def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None) -> list[str]:
     """``torchrun --nproc-per-node nproc <target> args`` on a free loopback port.
 
     ``target`` is a script path (``pretrain_llava.py``) or a module name
-    (``megascale_omni.smoke``, run with ``-m``).
+    (``megascale_omni.smoke``, run with ``-m``). ``fail_at_step``: step N
+    raises on every rank (see tests/fault_injection.py).
     """
     entry = [target] if target.endswith(".py") else ["-m", target]
+    if fail_at_step is not None:
+        entry = ["-m", "tests.fault_injection", f"--fail-at-step={fail_at_step}", target]
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -114,9 +117,12 @@ def torchrun_cmd(nproc: int, target: str, args: Sequence[str]) -> list[str]:
     ]
 
 
-def torchrun(nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None) -> Result:
+def torchrun(
+    nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None,
+    fail_at_step: int | None = None,
+) -> Result:
     """Run :func:`torchrun_cmd` to completion."""
-    return run(torchrun_cmd(nproc, target, args), timeout=timeout, env=env)
+    return run(torchrun_cmd(nproc, target, args, fail_at_step), timeout=timeout, env=env)
 
 
 @contextlib.contextmanager

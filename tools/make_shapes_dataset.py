@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 try:
-    from megascale_omni.data.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megascale_omni.data.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ import sys
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megascale_omni.config import load_job_config, run_cli, validate_job  # noqa: E402
+from megascale_omni.config import load_job_config, validate_job  # noqa: E402
+from megascale_omni.entry import run_cli  # noqa: E402
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ try:
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megascale_omni.config import ConfigError, run_cli
+from megascale_omni.config import ConfigError
+from megascale_omni.entry import run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
     if cfg.dit.in_channels != 3 and args.vae is None:
         raise ConfigError("--vae", None, "this run trained on latents; pass the VAE directory to decode them")
 
-    from megascale_omni.data.dit_shapes import dominant_color
+    from megascale_omni.data.dit.shapes_dataset import dominant_color
     from megascale_omni.models.dit.model import build_dit_chunks
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.parallel.state import destroy_parallel, initialize_parallel
@@ -100,12 +101,11 @@ def main(argv=None) -> None:
     try:
         tokenizer, states = ckpt.tokenizer(), None
         if tokenizer is None:
-            from megascale_omni.data.latents import TextStates
+            from megascale_omni.data.dit.latents import TextStates
 
             encoder = TextStates.load(args.text_encoder, cfg.dit.max_text_length)
             states = [torch.from_numpy(s) for s in encoder.encode(args.prompt)]
-        multiple = cfg.model.make_vocab_size_divisible_by
-        vocab = -(-tokenizer.vocab_size // multiple) * multiple if tokenizer else 0
+        vocab = cfg.model.padded_vocab_size(tokenizer.vocab_size) if tokenizer else 0
         chunks = build_dit_chunks(cfg, platform.default_dtype(cfg.train.precision), vocab)
         load_dit_weights(chunks, ckpt, ema=not args.raw)
         print(f"loaded the {'trained' if args.raw else 'EMA'} weights of {ckpt.path} "
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
         prompt_states = None if states is None else [s for s in states for _ in range(args.per_prompt)]
         vae = None
         if args.vae is not None:
-            from megascale_omni.data.latents import VaeCodec
+            from megascale_omni.data.dit.latents import VaeCodec
 
             vae = VaeCodec.load(args.vae)
         rows, scores = [], {}

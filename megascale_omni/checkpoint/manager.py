@@ -1,14 +1,18 @@
 """The Checkpointer: save (async, triggered, two-tier, atomic) and resume.
 
-Lifecycle, all on every rank of the job::
+Lifecycle, all on every rank of the job; ``state`` is the
+:class:`~megascale_omni.checkpoint.train_state.TrainState`::
 
-    ckpt = Checkpointer(cfg.checkpoint)
-    ckpt.resume(trainer)                  # newest complete checkpoint, if any
+    ckpt = Checkpointer(cfg.checkpoint, run_dir)
+    ckpt.resume(state)                    # newest complete checkpoint, if any
     loop:
         train one step
-        if ckpt.at_step_boundary(trainer):  # triggers agreed; may save
-            break                           # SIGTERM: saved, stop
-    ckpt.finish(trainer)                  # final save, wait for writes
+        if ckpt.at_step_boundary(state):  # triggers agreed; may save
+            break                         # SIGTERM: saved, stop
+    ckpt.finish(state, save=True)         # final save, wait for writes
+
+With ``checkpoint.dir`` unset the Checkpointer is disabled: every method is a
+no-op (``request`` raises), so the loop calls it unconditionally.
 
 A save blocks training for building the state dict, the host copy and
 megatron's collective planning; the writer thread writes the files; at a
@@ -35,14 +39,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.errors import CheckpointError
-from megascale_omni.checkpoint.state import (
-    apply_state,
-    build_state,
-    incompatibilities,
-    layout_of,
-    shape_mismatches,
-    stage_to_host,
-)
+from megascale_omni.checkpoint.state import incompatibilities, shape_mismatches, stage_to_host
+from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
 from megascale_omni.config import CheckpointConfig, ConfigError
@@ -65,9 +63,12 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str, shared: bool = False):
         self.cfg = cfg
+        self.enabled = cfg.enabled
         self.shared = shared
         #: Whether this replica group saves at the current step boundary (same on its ranks).
-        self.writes: Callable[[], bool] = lambda: True
+        self.writes: Callable[[], bool] = lambda: self.enabled
+        if not self.enabled:
+            return
         self.tiers: list[tuple[str, str]] = ([("local", cfg.local_dir)] if cfg.local_dir else []) + [
             ("persistent", cfg.dir)
         ]
@@ -89,13 +90,15 @@ class Checkpointer:
         self._log = JsonlWriter(os.path.join(run_dir, "checkpoints.jsonl")) if self.rank == 0 else None
 
     # --------------------------------------------------------------- resume
-    def resume(self, trainer) -> Optional[Path]:
-        """Load the newest loadable checkpoint into ``trainer`` (every rank).
+    def resume(self, state: TrainState) -> Optional[Path]:
+        """Load the newest loadable checkpoint into ``state`` (every rank).
 
-        Returns the directory loaded, or None for a fresh start. Raises
-        CheckpointError when checkpoints exist but none is intact, and
-        ConfigError when the model no longer matches them.
+        Returns the directory loaded, or None for a fresh start (or when
+        disabled). Raises CheckpointError when checkpoints exist but none is
+        intact, and ConfigError when the model no longer matches them.
         """
+        if not self.enabled:
+            return None
         if self.rank == 0 and not self.shared:  # shared: another group may be writing
             for tier, root in self.tiers:
                 for step in layout.remove_incomplete(root, tier):
@@ -105,7 +108,7 @@ class Checkpointer:
         payload: list = [None]
         if self.rank == 0:
             try:
-                path, error = self._choose(trainer)
+                path, error = self._choose(state)
             except (CheckpointError, ConfigError) as e:
                 path, error = None, e
             payload = [(path, _portable(error))]
@@ -116,10 +119,10 @@ class Checkpointer:
         if path is None:
             logger.info("no checkpoint under %s; starting from step 0", " or ".join(r for _, r in self.tiers))
             return None
-        self._load(trainer, Path(path))
+        self._load(state, Path(path))
         return Path(path)
 
-    def _choose(self, trainer) -> tuple[Optional[str], Optional[Exception]]:
+    def _choose(self, state: TrainState) -> tuple[Optional[str], Optional[Exception]]:
         """Rank 0: the newest checkpoint that verifies and matches the model."""
         if self.cfg.resume != "auto":
             info = _info_for(Path(self.cfg.resume))
@@ -138,7 +141,7 @@ class Checkpointer:
                 )
             return None, None
         common = dist_checkpointing.load_common_state_dict(str(info.path))
-        diffs = incompatibilities(common.get("config", {}), trainer.cfg)
+        diffs = incompatibilities(common.get("config", {}), state.cfg)
         if diffs:
             return None, ConfigError(
                 "checkpoint.resume", str(info.path),
@@ -147,13 +150,13 @@ class Checkpointer:
             )
         return str(info.path), None
 
-    def _load(self, trainer, path: Path) -> None:
+    def _load(self, state: TrainState, path: Path) -> None:
         t0 = time.perf_counter()
         common = dist_checkpointing.load_common_state_dict(str(path))
         saved_layout = common.get("layout", {})
-        now = layout_of(trainer)
+        now = state.layout()
         same_mp = all(saved_layout.get(k) == now[k] for k in ("tp", "pp"))
-        template = build_state(trainer, is_loading=True, include_rng=same_mp)
+        template = state.sharded_state_dict(is_loading=True, include_rng=same_mp)
         # Model and task tensors (e.g. EMA weights) must exist with the same
         # global shapes; optimizer keys follow the model's.
         checked = {k: v for k, v in template.items() if k.startswith("model") or k == "task"}
@@ -167,10 +170,10 @@ class Checkpointer:
                 + ("; ".join(mismatches[:8]) if mismatches else "on another rank") + ")",
             )
         loaded = dist_checkpointing.load(template, str(path))
-        apply_state(trainer, loaded)
+        state.load_sharded_state_dict(loaded)
         logger.info(
             "resumed from %s at step %d in %.2f s (saved with tp%d pp%d dp%d, now tp%d pp%d dp%d%s)",
-            path, trainer.step, time.perf_counter() - t0,
+            path, state.step, time.perf_counter() - t0,
             saved_layout.get("tp", 0), saved_layout.get("pp", 0), saved_layout.get("dp", 0),
             now["tp"], now["pp"], now["dp"], "" if same_mp else "; RNG state not restored across a tp/pp change",
         )
@@ -178,58 +181,64 @@ class Checkpointer:
     # ----------------------------------------------------------------- save
     def request(self, reason: str = "api") -> None:
         """Public API: save at the next step boundary (thread-safe, any rank)."""
+        if not self.enabled:
+            raise CheckpointError("checkpointing is disabled: set checkpoint.dir to enable it")
         self.triggers.request(reason)
 
-    def at_step_boundary(self, trainer) -> bool:
+    def at_step_boundary(self, state: TrainState) -> bool:
         """Agree on triggers, finish a completed write, maybe save (every rank).
         Returns True when training must stop (SIGTERM; the state is saved)."""
-        decision = self.triggers.agree(trainer.step, writer_busy=not self.writer.done_locally())
+        if not self.enabled:
+            return False
+        decision = self.triggers.agree(state.step, writer_busy=not self.writer.done_locally())
         if self.writer.inflight is not None and not decision.writer_busy:
             self._finalize()
         saving = bool(decision.save_reason) and self.writes()
         if saving:
-            self.save(trainer, decision.save_reason, wait=decision.stop)
+            self.save(state, decision.save_reason, wait=decision.stop)
         elif decision.save_reason:
             # Restart the wall-clock timer as if saved: otherwise a due timer
             # fires (and logs) at every step of a group that never writes.
             self.triggers.saved()
             if decision.save_reason != "interval":
                 logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
-                            decision.save_reason, trainer.step)
+                            decision.save_reason, state.step)
         if decision.stop and saving:
-            logger.warning("SIGTERM: checkpoint at step %d written; stopping", trainer.step)
+            logger.warning("SIGTERM: checkpoint at step %d written; stopping", state.step)
         elif decision.stop:
-            logger.warning("SIGTERM: stopping at step %d (another replica group writes the checkpoints)", trainer.step)
+            logger.warning("SIGTERM: stopping at step %d (another replica group writes the checkpoints)", state.step)
         return decision.stop
 
-    def save(self, trainer, reason: str, wait: bool = False) -> None:
-        """Save ``trainer``'s state at its current step (every rank).
+    def save(self, state: TrainState, reason: str, wait: bool = False) -> None:
+        """Save ``state`` at its current step (every rank).
 
         Blocks for the host copy and planning only, unless ``wait`` or
         ``checkpoint.async_save=false``; then returns after the commit.
         """
+        if not self.enabled:
+            return
         t_request = time.perf_counter()
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         waited = t0 - t_request
         if waited > 0.01:
             logger.info("checkpoint: waited %.2f s for the previous save to commit", waited)
-        step = trainer.step
+        step = state.step
         target = self.save_root / layout.step_dir_name(step)
         skip = [self._prepare_target(target, step) if self.rank == 0 else None]
         dist.broadcast_object_list(skip, src=0, group=self.group)
         if skip[0]:
             logger.info("checkpoint for step %d already committed; not saving again", step)
             return
-        state = build_state(trainer, is_loading=False)
-        staged = stage_to_host(state)
+        snapshot = state.sharded_state_dict()
+        staged = stage_to_host(snapshot)
         request = dist_checkpointing.save(
-            state, str(target), sharded_strategy=self._strategy, async_sharded_save=True
+            snapshot, str(target), sharded_strategy=self._strategy, async_sharded_save=True
         )
         request = prepare_request(request)
         blocking_s = waited + time.perf_counter() - t0
         synchronous = wait or not self.cfg.async_save
-        meta = {"layout": layout_of(trainer), "mode": "sync" if synchronous else "async"}
+        meta = {"layout": state.layout(), "mode": "sync" if synchronous else "async"}
         self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta)
         self.triggers.saved()
         if not synchronous:
@@ -252,6 +261,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the in-flight save, if any, is committed (every rank)."""
+        if not self.enabled:
+            return
         if self.writer.inflight is not None:
             self.writer.wait_locally()
             self._finalize()
@@ -294,7 +305,7 @@ class Checkpointer:
             self._log.write(record)
 
     # ------------------------------------------------------------- failures
-    def save_after_failure(self, trainer, exc: BaseException, optimizer_started: bool) -> bool:
+    def save_after_failure(self, state: TrainState, exc: BaseException, optimizer_started: bool) -> bool:
         """Save the last good state after ``exc`` escaped a training step.
 
         The state is the one before the failing step, so nothing is saved if
@@ -302,6 +313,8 @@ class Checkpointer:
         within FAILURE_BARRIER_S; otherwise (a failure on some ranks only,
         the rest blocked in a collective) nothing is saved. Returns True if saved.
         """
+        if not self.enabled:
+            return False
         if optimizer_started:
             logger.error("step failed inside the optimizer update (%s); state is mixed, not saving", exc)
             return False
@@ -315,18 +328,20 @@ class Checkpointer:
         except RuntimeError as err:
             logger.error("not every rank failed at this step (%s); not saving", err)
             return False
-        logger.error("step %d failed (%s: %s); saving the state after step %d", trainer.step + 1,
-                     type(exc).__name__, exc, trainer.step)
-        self.save(trainer, "failure", wait=True)
+        logger.error("step %d failed (%s: %s); saving the state after step %d", state.step + 1,
+                     type(exc).__name__, exc, state.step)
+        self.save(state, "failure", wait=True)
         return True
 
-    def finish(self, trainer, save: bool) -> None:
+    def finish(self, state: TrainState, save: bool) -> None:
         """Optionally save the final state, then wait for every write (every rank)."""
         if save and self.writes():
-            self.save(trainer, "end", wait=True)
+            self.save(state, "end", wait=True)
         self.wait()
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.triggers.restore_signal_handlers()
         self.writer.close()
         self._committer.shutdown(wait=True)

@@ -1,20 +1,7 @@
-"""What a checkpoint holds, as one megatron sharded state dict.
-
-    {
-      "model" | "model0".."model{vpp-1}":  each chunk's sharded_state_dict()
-      "optimizer":  optimizer.sharded_state_dict(...)  (distributed optimizer:
-                    ``fully_reshardable``, so DP may change on load)
-      "rng":        ShardedObject over (pp, tp); DP rank 0 of each owns it
-      "task":       the task's own state (data counters, EMA weights, ...)
-      "trainer":    {"step": committed optimizer steps}
-      "scheduler":  LR scheduler state_dict()
-      "config":     the job config as a plain dict
-      "layout":     {"tp", "pp", "vpp", "dp", "world_size"}
-    }
-
-The data position is ``trainer.step``: sample plans are step-indexed, so the
-global batch of step ``s`` is a function of (seed, s) whatever the DP size.
-Every function here is called on every rank.
+"""Pieces of checkpoint state that need care: RNG streams, Adam state on CPU
+megatron, host staging, and the compatibility checks run before a load.
+What a checkpoint holds is :class:`megascale_omni.checkpoint.train_state.TrainState`'s
+contract. Every function here is called on every rank.
 """
 
 from __future__ import annotations
@@ -42,20 +29,9 @@ RESUMABLE_MODEL_FIELDS = frozenset(
 )
 
 
-def layout_of(trainer) -> dict[str, int]:
-    d = trainer.dims
-    return {"tp": d.tp, "pp": d.pp, "vpp": d.vpp or 1, "dp": d.dp, "world_size": d.world_size}
-
-
-def model_state(chunks) -> dict[str, Any]:
-    """Sharded model state of this rank's chunks (DDP wrappers unwrapped)."""
-    modules = [getattr(c, "module", c) for c in chunks]
-    if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
-
-
-def _rng_object() -> ShardedObject:
+def rng_object() -> ShardedObject:
+    """This rank's RNG streams (Python, numpy, torch, CUDA, megatron's tracker)
+    as one ShardedObject over (pp, tp); DP rank 0 of each writes it."""
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -72,7 +48,7 @@ def _rng_object() -> ShardedObject:
     )
 
 
-def _restore_rng(state: dict) -> None:
+def restore_rng(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -81,7 +57,7 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _prime_adam_state(optimizer) -> None:
+def prime_adam_state(optimizer) -> None:
     """Give every parameter of a fresh optimizer its Adam state (zeros, step 0).
 
     Before the first step torch's Adam has no per-parameter state, and
@@ -99,7 +75,7 @@ def _prime_adam_state(optimizer) -> None:
                     )
 
 
-def _restore_adam_step(optimizer) -> None:
+def restore_adam_step(optimizer) -> None:
     """Re-apply the loaded Adam step to every parameter.
 
     Without TE/apex, megatron's DistributedOptimizer restores the step into
@@ -115,45 +91,6 @@ def _restore_adam_step(optimizer) -> None:
             for p in group["params"]:
                 if "step" in inner.state[p]:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
-
-def build_state(trainer, is_loading: bool, include_rng: bool = True) -> dict[str, Any]:
-    """The full sharded state dict of ``trainer`` (template when loading)."""
-    if is_loading:
-        _prime_adam_state(trainer.optimizer)
-    state = model_state(trainer.chunks)
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=DIST_OPT_METADATA
-    )
-    if include_rng:
-        state["rng"] = _rng_object()
-    task_state = getattr(trainer.task, "checkpoint_state", None)
-    state["task"] = task_state() if task_state else {}
-    state["trainer"] = {"step": trainer.step}
-    state["scheduler"] = trainer.scheduler.state_dict()
-    state["config"] = to_dict(trainer.cfg)
-    state["layout"] = layout_of(trainer)
-    return state
-
-
-@torch.no_grad()
-def apply_state(trainer, loaded: dict[str, Any]) -> None:
-    """Copy a loaded state dict into ``trainer`` (inverse of :func:`build_state`)."""
-    modules = [getattr(c, "module", c) for c in trainer.chunks]
-    if len(modules) == 1:
-        modules[0].load_state_dict(loaded["model"])
-    else:
-        for i, m in enumerate(modules):
-            m.load_state_dict(loaded[f"model{i}"])
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_step(trainer.optimizer)
-    trainer.scheduler.load_state_dict(loaded["scheduler"])
-    if "rng" in loaded:
-        _restore_rng(loaded["rng"])
-    load_task = getattr(trainer.task, "load_checkpoint_state", None)
-    if load_task:
-        load_task(loaded["task"])
-    trainer.step = int(loaded["trainer"]["step"])
 
 
 def stage_to_host(state: dict[str, Any]) -> int:
@@ -189,7 +126,6 @@ def incompatibilities(saved: dict, current: JobConfig) -> list[str]:
             if old.get(key) != new.get(key):
                 diffs.append(f"{section}.{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")
     return diffs
-
 
 
 def shape_mismatches(template: dict[str, Any], saved_metadata: dict[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """Typed job configuration: dataclass sections, YAML + overrides, validation."""
 
-from megascale_omni.config.cli import load_job_config, parse_job_config, run_cli
+from megascale_omni.config.cli import load_job_config, parse_job_config
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, coerce_field, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
@@ -46,7 +46,6 @@ __all__ = [
     "load_job_config",
     "load_yaml",
     "parse_job_config",
-    "run_cli",
     "to_dict",
     "validate_job",
     "validate_platform",

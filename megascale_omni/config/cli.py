@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml
@@ -52,30 +51,3 @@ def load_job_config(
     raw = load_yaml(args.config) if args.config else {}
     raw = apply_overrides(raw, args.overrides)
     return from_dict(cls, raw)
-
-
-def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; a ConfigError becomes one stderr line and exit code 2,
-    a DataQualityError one line and exit code 3, a CheckpointError one line
-    and exit code 4 (no traceback)."""
-    from megascale_omni.checkpoint.errors import CheckpointError
-    from megascale_omni.data.errors import DataQualityError
-
-    from megascale_omni.platform.logging_setup import silence_import_warnings
-
-    silence_import_warnings()
-    rank = os.environ.get("RANK", "0")
-    try:
-        main()
-    except ConfigError as e:
-        if rank == "0":
-            sys.stderr.write(f"{e}\n")
-        sys.exit(2)
-    except DataQualityError as e:
-        if rank == "0":
-            sys.stderr.write(f"data error: {e}\n")
-        sys.exit(3)
-    except CheckpointError as e:
-        if rank == "0":
-            sys.stderr.write(f"checkpoint error: {e}\n")
-        sys.exit(4)

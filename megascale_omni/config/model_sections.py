@@ -77,6 +77,13 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name}", getattr(self, name), "must be in [0, 1)")
 
+    def padded_vocab_size(self, vocab: int) -> int:
+        """Rows of the embedding/output layer for a ``vocab``-token vocabulary:
+        rounded up to ``make_vocab_size_divisible_by`` (at least one multiple),
+        whatever the TP size, so every layout builds the same layer."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-max(vocab, 1) // multiple) * multiple
+
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size

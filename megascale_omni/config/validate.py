@@ -1,4 +1,5 @@
-"""Cross-section checks that need the world size.
+"""Cross-section checks that need the world size (family-independent; each
+model family adds its own, see :mod:`megascale_omni.tasks.registry`).
 
 Called on every rank *before* any process group exists, so a bad layout
 fails in milliseconds with the same message on every rank.
@@ -46,10 +47,6 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     ):
         _require_divisible_by_tp(name, value, par.tp)
     _validate_pipeline_partition(cfg)
-    if par.cp > 1:
-        # megatron would build CP groups, but our data path does not yet
-        # split sequences across CP ranks; refusing beats training wrongly.
-        raise ConfigError("parallel.cp", par.cp, "context parallelism is not supported yet; set parallel.cp: 1")
     if par.sequence_parallel and model.seq_length % par.tp:
         raise ConfigError(
             "model.seq_length", model.seq_length, f"must be divisible by parallel.tp={par.tp} with sequence_parallel"
@@ -67,12 +64,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
             f"must be divisible by micro_batch_size*dp = {train.micro_batch_size}*{dp} = {per_step}; "
             f"use {max(per_step, train.global_batch_size // per_step * per_step)} or change micro_batch_size",
         )
-    if model.family == "llava":
-        _validate_llava(cfg)
     if cfg.control.enabled:
         _validate_control(cfg)
-    if model.family == "dit":
-        _validate_dit(cfg)
 
 
 def _validate_pipeline_partition(cfg: JobConfig) -> None:
@@ -145,18 +138,6 @@ def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
         )
 
 
-def _validate_llava(cfg: JobConfig) -> None:
-    vision, par = cfg.vision, cfg.parallel
-    _require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
-    _require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
-    if par.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel", True, "LLaVA packing supports tp/pp/vpp/dp; set it to false"
-        )
-    if cfg.model.freeze and vision.freeze and vision.freeze_projector:
-        raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
-
-
 def control_socket_path(cfg: JobConfig) -> str:
     """Absolute Unix socket path of the control server.
 
@@ -220,24 +201,6 @@ def _validate_control(cfg: JobConfig) -> None:
             f"TCP control needs a token: write one to a file (chmod 600) and set control.token_file, "
             f"or export {cfg.control.token_env}; or set control.tcp_port: null (Unix socket only)",
         )
-
-
-def _validate_dit(cfg: JobConfig) -> None:
-    dit, par = cfg.dit, cfg.parallel
-    if cfg.train.micro_batch_size != 1:
-        raise ConfigError(
-            "train.micro_batch_size", cfg.train.micro_batch_size,
-            "DiT micro-batches are bucket packages sized by dit.token_budget; set train.micro_batch_size: 1 "
-            "(train.global_batch_size counts packages per step)",
-        )
-    if par.vpp is not None:
-        raise ConfigError("parallel.vpp", par.vpp, "DiT supports tp/pp/dp without interleaving; set parallel.vpp: null")
-    if par.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", True, "DiT supports tp/pp/dp; set it to false")
-    # The patch output projection is a column-parallel linear over C * p * p outputs.
-    _require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
-    if dit.text_encoder == "precomputed" and dit.text_dim == 0:
-        raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
 
 
 def validate_platform(cfg: JobConfig, cuda: bool) -> None:

@@ -217,7 +217,7 @@ def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | o
     """Like :func:`write_shards` for already-encoded records (member suffix ->
     bytes, e.g. ``{"json": ..., "png": ...}``); the ``json`` member should carry
     an integer ``"id"``. Used by sample formats other than :class:`Sample`
-    (DiT images and latents, see :mod:`megascale_omni.data.dit_data`)."""
+    (DiT images and latents, see :mod:`megascale_omni.data.dit.reader`)."""
     if samples_per_shard <= 0:
         raise ValueError(f"samples_per_shard must be > 0, got {samples_per_shard}")
     out = Path(out_dir)

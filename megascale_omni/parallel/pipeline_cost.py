@@ -149,8 +149,7 @@ def padded_vocab_size(cfg: JobConfig) -> int:
     """Vocabulary rows of the embedding/output layer. ``model.vocab_size: 0``
     (LLaVA: taken from the tokenizer at start-up) counts as one multiple of
     ``make_vocab_size_divisible_by``, since no tokenizer is read before start-up."""
-    multiple = cfg.model.make_vocab_size_divisible_by
-    return -(-max(cfg.model.vocab_size, 1) // multiple) * multiple
+    return cfg.model.padded_vocab_size(cfg.model.vocab_size)
 
 
 def flop_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:

@@ -39,6 +39,12 @@ class ParallelDims:
     def num_model_chunks(self) -> int:
         return self.vpp or 1
 
+    def layout(self) -> dict[str, int]:
+        """``{"tp", "pp", "cp", "dp", "vpp", "world_size"}`` (``vpp`` 1 when not
+        interleaved): recorded in checkpoints and reported by ``omni-ctl status``."""
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "vpp": self.vpp or 1,
+                "world_size": self.world_size}
+
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
         return f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{vpp} (world={self.world_size})"
@@ -69,6 +75,11 @@ def destroy_parallel() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def data_parallel_rank() -> int:
+    """This rank's DP rank inside its replica group (megatron's DP group)."""
+    return mpu.get_data_parallel_rank()
 
 
 def is_loss_rank() -> bool:

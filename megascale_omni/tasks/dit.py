@@ -1,14 +1,14 @@
 """DiT task: bucketed, token-balanced rectified-flow pretraining.
 
 Data position is the step: global batch ``s`` is ``train.global_batch_size``
-packages of :class:`~megascale_omni.data.buckets.BucketPlan`, a pure
+packages of :class:`~megascale_omni.data.dit.buckets.BucketPlan`, a pure
 function of (seed, s); it is split across DP ranks so each computes the
 same number of latent tokens. Noise, flow time and caption dropout of a
 sample are functions of (seed, epoch, sample id) (tasks/dit_batches.py).
-So a checkpoint needs only the task state of :meth:`DitTask.checkpoint_state`
-(EMA weights, skip counters, the tokenizer) besides the trainer's step. The
+So a checkpoint needs only the task state of :meth:`DitTask.state_dict`
+(EMA weights, skip counters, the tokenizer) besides the step. The
 embedded default dataset is the captioned multi-aspect shapes set
-(:mod:`megascale_omni.data.dit_shapes`).
+(:mod:`megascale_omni.data.dit.shapes_dataset`).
 """
 
 from __future__ import annotations
@@ -17,44 +17,43 @@ import contextlib
 import logging
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.data.buckets import BucketPlan, BucketTable, bucket_report, split_packages
+from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.balance import imbalance
-from megascale_omni.data.dit_data import DitSampleReader, load_dataset_description
-from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
+from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.shards import BadSampleError
-from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
-from megascale_omni.parallel import ParallelDims
+from megascale_omni.parallel import ParallelDims, is_loss_rank
 from megascale_omni.platform import Platform
-from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
+from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
 from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
 from megascale_omni.tasks.dit_sampling import evaluate_colors
-from megascale_omni.training.step import masked_token_loss
+from megascale_omni.models.loss import masked_token_loss
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATASET_DIR = "data/dit-shapes-{num_train}-{num_val}"
 
 
+def build_default_dataset(cfg: JobConfig) -> Path:
+    """The embedded captioned shapes set (built on first use, every rank)."""
+    d = cfg.data
+    return ensure_dit_shapes_dataset(
+        DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val),
+        d.default_num_train, d.default_num_val,
+    )
+
+
 def resolve_dit_dataset(cfg: JobConfig) -> tuple[Path, dict]:
     """Dataset root and its description (every rank); builds the embedded default on first use."""
-    if cfg.data.path is None:
-        d = cfg.data
-        root = ensure_dit_shapes_dataset(
-            DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val),
-            d.default_num_train, d.default_num_val,
-        )
-    else:
-        root = Path(cfg.data.path)
-        if not (root / "train").is_dir():
-            raise ConfigError("data.path", str(root), "has no train/ split; make one with tools/make_dit_latents.py "
-                              "or set data.path: null for the embedded shapes data")
+    root = resolve_dataset_root(cfg, build_default_dataset, "tools/make_dit_latents.py")
     desc = load_dataset_description(root)
     dit = cfg.dit
     if int(desc.get("in_channels", 3)) != dit.in_channels:
@@ -67,23 +66,19 @@ def resolve_dit_dataset(cfg: JobConfig) -> tuple[Path, dict]:
     return root, desc
 
 
-class DitTask:
-    """Implements :class:`megascale_omni.training.trainer.Task` for DiT (built on every rank)."""
+class DitTask(Task):
+    """The DiT family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
     def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
-        self.cfg, self.dims = cfg, dims
-        self.dtype = platform.default_dtype(cfg.train.precision)
+        super().__init__(cfg, platform, dims)
         d = cfg.dit
         root, self.description = resolve_dit_dataset(cfg)
         self.tokenizer = None
         self.text_vocab = 0
         if d.text_encoder == "learned":
-            tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
-            if not tok.exists():
-                raise ConfigError("data.tokenizer", str(tok), "does not exist; point it at a tokenizer.json")
-            self.tokenizer = TextTokenizer.from_path(tok)
-            multiple = cfg.model.make_vocab_size_divisible_by
-            self.text_vocab = -(-self.tokenizer.vocab_size // multiple) * multiple
+            self.tokenizer = load_tokenizer(cfg, root)
+            self.text_vocab = self.padded_vocab_size(self.tokenizer.vocab_size)
+        self.bad_samples = BadSampleAccount(cfg, dims)
         self.captions = CaptionEncoder(d, self.tokenizer)
         self.table = BucketTable(d.buckets, d.patch_size, d.token_budget)
         self.reader = DitSampleReader(root / "train", self.description.get("kind", "pixels"))
@@ -92,7 +87,9 @@ class DitTask:
             self.plan = BucketPlan(bucket_ids, self.table, cfg.train.global_batch_size, cfg.train.seed)
         except ValueError as err:
             raise ConfigError("train.global_batch_size", cfg.train.global_batch_size, str(err)) from None
-        self.batcher = DitBatcher(self.reader, self.table, d, self.captions, cfg.train.seed)
+        self.batcher = DitBatcher(
+            self.reader, self.table, d, self.captions, cfg.train.seed, counter=self.bad_samples.counter
+        )
         # Pipeline p2p shapes are communicated per micro-batch (variable_seq_lengths);
         # this is only the schedule's nominal length.
         self.seq_length = max(self.table.tokens) + d.max_text_length + 1
@@ -105,9 +102,6 @@ class DitTask:
         self.ema: Optional[EMA] = None
         self.chunks: list = []
         self.rank_token_imbalance = 1.0
-        self.skipped_samples = self.seen_samples = 0
-        # Job-wide counts before a resume (see checkpoint_state).
-        self._resumed_counts = (0, 0)
 
     # ----------------------------------------------------------------- setup
     def _scan(self, reader: DitSampleReader) -> tuple[np.ndarray, np.ndarray]:
@@ -128,8 +122,7 @@ class DitTask:
                 continue
             ids.append(i)
             buckets.append(k)
-        self.excluded_samples = bad
-        check_bad_fraction(bad, len(reader), self.cfg.data.max_bad_sample_fraction, f"scanning {reader.root}")
+        self.bad_samples.exclude(bad, len(reader), str(reader.root))
         return np.asarray(ids), np.asarray(buckets)
 
     def build_model(self):
@@ -144,27 +137,26 @@ class DitTask:
             self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
         return self.ema
 
-    def after_step(self, trainer) -> None:
+    def after_step(self, step: int) -> None:
         """EMA update after each optimizer step (every rank, own shards)."""
         if self._ensure_ema() is not None:
             self.ema.update()
 
     # ------------------------------------------------------------ checkpoint
-    def checkpoint_state(self) -> dict:
-        """EMA weights (ShardedTensors ``ema.<model key>``, resharded with the
-        model), job-wide skip counters and the tokenizer (so sampling needs
-        no dataset). Every rank."""
-        state: dict[str, Any] = {"skipped_samples": self.skipped_samples, "seen_samples": self.seen_samples}
+    def state_dict(self, sharded: bool) -> dict:
+        """EMA weights (for a checkpoint ShardedTensors ``ema.<model key>``,
+        resharded with the model), job-wide skip counters and the tokenizer
+        (so sampling needs no dataset). Every rank."""
+        state: dict[str, Any] = self.bad_samples.state_dict()
         if self._ensure_ema() is not None:
-            state["ema"] = self.ema.sharded_state_dict()
+            state["ema"] = self.ema.sharded_state_dict() if sharded else self.ema.state_dict()
         if self.tokenizer is not None:
             state["tokenizer"] = self.tokenizer.to_str()
         return state
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        self._resumed_counts = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
-        self.skipped_samples, self.seen_samples = self._resumed_counts
-        if self.ema is not None:
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_samples.load_state_dict(state)
+        if self._ensure_ema() is not None:
             self.ema.load_state_dict(state["ema"])
 
     # ------------------------------------------------------------------ data
@@ -178,16 +170,13 @@ class DitTask:
         self.rank_token_imbalance = imbalance([sum(packages[i].computed_tokens for i in p) for p in parts])
         epoch = step // self.plan.steps_per_epoch
         batches = [self.batcher.microbatch(packages[i], self.train_ids, epoch) for i in parts[dp_rank]]
-        skipped, seen = reduce_skip_counts(self.batcher.counter, self.dims)
-        self.skipped_samples = skipped + self._resumed_counts[0]
-        self.seen_samples = seen + self._resumed_counts[1]
-        check_bad_fraction(self.skipped_samples, self.seen_samples, self.cfg.data.max_bad_sample_fraction, "training")
+        self.bad_samples.update()
         return batches
 
     def data_stats(self) -> dict[str, float]:
         return {
-            "skipped_samples": self.skipped_samples,
-            "excluded_samples": self.excluded_samples,
+            "skipped_samples": self.bad_samples.skipped,
+            "excluded_samples": self.bad_samples.excluded,
             "rank_token_imbalance": self.rank_token_imbalance,
         }
 
@@ -198,7 +187,7 @@ class DitTask:
         return out, partial(masked_token_loss, loss_mask=b["loss_mask"])
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, trainer) -> Optional[dict[str, float]]:
+    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
         """Sample the colour prompts with the EMA weights; write the PNG grid and
         the colour accuracy into the run directory (loss rank). Pixel-space
         data with learned captions only (latents need a VAE decoder: use
@@ -209,17 +198,17 @@ class DitTask:
         if self.description.get("kind", "pixels") != "pixels" or self.tokenizer is None:
             logger.info("evaluation: skipped (sampling latent data needs the VAE; see tools/sample_dit.py)")
             return None
-        out_dir = Path(self.cfg.logging.output_dir) if trainer.is_loss_rank else None
+        out_dir = Path(self.cfg.logging.output_dir) if is_loss_rank() else None
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             result = evaluate_colors(
-                trainer.chunks, self.captions, d.eval_resolutions, d.eval_samples_per_prompt,
+                chunks, self.captions, d.eval_resolutions, d.eval_samples_per_prompt,
                 d.sample_steps, d.guidance_scale, seed=self.cfg.train.seed, out_dir=out_dir,
-                tag=f"step{trainer.step}",
+                tag=f"step{step}",
             )
         logger.info(
-            "evaluation at step %d: colour accuracy %.3f over %d samples (%s)%s", trainer.step,
+            "evaluation at step %d: colour accuracy %.3f over %d samples (%s)%s", step,
             result["color_accuracy"], int(result["color_samples"]),
             ", ".join(f"{k.split('/')[1]}: {v:.3f}" for k, v in result.items() if k.startswith("color_accuracy/")),
-            f"; grid {out_dir / f'samples-step{trainer.step}.png'}" if out_dir else "",
+            f"; grid {out_dir / f'samples-step{step}.png'}" if out_dir else "",
         )
         return result

@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import torch
 
 from megascale_omni.config import DitConfig
-from megascale_omni.data.buckets import BucketTable, Package
-from megascale_omni.data.dit_data import DitSampleReader
-from megascale_omni.data.llava_data import SkipCounter
+from megascale_omni.data.dit.buckets import BucketTable, Package
+from megascale_omni.data.dit.reader import DitSampleReader
+from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.shards import BadSampleError
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.dit.flow import flow_pair, sample_timesteps
@@ -76,14 +76,16 @@ class DitBatcher:
     """Reads and collates packages into micro-batches (every rank)."""
 
     def __init__(
-        self, reader: DitSampleReader, table: BucketTable, dit: DitConfig, captions: CaptionEncoder, seed: int
+        self, reader: DitSampleReader, table: BucketTable, dit: DitConfig, captions: CaptionEncoder, seed: int,
+        counter: Optional[SkipCounter] = None,
     ):
         self.reader = reader
         self.table = table
         self.dit = dit
         self.captions = captions
         self.seed = seed
-        self.counter = SkipCounter()
+        #: Where skipped samples are counted (shared with the task's job-wide account).
+        self.counter = counter if counter is not None else SkipCounter()
 
     def microbatch(self, package: Package, id_map: Sequence[int], epoch: int) -> dict[str, torch.Tensor]:
         """Collate ``package``; ``id_map`` maps plan indices to reader indices."""

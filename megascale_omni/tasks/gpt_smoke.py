@@ -9,31 +9,30 @@ same samples per step.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
-from megatron.core import parallel_state as mpu
 
 from megascale_omni.config import JobConfig
 from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.synthetic_tokens import ArithmeticTokenDataset
 from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
-from megascale_omni.parallel import ParallelDims
+from megascale_omni.models.loss import masked_token_loss
+from megascale_omni.parallel import ParallelDims, data_parallel_rank
+from megascale_omni.parallel.schedules import reduce_reported_loss
 from megascale_omni.platform import Platform
-from megascale_omni.training.step import masked_token_loss, reduce_reported_loss, run_forward_backward
+from megascale_omni.tasks.base import Task
 
 #: Synthetic dataset size; large enough that a smoke run never repeats an epoch.
 NUM_SAMPLES = 65536
 
 
-class GptSmokeTask:
-    """Implements :class:`megascale_omni.training.trainer.Task` for GPT."""
+class GptSmokeTask(Task):
+    """The GPT family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
     def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
-        self.cfg = cfg
-        self.platform = platform
-        self.dims = dims
+        super().__init__(cfg, platform, dims)
         self.seq_length = cfg.model.seq_length
         self.dataset = ArithmeticTokenDataset(
             NUM_SAMPLES, cfg.model.seq_length, cfg.model.vocab_size, seed=cfg.train.seed
@@ -45,8 +44,7 @@ class GptSmokeTask:
         )
 
     def build_model(self):
-        dtype = self.platform.default_dtype(self.cfg.train.precision)
-        config = transformer_config(self.cfg.model, self.cfg.parallel, dtype)
+        config = transformer_config(self.cfg.model, self.cfg.parallel, self.dtype)
         return build_gpt_chunks(
             self.cfg.model, config, vocab_size=self.cfg.model.vocab_size, max_sequence_length=self.seq_length
         )
@@ -85,9 +83,6 @@ class GptSmokeTask:
             )
         return out
 
-    def data_stats(self) -> dict[str, float]:
-        return {}  # synthetic data cannot be bad
-
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):
         batch = next(data_iterator)
@@ -99,19 +94,11 @@ class GptSmokeTask:
         )
         return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 
-    def evaluate(self, trainer) -> Optional[dict[str, float]]:
+    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
+        """Held-out token loss (every rank; the value on the loss rank)."""
         ids = list(range(len(self.eval_dataset)))
-        mbs = self._split(ids, self.eval_dataset, trainer.dp_rank, self.dims.dp)
-        for chunk in trainer.chunks:
-            chunk.eval()
-        with torch.no_grad():
-            reports = run_forward_backward(
-                trainer.chunks, self.forward_step, mbs, self.seq_length, self.cfg.train.micro_batch_size,
-                forward_only=True,
-            )
-        for chunk in trainer.chunks:
-            chunk.train()
-        loss, _ = reduce_reported_loss(reports)
+        mbs = self._split(ids, self.eval_dataset, data_parallel_rank(), self.dims.dp)
+        loss, _ = reduce_reported_loss(self.forward_only(chunks, self.forward_step, mbs))
         if loss is None:
             return None
         return {"loss": loss}

@@ -8,30 +8,30 @@ estimated compute cost (ViT patches + LM tokens).
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
-from megascale_omni.data.llava_data import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.health import check_bad_fraction
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
-from megascale_omni.data.shapes_dataset import ensure_shapes_dataset
+from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.llava import build_llava_chunks
-from megascale_omni.parallel import ParallelDims
+from megascale_omni.parallel import ParallelDims, data_parallel_rank
 from megascale_omni.platform import Platform
-from megascale_omni.tasks.common import check_bad_fraction, reduce_skip_counts
-from megascale_omni.training.step import LOSS_KEY, masked_token_loss, reduce_reports, run_forward_backward
+from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
+from megascale_omni.models.loss import LOSS_KEY, masked_token_loss
+from megascale_omni.parallel.schedules import reduce_reports
 
 logger = logging.getLogger(__name__)
 
@@ -40,40 +40,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_DATASET_DIR = "data/shapes-{num_train}-{num_val}-{image_size}px"
 
 
+def build_default_dataset(cfg: JobConfig) -> Path:
+    """The embedded shapes dataset for ``cfg`` (built on first use, every rank)."""
+    d = cfg.data
+    root = Path(
+        DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size)
+    )
+    ensure_shapes_dataset(root, num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size)
+    return root
+
+
 def resolve_dataset(cfg: JobConfig) -> tuple[Path, TextTokenizer]:
     """Dataset directory and tokenizer (every rank). Builds the embedded
     default on first use; a missing explicit path is a ConfigError."""
-    if cfg.data.path is None:
-        d = cfg.data
-        root = Path(
-            DEFAULT_DATASET_DIR.format(
-                num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size
-            )
-        )
-        ensure_shapes_dataset(
-            root, num_train=d.default_num_train, num_val=d.default_num_val, image_size=cfg.vision.image_size
-        )
-    else:
-        root = Path(cfg.data.path)
-        if not (root / "train").is_dir():
-            raise ConfigError(
-                "data.path", str(root),
-                "has no train/ split; build one with `python tools/make_shapes_dataset.py --out <dir>` "
-                "or set data.path: null for the embedded default",
-            )
-    tok_path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
-    if not tok_path.exists():
-        raise ConfigError("data.tokenizer", str(tok_path), "does not exist; point it at a tokenizer.json or directory")
-    return root, TextTokenizer.from_path(tok_path)
+    root = resolve_dataset_root(cfg, build_default_dataset, "`python tools/make_shapes_dataset.py --out <dir>`")
+    return root, load_tokenizer(cfg, root)
 
 
-class LlavaTask:
-    """Implements :class:`megascale_omni.training.trainer.Task` for LLaVA."""
+class LlavaTask(Task):
+    """The LLaVA family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
     def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
-        self.cfg = cfg
-        self.dims = dims
-        self.dtype = platform.default_dtype(cfg.train.precision)
+        super().__init__(cfg, platform, dims)
         self.seq_length = cfg.model.seq_length
         root, self.tokenizer = resolve_dataset(cfg)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
@@ -82,16 +70,16 @@ class LlavaTask:
                 "model.vocab_size", vocab,
                 f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
             )
-        multiple = cfg.model.make_vocab_size_divisible_by
-        self.vocab_size = -(-vocab // multiple) * multiple
+        self.vocab_size = self.padded_vocab_size(vocab)
         self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
-        self._resumed_counts = (0, 0)
+        self.bad_samples = BadSampleAccount(cfg, dims)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
         self.train_ids, lengths, costs = self._scan(self.train_reader)
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs)
         self.train_batcher = LlavaBatcher(
-            self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size
+            self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
+            counter=self.bad_samples.counter,
         )
         packs0 = self.plan.epoch_packs(0)
         self.packing_efficiency = packing_efficiency(packs0, self.seq_length)
@@ -104,8 +92,8 @@ class LlavaTask:
         )
 
     # ----------------------------------------------------------------- setup
-    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Lengths and costs of every readable sample (metadata only)."""
+    def _scan_split(self, reader: ShardedSampleReader) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Bad-sample count, then ids, lengths and costs of every readable sample (metadata only)."""
         ids, lengths, costs = [], [], []
         patches = self.cfg.vision.tokens_per_image
         bad = 0
@@ -124,11 +112,14 @@ class LlavaTask:
             ids.append(i)
             lengths.append(n)
             costs.append(sample_cost(n, int(meta["num_images"]), patches))
-        self._check_bad_fraction(bad, len(reader), where=f"scanning {reader.root}")
-        return np.asarray(ids), np.asarray(lengths), np.asarray(costs)
+        return bad, np.asarray(ids), np.asarray(lengths), np.asarray(costs)
 
-    def _check_bad_fraction(self, bad: int, seen: int, where: str) -> None:
-        check_bad_fraction(bad, seen, self.cfg.data.max_bad_sample_fraction, where)
+    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ids, lengths and costs of the usable samples of the training split;
+        the rest are excluded and counted."""
+        bad, ids, lengths, costs = self._scan_split(reader)
+        self.bad_samples.exclude(bad, len(reader), str(reader.root))
+        return ids, lengths, costs
 
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
@@ -156,28 +147,20 @@ class LlavaTask:
         batches = [
             self.train_batcher.microbatch(mine[i : i + mbs], self.train_ids) for i in range(0, len(mine), mbs)
         ]
-        self._check_skips()
+        # Abort on every rank together when bad samples exceed the limit (collective).
+        self.bad_samples.update()
         return batches
 
-    def _check_skips(self) -> None:
-        """Abort on every rank together when bad samples exceed the limit (collective)."""
-        skipped, seen = reduce_skip_counts(self.train_batcher.counter, self.dims)
-        # Counts before a resume come from the checkpoint (see checkpoint_state).
-        skipped, seen = skipped + self._resumed_counts[0], seen + self._resumed_counts[1]
-        self.skipped_samples, self.seen_samples = skipped, seen
-        self._check_bad_fraction(skipped, seen, where="training")
-
     def data_stats(self) -> dict[str, float]:
-        return {"skipped_samples": getattr(self, "skipped_samples", 0)}
+        return {"skipped_samples": self.bad_samples.skipped, "excluded_samples": self.bad_samples.excluded}
 
-    def checkpoint_state(self) -> dict:
+    def state_dict(self, sharded: bool) -> dict:
         """Data-health totals over all ranks (the data position itself is the
-        trainer's step: the packed plan is step-indexed)."""
-        return {"skipped_samples": getattr(self, "skipped_samples", 0), "seen_samples": getattr(self, "seen_samples", 0)}
+        step: the packed plan is step-indexed)."""
+        return self.bad_samples.state_dict()
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        self._resumed_counts = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
-        self.skipped_samples, self.seen_samples = self._resumed_counts
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_samples.load_state_dict(state)
 
     # ----------------------------------------------------------------- model
     def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:
@@ -212,14 +195,14 @@ class LlavaTask:
         return self._categories
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, trainer) -> Optional[dict[str, float]]:
+    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
         """Held-out loss and image-dependent answer accuracy, with real images
         and with images shuffled across samples (control)."""
         if self.val_reader is None:
             return None
         result = {}
         for name, shuffled in (("real", False), ("shuffled", True)):
-            totals = self._eval_pass(trainer, shuffled)
+            totals = self._eval_pass(chunks, shuffled)
             if totals is None:
                 continue
             loss_sum, count = totals[LOSS_KEY].tolist()
@@ -231,19 +214,21 @@ class LlavaTask:
                 if key.startswith("accuracy/") and value[1] > 0:
                     result[f"{name}/{key}"] = (value[0] / value[1]).item()
         if result:
-            logger.info("evaluation at step %d (held-out split)\n%s", trainer.step, format_eval_table(result))
+            logger.info("evaluation at step %d (held-out split)\n%s", step, format_eval_table(result))
         return result or None
 
-    def _eval_pass(self, trainer, shuffled: bool):
+    def _eval_pass(self, chunks: Sequence[torch.nn.Module], shuffled: bool):
         if not hasattr(self, "_val"):
-            ids, lengths, _ = self._scan(self.val_reader)
+            bad, ids, lengths, _ = self._scan_split(self.val_reader)
+            check_bad_fraction(bad, len(self.val_reader), self.cfg.data.max_bad_sample_fraction,
+                               f"scanning {self.val_reader.root}")
             packs = pack_samples(lengths, self.seq_length)
             self._val = (ids, packs, _shuffled_image_sources(self.val_reader, ids))
             self.val_batcher = LlavaBatcher(
                 self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size
             )
         ids, packs, sources = self._val
-        dp, rank = self.dims.dp, trainer.dp_rank
+        dp, rank = self.dims.dp, data_parallel_rank()
         mine = list(packs[rank::dp])
         mbs = self.cfg.train.micro_batch_size
         # Pipeline p2p buffers are [seq, micro_batch_size, hidden]: every
@@ -253,15 +238,7 @@ class LlavaTask:
             self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
             for i in range(0, len(mine), mbs)
         ]
-        for chunk in trainer.chunks:
-            chunk.eval()
-        with torch.no_grad():
-            reports = run_forward_backward(
-                trainer.chunks, self.eval_forward_step, batches, self.seq_length, mbs, forward_only=True
-            )
-        for chunk in trainer.chunks:
-            chunk.train()
-        return reduce_reports(reports)
+        return reduce_reports(self.forward_only(chunks, self.eval_forward_step, batches))
 
 
 def format_eval_table(result: dict[str, float]) -> str:

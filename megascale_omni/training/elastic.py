@@ -1,9 +1,14 @@
-"""Elastic training glue: the Trainer's one seam to the replica dimension.
+"""Replica membership: which share of each global batch this rank computes.
 
-:class:`ElasticTrainer` decides, per step, which share of the global batch
-this rank computes (from the quorum), writes the sample ledger, and owns the
-state a joining replica copies from a live peer. The math of the
-cross-replica reduction lives in :mod:`megascale_omni.parallel.elastic`.
+The Trainer holds one membership object and calls it the same way whatever
+the job: :class:`StaticMembership` for a fixed replica group (the null
+object: the share is this rank's DP slice), :class:`ElasticMembership` for
+replica groups that join and leave through torchft. The elastic one decides
+per step, from the quorum, which share of the global batch this rank
+computes, writes the sample ledger, and serves the
+:class:`~megascale_omni.checkpoint.train_state.TrainState` a joining replica
+copies from a live peer. The math of the cross-replica reduction lives in
+:mod:`megascale_omni.parallel.elastic`.
 
 Data position: the global batch of committed step ``s`` is a pure function
 of (seed, s). Participant ``p`` of ``P`` with inner DP rank ``i`` of ``I``
@@ -15,12 +20,16 @@ uses the same samples and a membership change re-splits the same batch.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megatron.core import parallel_state as mpu
 
-from megascale_omni.parallel.elastic import ElasticReplica, Participation
+from megascale_omni.checkpoint.train_state import TrainState
+from megascale_omni.config import ElasticConfig
+from megascale_omni.parallel.elastic import ElasticReplica, Participation, import_torchft
 from megascale_omni.training.ledger import SampleLedger
 
 logger = logging.getLogger(__name__)
@@ -32,56 +41,134 @@ class StepShare:
 
     #: Step index (committed steps so far, on every participant).
     step: int
-    participation: Participation
     #: This rank's DP coordinates over all participants (None while healing).
     dp_rank: Optional[int]
     dp_size: int
+    #: The quorum this attempt runs in (elastic jobs only).
+    participation: Optional[Participation] = None
+    #: Seconds spent waiting for the quorum (and a heal) before the step.
+    quorum_s: float = 0.0
 
 
-class ElasticTrainer:
-    """Replica membership, data share, ledger and status for one Trainer (every rank)."""
+class StaticMembership:
+    """A fixed replica group: every step belongs to it alone (every rank)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        cfg = trainer.cfg.elastic
-        self.replica = ElasticReplica(cfg, self._peer_state, self._load_peer_state)
-        for chunk in trainer.chunks:
-            chunk.config.finalize_model_grads_func = self.replica.finalize_model_grads
-        self.inner_dp = trainer.dims.dp
-        writes_ledger = (
-            bool(cfg.ledger_dir)
-            and mpu.is_pipeline_first_stage(ignore_virtual=True)
-            and mpu.get_tensor_model_parallel_rank() == 0
-        )
-        self.ledger = SampleLedger(cfg.ledger_dir, cfg.replica_id, trainer.dp_rank) if writes_ledger else None
-        if trainer.step:
-            # Resumed from a checkpoint: torchft counts committed steps from
-            # there, so replica groups that loaded the same step need no heal.
-            self.replica.resume_at(trainer.step)
+    enabled = False
+    #: No cross-replica dimension: gradients are reduced by megatron's DDP only.
+    cross_replica = None
+
+    def __init__(self, state: TrainState, dp_rank: int):
+        self.state = state
+        self.dp_rank = dp_rank
+
+    def enter(self, control: Any) -> bool:
+        """Ready to train at once."""
+        return True
+
+    def begin_step(self) -> StepShare:
+        return StepShare(self.state.step, self.dp_rank, self.state.dims.dp)
+
+    def microbatches(self, share: StepShare) -> list[dict]:
+        return self.state.task.microbatches(share.step, share.dp_rank, share.dp_size)
+
+    def end_step(self, share: StepShare, committed: bool) -> None:
+        """Nothing to record: a fixed group always commits."""
+
+    def annotate(self, record: dict, share: StepShare) -> None:
+        """No replica fields in the step record."""
+
+    def is_writer(self) -> bool:
+        return True
+
+    def describe(self) -> Optional[dict]:
+        return None
+
+    def leave(self) -> None:
+        """Nothing to leave."""
+
+
+class ElasticMembership:
+    """Replica membership, data share, ledger and status of one replica group
+    in an elastic job (every rank).
+
+    A standby group (``elastic.standby``) builds everything but creates no
+    torchft manager until :meth:`enter` is told to join by the control plane.
+    """
+
+    enabled = True
+
+    def __init__(self, state: TrainState, cfg: ElasticConfig, dp_rank: int):
+        self.state = state
+        self.cfg = cfg
+        self.dp_rank = dp_rank
+        self.inner_dp = state.dims.dp
+        self.replica: Optional[ElasticReplica] = None
+        self.ledger: Optional[SampleLedger] = None
         self.left = False
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
         self.retries = 0
+        if not cfg.standby:
+            self._start()
+
+    @property
+    def cross_replica(self) -> Optional[ElasticReplica]:
+        return self.replica
+
+    def _start(self) -> None:
+        """Create the torchft manager and hook the cross-replica gradient sum (every rank)."""
+        self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state)
+        for chunk in self.state.chunks:
+            chunk.config.finalize_model_grads_func = self.replica.finalize_model_grads
+        writes_ledger = (
+            bool(self.cfg.ledger_dir)
+            and mpu.is_pipeline_first_stage(ignore_virtual=True)
+            and mpu.get_tensor_model_parallel_rank() == 0
+        )
+        if writes_ledger:
+            self.ledger = SampleLedger(self.cfg.ledger_dir, self.cfg.replica_id, self.dp_rank)
+        if self.state.step:
+            # Resumed from a checkpoint: torchft counts committed steps from
+            # there, so replica groups that loaded the same step need no heal.
+            self.replica.resume_at(self.state.step)
+
+    def enter(self, control: Any) -> bool:
+        """Standby groups: wait for ``omni-ctl join``, then enter the quorum
+        (every rank). False when drained before joining."""
+        if self.replica is not None:
+            return True
+        # Pay torchft's import (seconds) while standing by, not after `join`.
+        import_torchft()
+        if not control.stand_by(self.state.step):
+            logger.info("elastic: drained while standing by; replica %s never joined", self.cfg.replica_id)
+            return False
+        t0 = time.perf_counter()
+        self._start()
+        logger.info("elastic: replica %s left standby; torchft manager up in %.3f s",
+                    self.cfg.replica_id, time.perf_counter() - t0)
+        return True
 
     # ------------------------------------------------------------- per step
     def begin_step(self) -> StepShare:
         """Join the quorum; return this rank's share of the step (every rank)."""
+        t0 = time.perf_counter()
         part = self.replica.begin_step()
         step = self.replica.current_step()
+        waited = time.perf_counter() - t0
+        dp_size = part.size * self.inner_dp
         if not part.participating:
             logger.info("elastic: healing from a live peer at step %d (quorum %d)", step, part.quorum_id)
-            return StepShare(step, part, None, part.size * self.inner_dp)
-        if step != self.trainer.step:
-            raise RuntimeError(f"elastic: torchft is at step {step} but the trainer at {self.trainer.step}")
-        dp_size = part.size * self.inner_dp
-        return StepShare(step, part, part.rank * self.inner_dp + self.trainer.dp_rank, dp_size)
+            return StepShare(step, None, dp_size, part, waited)
+        if step != self.state.step:
+            raise RuntimeError(f"elastic: torchft is at step {step} but the trainer at {self.state.step}")
+        return StepShare(step, part.rank * self.inner_dp + self.dp_rank, dp_size, part, waited)
 
     def microbatches(self, share: StepShare) -> list[dict]:
         """This rank's micro-batches (empty while healing); logs the attempt to the ledger."""
         if share.dp_rank is None:
             samples, mbs = [], []
         else:
-            task = self.trainer.task
+            task = self.state.task
             mbs = task.microbatches(share.step, share.dp_rank, share.dp_size)
             samples = task.sample_ids(share.step, share.dp_rank, share.dp_size) if self.ledger else []
         if self.ledger is not None:
@@ -100,10 +187,15 @@ class ElasticTrainer:
                 share.step + 1, share.participation.quorum_id, share.participation.size,
             )
 
+    def annotate(self, record: dict, share: StepShare) -> None:
+        """Replica fields of the step record: participants, quorum wait, healed."""
+        record.update(participants=share.participation.size, quorum_s=share.quorum_s,
+                      healed=not share.participation.participating)
+
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoints: it was
         participant rank 0 in the last quorum (same answer on all its ranks)."""
-        p = self.replica.participation
+        p = self.replica.participation if self.replica is not None else None
         return p is not None and p.rank == 0
 
     # ---------------------------------------------------- leave and status
@@ -111,7 +203,7 @@ class ElasticTrainer:
     # replica at the same step boundary (ControlPlane.step_boundary returns
     # False), the loop stops and the Trainer calls leave() on every rank.
     def leave(self) -> None:
-        if not self.left:
+        if self.replica is not None and not self.left:
             self.left = True
             self.replica.leave()
         if self.ledger is not None:
@@ -122,36 +214,24 @@ class ElasticTrainer:
         """Replica view for ``omni-ctl status`` (training thread): replica id,
         participants and this replica's participant rank in the last quorum,
         quorum id, committed steps, whether the last attempt committed, retries."""
+        if self.replica is None:
+            return {"replica_id": self.cfg.replica_id, "lighthouse": self.cfg.lighthouse, "standby": True,
+                    "pid": os.getpid()}
         return {
             **self.replica.describe(),
-            "committed_steps": self.trainer.step,
+            "committed_steps": self.state.step,
             "last_step_committed": self.last_committed,
             "uncommitted_attempts": self.retries,
             "healing": self.replica.healing,
         }
 
     # ------------------------------------------------ state for joining peers
-    def _peer_state(self) -> dict:
-        """What a joining replica's same group rank needs (torchft's quorum
-        thread calls this while the training thread waits for the quorum)."""
-        t = self.trainer
-        task_state = t.task.checkpoint_state() if hasattr(t.task, "checkpoint_state") else {}
-        return {
-            "model": [c.module.state_dict() for c in t.chunks],
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "step": t.step,
-            "task": task_state,
-        }
-
     def _load_peer_state(self, state: dict) -> None:
         """Apply a peer's state (training thread, inside should_commit, before the update)."""
-        t = self.trainer
-        for chunk, model_state in zip(t.chunks, state["model"]):
-            chunk.module.load_state_dict(model_state)
-        t.optimizer.load_state_dict(state["optimizer"])
-        t.scheduler.load_state_dict(state["scheduler"])
-        if state["task"] and hasattr(t.task, "load_checkpoint_state"):
-            t.task.load_checkpoint_state(state["task"])
-        t.step = int(state["step"])
-        logger.info("elastic: healed from a live peer: model, optimizer, LR scheduler at step %d", t.step)
+        self.state.load_state_dict(state)
+        logger.info("elastic: healed from a live peer: model, optimizer, LR scheduler at step %d", self.state.step)
+
+
+def build_membership(state: TrainState, cfg: ElasticConfig, dp_rank: int):
+    """The membership service of this job (every rank)."""
+    return ElasticMembership(state, cfg, dp_rank) if cfg.enabled else StaticMembership(state, dp_rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]

@@ -28,9 +28,9 @@ LAYOUTS = {
 }
 
 
-def _train(nproc, args, out, env=None, timeout=200):
+def _train(nproc, args, out, fail_at_step=None, timeout=200):
     res = torchrun(nproc, "megascale_omni.smoke", [*BASE, *args, f"logging.output_dir={out}"], timeout=timeout,
-                   env=env)
+                   fail_at_step=fail_at_step)
     return res, read_metrics(out) if (Path(out) / "metrics.jsonl").exists() else []
 
 
@@ -68,7 +68,7 @@ def test_failure_save_then_resume_reproduces_losses(tmp_path, straight, name):
     nproc, extra = LAYOUTS[name]
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     args = [*extra, f"checkpoint.dir={ckpt}"]
-    res, _ = _train(nproc, args, out, env={"MEGASCALE_INJECT_FAULT": "step:11"})
+    res, _ = _train(nproc, args, out, fail_at_step=11)
     assert res.returncode != 0 and "injected failure at step 11" in res.stderr
     [info] = layout.scan_tier(ckpt, "persistent")
     assert info.complete and info.step == 10 and info.commit["reason"] == "failure"
@@ -84,7 +84,7 @@ def test_dp2_checkpoint_resumes_under_dp1(tmp_path, straight):
     curve continues (same global batch, so equal up to fp32 reduction order)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     args = ["parallel.use_distributed_optimizer=true", f"checkpoint.dir={ckpt}"]
-    res, _ = _train(2, args, out, env={"MEGASCALE_INJECT_FAULT": "step:11"})
+    res, _ = _train(2, args, out, fail_at_step=11)
     assert res.returncode != 0
     res, records = _train(1, args, out)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -126,7 +126,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
 
     # Resume, and stop again two steps later through an injected failure.
     res = torchrun(2, "megascale_omni.smoke", args, timeout=200,
-                   env={"MEGASCALE_INJECT_FAULT": f"step:{stopped + 3}"})
+                   fail_at_step=stopped + 3)
     assert f"at step {stopped}" in res.stderr, res.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))
 
@@ -156,7 +156,7 @@ def _worker_pids(agent_pid: int) -> list[int]:
 def test_llava_tp2_resume_reproduces_losses(tmp_path):
     """The LLaVA task (ViT + projector + LM, packed data, skip counters)
     resumes exactly under TP2 as well."""
-    from megascale_omni.data.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 
     data = tmp_path / "shapes"
     make_shapes_dataset(data, num_train=300, num_val=20, seed=7, image_size=32, samples_per_shard=100)
@@ -164,14 +164,15 @@ def test_llava_tp2_resume_reproduces_losses(tmp_path):
     args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={data}", f"train.steps={steps}",
             "train.eval_interval=0", "parallel.tp=2", "logging.tensorboard=false", "logging.progress_bar=false"]
 
-    def train(out, *extra, env=None):
-        res = torchrun(2, "pretrain_llava.py", [*args, *extra, f"logging.output_dir={out}"], timeout=250, env=env)
+    def train(out, *extra, fail_at_step=None):
+        res = torchrun(2, "pretrain_llava.py", [*args, *extra, f"logging.output_dir={out}"], timeout=250,
+                       fail_at_step=fail_at_step)
         return res, _losses(read_metrics(out))
 
     res, reference = train(tmp_path / "straight")
     assert res.returncode == 0, res.stderr[-3000:]
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
-    res, _ = train(tmp_path / "resumed", ckpt, env={"MEGASCALE_INJECT_FAULT": "step:5"})
+    res, _ = train(tmp_path / "resumed", ckpt, fail_at_step=5)
     assert res.returncode != 0
     res, got = train(tmp_path / "resumed", ckpt)
     assert res.returncode == 0 and "at step 4" in res.stderr, res.stderr[-3000:]

@@ -15,7 +15,7 @@ from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megascale_omni.checkpoint import layout
-from megascale_omni.data.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.tasks.dit_sampling import color_prompts
 from tests.launcher import read_metrics, run, torchrun
 
@@ -29,9 +29,9 @@ ARGS = ["--config", "examples/dit/tiny_cpu.yaml", f"train.steps={STEPS}", f"trai
         "dit.eval_resolutions=[[16,16]]", "logging.tensorboard=false", "logging.progress_bar=false"]
 
 
-def _train(data: Path, out: Path, env=None):
+def _train(data: Path, out: Path, fail_at_step=None):
     res = torchrun(2, "pretrain_dit.py", [*ARGS, f"data.path={data}", f"logging.output_dir={out}"], timeout=280,
-                   env=env)
+                   fail_at_step=fail_at_step)
     return res, {r["step"]: r["loss"] for r in read_metrics(out)} if (out / "metrics.jsonl").exists() else {}
 
 
@@ -62,7 +62,7 @@ def _final_tensors(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
 def test_resumed_run_reproduces_losses_and_ema(tmp_path, data, straight):
     ref_dir, reference = straight
     out = tmp_path / "run"
-    res, _ = _train(data, out, env={"MEGASCALE_INJECT_FAULT": "step:4"})
+    res, _ = _train(data, out, fail_at_step=4)
     assert res.returncode != 0 and "injected failure at step 4" in res.stderr, res.stderr[-3000:]
     [saved] = layout.scan_tier(out / "checkpoints", "persistent")
     assert saved.complete and saved.step == 3 and saved.commit["reason"] == "failure"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale_omni.data.shapes_dataset import make_shapes_dataset
+from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)

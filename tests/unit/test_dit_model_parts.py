@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megascale_omni.data.dit_shapes import dominant_color, generate
+from megascale_omni.data.dit.shapes_dataset import dominant_color, generate
 from megascale_omni.data.shapes import COLORS
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.embed import patchify, sincos_2d, unpatchify

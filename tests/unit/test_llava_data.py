@@ -1,4 +1,4 @@
-"""Tests for LLaVA sample encoding and micro-batch collation (megascale_omni.data.llava_data).
+"""Tests for LLaVA sample encoding and micro-batch collation (megascale_omni.data.llava.batches).
 
 Everything runs on a tiny shapes dataset (60 train samples, 32x32 images) built
 once per module; expected tensors are rebuilt here from the raw samples with
@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from megascale_omni.data.llava_data import (
+from megascale_omni.data.health import SkipCounter
+from megascale_omni.data.llava.batches import (
     EncodedSample,
     LlavaBatcher,
     LlavaEncoder,
-    SkipCounter,
     images_to_tensor,
 )
 from megascale_omni.data.packing import PAD_SEGMENT_ID, pack_samples
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, KIND_TEXT_ONLY, Sample
-from megascale_omni.data.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
+from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
 
 SEED = 7
@@ -413,7 +413,7 @@ def test_bad_sample_is_skipped_and_row_relaid(corrupt_case, encoder, tok, sample
     r, pack, bad = corrupt_case
     id_map, _ = plan
     batcher = LlavaBatcher(r, encoder, SEQ, tok.pad_id, IMAGE_SIZE)
-    with caplog.at_level(logging.WARNING, logger="megascale_omni.data.llava_data"):
+    with caplog.at_level(logging.WARNING, logger="megascale_omni.data.llava.batches"):
         batch = batcher.microbatch([pack], id_map)
     assert batcher.counter.skipped == 1
     assert batcher.counter.seen == pack.num_samples - 1

@@ -22,7 +22,7 @@ from megascale_omni.data.shapes import (
     generate_samples,
     render_shape,
 )
-from megascale_omni.data.shapes_dataset import (
+from megascale_omni.data.llava.shapes_dataset import (
     ensure_shapes_dataset,
     load_shapes_tokenizer,
     make_shapes_dataset,

@@ -96,10 +96,15 @@ class EMA:
         return {"decay": self.decay, "num_updates": self.num_updates,
                 "shadow": mirror_sharded(self.chunks, self.shadow)}
 
+    def state_dict(self) -> dict:
+        """In-memory state of this rank's shadow (plain tensors, this rank's
+        shards), e.g. for a joining replica's same rank."""
+        return {"decay": self.decay, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`sharded_state_dict` after loading (shadow tensors
-        in this rank's layout). ``decay`` stays the configured one."""
+        """Inverse of :meth:`state_dict`, or of :meth:`sharded_state_dict` after
+        loading (shadow tensors in this rank's layout). ``decay`` stays the configured one."""
         missing = set(self.shadow) - set(state["shadow"])
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from megascale_omni.data.buckets import Bucket
+from megascale_omni.data.dit.buckets import Bucket
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader, write_member_shards
 from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
 

@@ -19,13 +19,14 @@ micro-batches from the same plan, so all of them skip the same sample.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
+from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
@@ -82,21 +83,6 @@ class LlavaEncoder:
         return EncodedSample(sample.id, tokens, target, evalm, list(sample.images))
 
 
-@dataclass
-class SkipCounter:
-    """Samples read and skipped by this rank (reduced across ranks by the task)."""
-
-    seen: int = 0
-    skipped: int = 0
-    reasons: list[str] = field(default_factory=list)
-
-    def record_skip(self, err: BadSampleError) -> None:
-        self.skipped += 1
-        if len(self.reasons) < 20:
-            self.reasons.append(str(err))
-        logger.warning("skipping bad sample: %s", err)
-
-
 def images_to_tensor(images: Sequence[np.ndarray], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``n x [H, W, 3] uint8`` -> ``[n, 3, H, W]`` scaled to [-1, 1]."""
     if not images:
@@ -115,13 +101,15 @@ class LlavaBatcher:
         seq_length: int,
         pad_id: int,
         image_size: int,
+        counter: Optional[SkipCounter] = None,
     ):
         self.reader = reader
         self.encoder = encoder
         self.seq_length = seq_length
         self.pad_id = pad_id
         self.image_size = image_size
-        self.counter = SkipCounter()
+        #: Where skipped samples are counted (shared with the task's job-wide account).
+        self.counter = counter if counter is not None else SkipCounter()
 
     def _load(self, sample_id: int, image_source: Optional[int]) -> Optional[EncodedSample]:
         try:

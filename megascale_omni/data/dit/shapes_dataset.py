@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
-from megascale_omni.data.dit_data import DATASET_FILENAME, encode_pixel_record, write_dit_dataset
+from megascale_omni.data.dit.reader import DATASET_FILENAME, encode_pixel_record, write_dit_dataset
 from megascale_omni.data.shapes import COLORS, SHAPES, sample_rng
 
 logger = logging.getLogger(__name__)

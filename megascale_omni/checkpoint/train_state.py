@@ -1,0 +1,139 @@
+"""TrainState: everything training has learned and where it stands, able to
+save and restore itself.
+
+The services receive this, never the Trainer: the Checkpointer writes its
+sharded form to disk, and the elastic layer sends its in-memory form to a
+joining replica group. Both forms come from one capture (:meth:`TrainState._capture`)
+with the same keys::
+
+    "model" | "model0".."model{vpp-1}"  each chunk's weights
+    "optimizer"                         megatron optimizer state
+    "scheduler"                         LR scheduler state_dict()
+    "task"                              the task's own state (counters, EMA, ...)
+    "trainer": {"step": N}              committed optimizer steps
+
+and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
+``"config"`` (the job config as a plain dict) and ``"layout"``. The data
+position is the step: every sample plan is step-indexed. Every method is
+called on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from megascale_omni.checkpoint.state import (
+    DIST_OPT_METADATA,
+    prime_adam_state,
+    restore_adam_step,
+    restore_rng,
+    rng_object,
+)
+from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.parallel import ParallelDims
+
+
+class StatefulTask(Protocol):
+    """The part of a task a TrainState saves (see megascale_omni.tasks.base.Task)."""
+
+    def state_dict(self, sharded: bool) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class TrainState:
+    """Model chunks (DDP-wrapped), optimizer, LR scheduler, step and task state
+    of one rank."""
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        optimizer: Any,
+        scheduler: Any,
+        task: StatefulTask,
+        cfg: JobConfig,
+        dims: ParallelDims,
+    ):
+        self.chunks = list(chunks)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.task = task
+        self.cfg = cfg
+        self.dims = dims
+        #: Committed optimizer steps; also the data position.
+        self.step = 0
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The chunks without their DDP wrappers."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
+    def layout(self) -> dict[str, int]:
+        """The parallel layout of this replica group (:meth:`ParallelDims.layout`)."""
+        return self.dims.layout()
+
+    # ------------------------------------------------------------ capture
+    def _capture(self, sharded: bool, is_loading: bool = False) -> dict[str, Any]:
+        modules = self.modules
+        weights = [m.sharded_state_dict() if sharded else m.state_dict() for m in modules]
+        state: dict[str, Any] = (
+            {"model": weights[0]} if len(weights) == 1 else {f"model{i}": w for i, w in enumerate(weights)}
+        )
+        if sharded:
+            # megatron maps optimizer state onto the model's sharded keys.
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                dict(state), is_loading=is_loading, metadata=DIST_OPT_METADATA
+            )
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
+        state["scheduler"] = self.scheduler.state_dict()
+        state["task"] = self.task.state_dict(sharded=sharded)
+        state["trainer"] = {"step": self.step}
+        return state
+
+    @torch.no_grad()
+    def _restore(self, state: dict[str, Any]) -> None:
+        modules = self.modules
+        if len(modules) == 1:
+            modules[0].load_state_dict(state["model"])
+        else:
+            for i, m in enumerate(modules):
+                m.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["task"]:
+            self.task.load_state_dict(state["task"])
+        self.step = int(state["trainer"]["step"])
+
+    # --------------------------------------------------- checkpoint (disk)
+    def sharded_state_dict(self, is_loading: bool = False, include_rng: bool = True) -> dict[str, Any]:
+        """megatron ``dist_checkpointing`` state of this rank (the loading
+        template when ``is_loading``). ``include_rng=False`` when the TP/PP
+        layout changed: RNG streams do not map across it."""
+        if is_loading:
+            prime_adam_state(self.optimizer)
+        state = self._capture(sharded=True, is_loading=is_loading)
+        if include_rng:
+            state["rng"] = rng_object()
+        state["config"] = to_dict(self.cfg)
+        state["layout"] = self.layout()
+        return state
+
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
+        """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        self._restore(loaded)
+        restore_adam_step(self.optimizer)
+        if "rng" in loaded:
+            restore_rng(loaded["rng"])
+
+    # -------------------------------------------------- peer (in memory)
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as plain tensors, for the same rank of a joining
+        replica group (torchft's quorum thread calls this)."""
+        return self._capture(sharded=False)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a peer's :meth:`state_dict` (training thread)."""
+        self._restore(state)

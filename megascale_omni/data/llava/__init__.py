@@ -1,0 +1,1 @@
+"""LLaVA data: conversation encoding, pack collation, the embedded shapes dataset."""

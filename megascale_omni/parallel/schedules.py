@@ -1,0 +1,93 @@
+"""megatron's pipeline schedules over a list of micro-batches, and the
+reduction of what the last stage reports.
+
+Used by the training step and by every task's forward-only passes
+(evaluation), so it sits below both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megascale_omni.models.loss import LOSS_KEY
+
+
+class CrossReplica(Protocol):
+    """The elastic replica dimension as a step sees it
+    (:class:`megascale_omni.parallel.elastic.ElasticReplica`)."""
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def should_commit(self) -> bool: ...
+
+    def finalize_model_grads(self, model: Sequence, num_tokens: Optional[torch.Tensor] = None) -> None: ...
+
+
+def run_forward_backward(
+    chunks: Sequence[torch.nn.Module],
+    forward_step_func: Callable,
+    microbatches: Sequence[dict],
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run megatron's schedule (1F1B, interleaved or no-pipelining) over
+    ``microbatches`` (every rank of the replica; each rank passes its own DP
+    share). Returns the last stage's loss reports."""
+    if len(chunks) > 1:
+        # Interleaved schedule: one iterator per model chunk, each yielding
+        # every micro-batch (megatron consumes them per chunk).
+        data_iterator: object = [iter(microbatches) for _ in chunks]
+        model: object = list(chunks)
+    else:
+        data_iterator = iter(microbatches)
+        model = chunks[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]:
+    """Sum every reported tensor over micro-batches and the DP×CP group
+    (last-stage ranks; a collective among them). None on other stages.
+
+    Keys must be identical on every DP rank; values are ``[numerator,
+    denominator]`` pairs by convention.
+    """
+    if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    keys = sorted(reports[0]) if reports else [LOSS_KEY]
+    total = torch.zeros(len(keys), 2, dtype=torch.float64)
+    for r in reports:
+        for i, k in enumerate(keys):
+            total[i] += r[k].to(torch.float64).cpu()
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return {k: total[i] for i, k in enumerate(keys)}
+
+
+def reduce_reported_loss(
+    reports: Sequence[dict], cross_replica: Optional[CrossReplica] = None
+) -> tuple[Optional[float], Optional[int]]:
+    """Token-mean loss over the whole global batch (last-stage ranks; collective
+    over the DP×CP group, and over the participants when ``cross_replica``).
+    Returns (None, None) on other stages."""
+    totals = reduce_reports(reports)
+    if totals is None:
+        return None, None
+    if cross_replica is not None:
+        cross_replica.reduce_sum(totals[LOSS_KEY])
+    loss_sum, count = totals[LOSS_KEY].tolist()
+    return loss_sum / max(count, 1.0), int(count)

@@ -1,0 +1,184 @@
+"""The Task base: what a model family plugs into the training loop, and the
+plumbing every family shares.
+
+A task is built on every rank (:meth:`megascale_omni.tasks.registry.ModelFamily.build_task`)
+and owns the family's model builder, its data (a step-indexed plan: the
+global batch of step ``s`` is a pure function of (seed, s)), its loss and its
+evaluation. The loop in :mod:`megascale_omni.training` calls the methods
+below and nothing else; optional hooks have no-op defaults here, so nobody
+probes for them.
+
+Shared plumbing: dataset and tokenizer resolution (:func:`resolve_dataset_root`,
+:func:`load_tokenizer`), job-wide bad-sample accounting
+(:class:`BadSampleAccount`) and the forward-only pass used by evaluations
+(:meth:`Task.forward_only`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.data.health import SkipCounter, check_bad_fraction
+from megascale_omni.data.tokenizer import TextTokenizer
+from megascale_omni.parallel import ParallelDims
+from megascale_omni.parallel.schedules import run_forward_backward
+from megascale_omni.platform import Platform
+
+
+class Task:
+    """Base of every model family's task (every rank).
+
+    Subclasses set :attr:`seq_length` and implement :meth:`build_model`,
+    :meth:`forward_step`, :meth:`microbatches` and
+    :meth:`global_batch_size_of`; the rest is optional.
+    """
+
+    #: Tokens per sequence as seen by the pipeline (the p2p tensor length).
+    seq_length: int
+
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
+        self.cfg = cfg
+        self.platform = platform
+        self.dims = dims
+        self.dtype = platform.default_dtype(cfg.train.precision)
+
+    # ------------------------------------------------------------ required
+    def build_model(self) -> list[torch.nn.Module]:
+        """This rank's model chunks (``vpp`` of them when interleaved)."""
+        raise NotImplementedError
+
+    def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
+        """megatron ``forward_step_func``: returns (output, loss_func)."""
+        raise NotImplementedError
+
+    def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        """DP rank ``dp_rank``'s share of global batch ``step``, as micro-batches
+        (every rank; all TP/PP ranks of a replica build the same ones)."""
+        raise NotImplementedError
+
+    def global_batch_size_of(self, step: int) -> tuple[int, int]:
+        """(samples, non-padding tokens) in global batch ``step`` over all DP
+        ranks, for throughput reporting."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------ optional hooks
+    def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        """Dataset ids in ``microbatches(step, dp_rank, dp_size)``, for the
+        elastic sample ledger. Families that support elastic jobs implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not report sample ids (elastic.ledger_dir)")
+
+    def after_step(self, step: int) -> None:
+        """Called on every rank after each committed optimizer step; ``step``
+        already counts it (e.g. DiT's EMA update)."""
+
+    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
+        """Held-out evaluation of ``chunks`` after ``step`` steps (every rank);
+        metrics on the loss rank, None elsewhere or when there is nothing to evaluate."""
+        return None
+
+    def data_stats(self) -> dict[str, float]:
+        """Cumulative data-health counters for the step record."""
+        return {}
+
+    def state_dict(self, sharded: bool) -> dict:
+        """The task's own state (data counters, EMA weights, ...), the same on
+        every call. ``sharded``: for a checkpoint, where tensors that are split
+        like the model are megatron ShardedTensors; else plain tensors of this
+        rank (a joining replica's same rank receives them). The data position
+        is not here: it is the step."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`state_dict` (loaded tensors are in this rank's layout)."""
+
+    # ------------------------------------------------------- shared helpers
+    def padded_vocab_size(self, vocab: int) -> int:
+        return self.cfg.model.padded_vocab_size(vocab)
+
+    def forward_only(
+        self, chunks: Sequence[torch.nn.Module], forward_step: Callable, microbatches: Sequence[dict]
+    ) -> list[dict]:
+        """Run ``forward_step`` over ``microbatches`` without gradients through
+        the pipeline schedule, in eval mode (every rank of the replica).
+        Returns the last stage's loss reports."""
+        for chunk in chunks:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                return run_forward_backward(
+                    chunks, forward_step, microbatches, self.seq_length, self.cfg.train.micro_batch_size,
+                    forward_only=True,
+                )
+        finally:
+            for chunk in chunks:
+                chunk.train()
+
+
+class BadSampleAccount:
+    """Job-wide bad-sample totals of one task, checkpointed with it.
+
+    ``excluded`` counts samples dropped while the plan was built (the same on
+    every rank); :meth:`update` adds what the readers skipped since, reduced
+    over the job, and stops the run past ``data.max_bad_sample_fraction``.
+    """
+
+    def __init__(self, cfg: JobConfig, dims: ParallelDims):
+        self.limit = cfg.data.max_bad_sample_fraction
+        self.dims = dims
+        self.counter = SkipCounter()
+        self.skipped = 0
+        self.seen = 0
+        self.excluded = 0
+        # Job-wide totals before a resume (from the checkpoint).
+        self._resumed = (0, 0)
+
+    def exclude(self, bad: int, scanned: int, where: str) -> None:
+        """Samples dropped while scanning ``where`` (every rank, same counts)."""
+        self.excluded += bad
+        check_bad_fraction(bad, scanned, self.limit, f"scanning {where}")
+
+    def update(self) -> None:
+        """Reduce this rank's skip counts over the job and check the limit
+        (every rank; a collective)."""
+        counts = torch.tensor([self.counter.skipped, self.counter.seen + self.counter.skipped], dtype=torch.float64)
+        dist.all_reduce(counts)
+        # Every TP/PP/CP rank of a replica reads the same samples.
+        per_sample = self.dims.tp * self.dims.pp * self.dims.cp
+        self.skipped = int(counts[0]) // per_sample + self._resumed[0]
+        self.seen = int(counts[1]) // per_sample + self._resumed[1]
+        check_bad_fraction(self.skipped, self.seen, self.limit, "training")
+
+    def state_dict(self) -> dict:
+        return {"skipped_samples": self.skipped, "seen_samples": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resumed = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
+        self.skipped, self.seen = self._resumed
+
+
+def resolve_dataset_root(cfg: JobConfig, build_default: Callable[[JobConfig], Path], how_to_make: str) -> Path:
+    """The dataset directory (every rank): ``data.path``, which must have a
+    ``train/`` split, or the embedded default built on first use by
+    ``build_default(cfg)`` when ``data.path`` is null."""
+    if cfg.data.path is None:
+        return Path(build_default(cfg))
+    root = Path(cfg.data.path)
+    if not (root / "train").is_dir():
+        raise ConfigError(
+            "data.path", str(root),
+            f"has no train/ split; build one with {how_to_make} or set data.path: null for the embedded default",
+        )
+    return root
+
+
+def load_tokenizer(cfg: JobConfig, root: Path) -> TextTokenizer:
+    """``data.tokenizer``, or ``<root>/tokenizer.json`` beside the shards."""
+    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
+    if not path.exists():
+        raise ConfigError("data.tokenizer", str(path), "does not exist; point it at a tokenizer.json or directory")
+    return TextTokenizer.from_path(path)

@@ -1,0 +1,208 @@
+"""Each model family declared once: its task, cost model, supported features
+and family-specific config checks (in the spirit of torchtitan's ``TrainSpec``).
+
+Validation, the pipeline planner, the tools and the entry points ask a
+:class:`ModelFamily`; nothing else branches on ``model.family``. This module
+imports no megatron code: a config error exits before megatron loads, and
+the task module is imported only when a task is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from megascale_omni.config import ConfigError, JobConfig, validate_job
+
+#: Features a family may support; a config that uses one its family lacks exits 2.
+FEATURES = {
+    "vpp": ("parallel.vpp", "null"),
+    "explicit_partition": ("parallel.pipeline_partition", "uniform"),
+    "sequence_parallel": ("parallel.sequence_parallel", "false"),
+    "context_parallel": ("parallel.cp", "1"),
+    "elastic": ("elastic.enabled", "false"),
+}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What one model family provides (see :data:`FAMILIES`)."""
+
+    name: str
+    #: ``"module:Class"`` of its :class:`~megascale_omni.tasks.base.Task`, imported on first build.
+    task: str
+    #: Subset of :data:`FEATURES` keys this family trains correctly.
+    features: frozenset[str]
+    #: ``"module:function"`` of its pipeline cost model, ``(cfg, cuda, world_size) ->
+    #: PipelineCostModel`` of one micro-batch; None: no ``auto`` split.
+    cost_model: Optional[str] = None
+    #: Family-specific config checks (raise ConfigError), after the generic ones.
+    check: Optional[Callable[[JobConfig], None]] = None
+    #: Why a missing feature is missing, by feature (appended to the error).
+    notes: tuple[tuple[str, str], ...] = ()
+
+    def task_class(self) -> type:
+        return _resolve(self.task)
+
+    def build_cost_model(self, cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None):
+        """This family's pipeline cost model of ``cfg`` (ConfigError if it has none)."""
+        if self.cost_model is None:
+            raise ConfigError(
+                "parallel.pipeline_partition", cfg.parallel.pipeline_partition,
+                f"model.family={self.name} has no pipeline cost model; use uniform or explicit counts",
+            )
+        return _resolve(self.cost_model)(cfg, cuda, world_size)
+
+    def build_task(self, cfg: JobConfig, platform, dims):
+        """The family's task on this rank (every rank; builds datasets, not the model)."""
+        return self.task_class()(cfg, platform, dims)
+
+    def validate(self, cfg: JobConfig, world_size: int) -> None:
+        """Every check ``cfg`` must pass to run this family on ``world_size``
+        ranks (every rank, before any process group). Raises ConfigError."""
+        if cfg.model.family != self.name:
+            raise ConfigError(
+                "model.family", cfg.model.family,
+                f"this entry point trains model.family={self.name}; use the {cfg.model.family} entry point "
+                f"({ENTRY_POINTS.get(cfg.model.family, '?')}) or a {self.name} config",
+            )
+        validate_job(cfg, world_size)
+        for feature in _features_used(cfg):
+            if feature not in self.features:
+                field, off = FEATURES[feature]
+                note = dict(self.notes).get(feature, "")
+                value = _get(cfg, field)
+                raise ConfigError(
+                    field, value,
+                    f"model.family={self.name} does not support {feature.replace('_', ' ')}"
+                    f"{' (' + note + ')' if note else ''}; set {field}: {off}",
+                )
+        if cfg.parallel.pipeline_partition == "auto" and cfg.parallel.pp > 1 and self.cost_model is None:
+            raise ConfigError(
+                "parallel.pipeline_partition", "auto",
+                f"model.family={self.name} has no pipeline cost model; use uniform or explicit counts",
+            )
+        if self.check is not None:
+            self.check(cfg)
+
+    def plan_pipeline(self, cfg: JobConfig, cuda: bool, world_size: int):
+        """The pipeline plan of ``cfg`` under this family's cost model, or None
+        for families without one (uniform and explicit splits then build as
+        configured). Raises ConfigError for an infeasible plan."""
+        from megascale_omni.parallel.pipeline_plan import plan_if_needed
+
+        return plan_if_needed(cfg, cuda=cuda, world_size=world_size)
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _get(cfg: JobConfig, dotted: str):
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _features_used(cfg: JobConfig) -> list[str]:
+    par = cfg.parallel
+    used = []
+    if par.vpp is not None:
+        used.append("vpp")
+    if isinstance(par.pipeline_partition, list) and par.pp > 1:
+        used.append("explicit_partition")
+    if par.sequence_parallel:
+        used.append("sequence_parallel")
+    if par.cp > 1:
+        used.append("context_parallel")
+    if cfg.elastic.enabled:
+        used.append("elastic")
+    return used
+
+
+# ------------------------------------------------------------ family checks
+
+
+def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
+    if value % tp:
+        raise ConfigError(
+            name, value, f"must be divisible by parallel.tp={tp} (megatron splits it across TP ranks); "
+            f"use a multiple of {tp} or a smaller tp",
+        )
+
+
+def _check_llava(cfg: JobConfig) -> None:
+    vision, par = cfg.vision, cfg.parallel
+    _require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
+    _require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
+    if cfg.model.freeze and vision.freeze and vision.freeze_projector:
+        raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
+
+
+def _check_dit(cfg: JobConfig) -> None:
+    dit, par = cfg.dit, cfg.parallel
+    if cfg.train.micro_batch_size != 1:
+        raise ConfigError(
+            "train.micro_batch_size", cfg.train.micro_batch_size,
+            "DiT micro-batches are bucket packages sized by dit.token_budget; set train.micro_batch_size: 1 "
+            "(train.global_batch_size counts packages per step)",
+        )
+    # The patch output projection is a column-parallel linear over C * p * p outputs.
+    _require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
+    if dit.text_encoder == "precomputed" and dit.text_dim == 0:
+        raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
+
+
+#: Every model family, by ``model.family``.
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        ModelFamily(
+            name="gpt",
+            task="megascale_omni.tasks.gpt_smoke:GptSmokeTask",
+            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "elastic"}),
+            cost_model="megascale_omni.parallel.pipeline_cost:flop_cost_model",
+            notes=(("context_parallel", "ring attention is not implemented yet"),),
+        ),
+        ModelFamily(
+            name="llava",
+            task="megascale_omni.tasks.llava:LlavaTask",
+            features=frozenset({"vpp", "explicit_partition", "elastic"}),
+            cost_model="megascale_omni.parallel.pipeline_cost:flop_cost_model",
+            check=_check_llava,
+            notes=(
+                ("sequence_parallel", "packed sequences are not split across TP ranks"),
+                ("context_parallel", "ring attention is not implemented yet"),
+            ),
+        ),
+        ModelFamily(
+            name="dit",
+            task="megascale_omni.tasks.dit:DitTask",
+            features=frozenset(),
+            check=_check_dit,
+            notes=(
+                ("vpp", "the DiT stage is one chunk per pp rank"),
+                ("explicit_partition", "DiT stages split layers evenly"),
+                ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
+                ("context_parallel", "ring attention is not implemented yet"),
+                ("elastic", "EMA weights are not healed from a peer yet"),
+            ),
+        ),
+    )
+}
+
+#: The script that trains each family.
+ENTRY_POINTS = {"gpt": "python -m megascale_omni.smoke", "llava": "pretrain_llava.py", "dit": "pretrain_dit.py"}
+
+
+def get_family(name: str) -> ModelFamily:
+    """The declaration of ``model.family`` ``name`` (ConfigError if unknown)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ConfigError("model.family", name, f"must be one of {sorted(FAMILIES)}") from None
+
+
+def family_of(cfg: JobConfig) -> ModelFamily:
+    return get_family(cfg.model.family)
