@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 
 from megascale_omni.config import JobConfig, to_dict
 

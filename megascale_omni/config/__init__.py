@@ -4,11 +4,11 @@ from megascale_omni.config.cli import load_job_config, parse_job_config
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, coerce_field, from_dict, load_yaml, to_dict
 from megascale_omni.config.schema import (
-    ControlConfig,
     CheckpointConfig,
+    ControlConfig,
     DataConfig,
-    ElasticConfig,
     DitConfig,
+    ElasticConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,

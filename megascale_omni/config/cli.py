@@ -9,7 +9,6 @@ import argparse
 import os
 from typing import Sequence, TypeVar
 
-from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml
 from megascale_omni.config.schema import JobConfig
 from megascale_omni.config.validate import validate_job

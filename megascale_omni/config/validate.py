@@ -45,7 +45,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         ("model.ffn_hidden_size", model.ffn_size),
         ("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by),
     ):
-        _require_divisible_by_tp(name, value, par.tp)
+        require_divisible_by_tp(name, value, par.tp)
     _validate_pipeline_partition(cfg)
     if par.sequence_parallel and model.seq_length % par.tp:
         raise ConfigError(
@@ -130,7 +130,7 @@ def _validate_elastic(cfg: JobConfig) -> None:
         )
 
 
-def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
+def require_divisible_by_tp(name: str, value: int, tp: int) -> None:
     if value % tp:
         raise ConfigError(
             name, value, f"must be divisible by parallel.tp={tp} (megatron splits it across TP ranks); "

@@ -110,7 +110,7 @@ def format_result(cmd: str, args: dict, result: dict) -> str:
             f"state        {result.get('state')}",
             f"step         {result.get('step')} / {result.get('total_steps')}",
             f"last loss    {_num(result.get('last_loss'))}",
-            "layout       " + " ".join(f"{k}={v}" for k, v in layout.items() if v is not None),
+            "layout       " + " ".join(f"{k}={v}" for k, v in layout.items() if v is not None and k != "world_size"),
             f"world size   {result.get('world_size')}",
             f"uptime       {_num(result.get('uptime_s'))} s",
             f"pending      {result.get('pending_commands')} command(s)",

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-#: Key under which loss functions report ``[loss_sum, num_tokens]``.
-LOSS_KEY = "lm loss"
+from megascale_omni.parallel.schedules import LOSS_KEY
 
 
 def masked_token_loss(

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megascale_omni.models.loss import LOSS_KEY
+#: Key under which loss functions report ``[loss_sum, num_tokens]``
+#: (see :func:`megascale_omni.models.loss.masked_token_loss`).
+LOSS_KEY = "lm loss"
 
 
 class CrossReplica(Protocol):

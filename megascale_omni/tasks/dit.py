@@ -23,19 +23,19 @@ import numpy as np
 import torch
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.balance import imbalance
+from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
 from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.shards import BadSampleError
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
+from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, is_loss_rank
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
 from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
 from megascale_omni.tasks.dit_sampling import evaluate_colors
-from megascale_omni.models.loss import masked_token_loss
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from PIL import Image
 from megascale_omni.data.dit.shapes_dataset import caption_of, dominant_color
 from megascale_omni.data.shapes import COLORS, SHAPES
 from megascale_omni.models.dit.flow import euler_sample, guided
-from megascale_omni.tasks.dit_batches import CaptionEncoder
 from megascale_omni.parallel.schedules import run_forward_backward
+from megascale_omni.tasks.dit_batches import CaptionEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -21,17 +21,17 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
-from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.llava import build_llava_chunks
+from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
+from megascale_omni.parallel.schedules import LOSS_KEY, reduce_reports
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
-from megascale_omni.models.loss import LOSS_KEY, masked_token_loss
-from megascale_omni.parallel.schedules import reduce_reports
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megascale_omni.config import ConfigError, JobConfig, validate_job
+from megascale_omni.config.validate import require_divisible_by_tp
 
 #: Features a family may support; a config that uses one its family lacks exits 2.
 FEATURES = {
@@ -124,18 +125,10 @@ def _features_used(cfg: JobConfig) -> list[str]:
 # ------------------------------------------------------------ family checks
 
 
-def _require_divisible_by_tp(name: str, value: int, tp: int) -> None:
-    if value % tp:
-        raise ConfigError(
-            name, value, f"must be divisible by parallel.tp={tp} (megatron splits it across TP ranks); "
-            f"use a multiple of {tp} or a smaller tp",
-        )
-
-
 def _check_llava(cfg: JobConfig) -> None:
     vision, par = cfg.vision, cfg.parallel
-    _require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
-    _require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
+    require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
+    require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:
         raise ConfigError("model.freeze", True, "with vision.freeze and vision.freeze_projector nothing would train")
 
@@ -149,7 +142,7 @@ def _check_dit(cfg: JobConfig) -> None:
             "(train.global_batch_size counts packages per step)",
         )
     # The patch output projection is a column-parallel linear over C * p * p outputs.
-    _require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
+    require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
     if dit.text_encoder == "precomputed" and dit.text_dim == 0:
         raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
 
@@ -186,7 +179,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("explicit_partition", "DiT stages split layers evenly"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("context_parallel", "ring attention is not implemented yet"),
-                ("elastic", "EMA weights are not healed from a peer yet"),
+                ("elastic", "the sample ledger and job-wide skip counters are not wired for DiT yet"),
             ),
         ),
     )

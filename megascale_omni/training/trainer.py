@@ -36,7 +36,7 @@ from megascale_omni.parallel import (
 from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_partition
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
-from megascale_omni.training.elastic import StepShare, build_membership
+from megascale_omni.training.elastic import build_membership
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
 from megascale_omni.training.step import StepProgress, StepStats, train_step
 

@@ -23,9 +23,9 @@ from megascale_omni.data.llava.batches import (
     LlavaEncoder,
     images_to_tensor,
 )
+from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.packing import PAD_SEGMENT_ID, pack_samples
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, KIND_TEXT_ONLY, Sample
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
 
 SEED = 7

@@ -10,6 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megascale_omni.data.llava.shapes_dataset import (
+    ensure_shapes_dataset,
+    load_shapes_tokenizer,
+    make_shapes_dataset,
+    open_shapes_split,
+)
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, SAMPLE_KINDS, Sample, SampleValidationError
 from megascale_omni.data.shapes import (
     COLORS,
@@ -21,12 +27,6 @@ from megascale_omni.data.shapes import (
     generate_sample,
     generate_samples,
     render_shape,
-)
-from megascale_omni.data.llava.shapes_dataset import (
-    ensure_shapes_dataset,
-    load_shapes_tokenizer,
-    make_shapes_dataset,
-    open_shapes_split,
 )
 
 SEED = 1234

@@ -25,8 +25,8 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
 from megascale_omni.data.health import SkipCounter
+from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer

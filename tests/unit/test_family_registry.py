@@ -1,0 +1,69 @@
+"""Each model family is declared once; its declaration decides what a config may ask for."""
+
+from __future__ import annotations
+
+import pytest
+
+from megascale_omni.config import ConfigError, load_job_config
+from megascale_omni.entry import parse_for_family
+from megascale_omni.tasks.base import Task
+from megascale_omni.tasks.registry import FAMILIES, FEATURES, family_of, get_family
+
+EXAMPLES = {"gpt": "examples/gpt/tiny.yaml", "llava": "examples/llava/tiny_cpu.yaml", "dit": "examples/dit/tiny_cpu.yaml"}
+
+
+def _cfg(family: str, *overrides: str):
+    return load_job_config(["--config", EXAMPLES[family], *overrides])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_has_a_task_subclass_and_its_example_validates(name):
+    family = get_family(name)
+    assert issubclass(family.task_class(), Task)
+    assert set(family.features) <= set(FEATURES)
+    cfg = _cfg(name)
+    assert family_of(cfg) is family
+    family.validate(cfg, world_size=2)
+
+
+def test_unknown_family_is_a_config_error():
+    with pytest.raises(ConfigError, match="must be one of"):
+        get_family("bert")
+
+
+def test_a_config_of_another_family_is_refused_by_the_entry_point():
+    with pytest.raises(ConfigError) as err:
+        parse_for_family("dit", ["--config", EXAMPLES["llava"]], world_size=1)
+    msg = str(err.value)
+    assert "model.family='llava'" in msg and "pretrain_llava.py" in msg
+
+
+# (family, overrides, world size, fragments of the one-line error)
+UNSUPPORTED = [
+    ("dit", ["elastic.enabled=true", "elastic.replica_id=r0", "elastic.lighthouse=http://localhost:1"], 1,
+     ["elastic.enabled=True", "model.family=dit does not support elastic", "set elastic.enabled: false"]),
+    ("dit", ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2,
+     ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
+    ("llava", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+     ["parallel.sequence_parallel=True", "does not support sequence parallel"]),
+    ("gpt", ["parallel.cp=2"], 2, ["parallel.cp=2", "does not support context parallel"]),
+]
+
+
+@pytest.mark.parametrize("family,overrides,world,fragments", UNSUPPORTED, ids=lambda v: str(v)[:30])
+def test_a_feature_the_family_lacks_is_refused_with_one_line(family, overrides, world, fragments):
+    with pytest.raises(ConfigError) as err:
+        get_family(family).validate(_cfg(family, *overrides), world_size=world)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+
+
+def test_family_checks_run_after_the_generic_ones():
+    with pytest.raises(ConfigError, match="vision.num_attention_heads"):
+        get_family("llava").validate(_cfg("llava", "parallel.tp=3", "model.hidden_size=48",
+                                          "model.num_attention_heads=3", "model.ffn_hidden_size=96",
+                                          "model.make_vocab_size_divisible_by=3"), world_size=3)
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        get_family("dit").validate(_cfg("dit", "train.micro_batch_size=2", "train.global_batch_size=8"), world_size=1)
