@@ -190,11 +190,11 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="dit",
             task="megascale_omni.tasks.dit:DitTask",
-            features=frozenset(),
+            features=frozenset({"explicit_partition"}),
+            cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,
             notes=(
                 ("vpp", "the DiT stage is one chunk per pp rank"),
-                ("explicit_partition", "DiT stages split layers evenly"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("context_parallel", "ring attention is not implemented yet"),
                 ("elastic", "EMA weights are not healed from a peer yet"),

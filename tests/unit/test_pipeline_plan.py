@@ -14,7 +14,7 @@ from megascale_omni.parallel.pipeline_cost import (
     EMBEDDING, LM_LAYER, OUTPUT, PROFILE_VERSION, PROJECTOR, VISION, llava_cost_model, lm_cost_model,
 )
 from megascale_omni.parallel.pipeline_plan import (
-    GIB, megatron_layout, plan_for, resolve_partition, smallest_fitting_pp,
+    GIB, format_plan_table, megatron_layout, plan_for, resolve_partition, smallest_fitting_pp,
 )
 from megascale_omni.parallel.pipeline_plan import plan_pipeline as plan_with
 
@@ -192,12 +192,83 @@ def test_profile_replaces_flops_and_must_match_the_shape(tmp_path):
         plan_pipeline(config(f"parallel.pipeline_profile={tmp_path / 'missing.json'}"))
 
 
-def test_families_without_cost_model_build_uniform_and_explicit_splits():
-    from megascale_omni.parallel.pipeline_plan import plan_if_needed
+def dit_config(*overrides: str, world_size: int = 2):
+    return config("parallel.pp=2", *overrides, path=DIT, world_size=world_size)
 
-    dit = ["model.family=dit", "parallel.pp=2", "model.num_layers=4"]
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path=DIT), None) is None
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path=DIT), None) is None
-    with pytest.raises(ConfigError, match="model.family=dit has no pipeline cost model"):
-        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path=DIT), None)
-    assert plan_if_needed(config("parallel.pipeline_partition=uniform"), llava_cost_model) is not None
+
+def test_dit_cost_model_counts_a_block_and_finds_head_and_tail_cheap():
+    from megascale_omni.parallel.pipeline_cost_dit import (
+        CONDITION, DIT_BLOCK, DIT_OUTPUT, PATCH_EMBEDDING, TEXT_EMBEDDING, dit_cost_model, dit_package,
+    )
+
+    cfg = dit_config()
+    model = dit_cost_model(cfg)
+    assert model.head == (PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION) and model.tail == (DIT_OUTPUT,)
+    assert model.layer == DIT_BLOCK and model.shape is None  # no profiler: FLOPs only
+    h, f = cfg.model.hidden_size, cfg.model.ffn_size
+    # adaLN (h -> 9h), self-attention (QKV + proj), cross-attention (Q, KV, proj), MLP; all biased, no norm weights.
+    expected = (9 * h * h + 9 * h) + (4 * h * h + 4 * h) + (4 * h * h + 4 * h) + (2 * h * f + f + h)
+    assert model.components[DIT_BLOCK].params == expected
+    tokens, per_image, images = dit_package(cfg)
+    assert (tokens, per_image, images) == (144, 36, 4)  # token_budget; the 24x24 bucket at patch 4
+    # Forward + two backward matmuls over the image tokens dominate a block:
+    # QKV and projection, cross-attention query and projection, MLP.
+    image_matmuls = 3 * 2 * tokens * (6 * h * h + 2 * h * f)
+    assert image_matmuls < model.time(DIT_BLOCK) < 1.2 * image_matmuls
+    # The head and tail are a few percent of one block.
+    assert model.head_time < 0.1 * model.layer_time and model.tail_time < 0.1 * model.layer_time
+    # Precomputed captions have no embedding table; EMA keeps one more copy of the weights.
+    pre = dit_cost_model(dit_config("dit.text_encoder=precomputed", "dit.text_dim=32"))
+    assert pre.components[TEXT_EMBEDDING].params == 32 * h + h
+    no_ema = dit_cost_model(dit_config("dit.ema_decay=0"))
+    assert model.bytes_per_trainable_param - no_ema.bytes_per_trainable_param == 4  # fp32 on CPU
+
+
+def test_dit_auto_balances_the_blocks_and_the_table_renders():
+    from megascale_omni.tasks.registry import family_of
+
+    cfg = dit_config("model.num_layers=5", "parallel.pipeline_partition=auto")
+    family = family_of(cfg)
+    family.validate(cfg, 2)
+    plan = family.plan_pipeline(cfg, cuda=False, world_size=2)
+    # The head outweighs the tail, so the odd block goes to the last stage.
+    assert plan.counts == (2, 3) and plan.unit == "FLOP"
+    assert resolve_partition(cfg, plan).parallel.pipeline_partition == [2, 3]
+    even = dit_config("parallel.pipeline_partition=auto")
+    assert family.plan_pipeline(even, cuda=False, world_size=2).counts == (2, 2)
+    explicit = family.plan_pipeline(dit_config("parallel.pipeline_partition=[1,3]"), cuda=False, world_size=2)
+    uniform = family.plan_pipeline(dit_config(), cuda=False, world_size=2)
+    assert explicit.counts == (1, 3) and explicit.mode == "explicit"
+    assert uniform.imbalance < 1.05 < 1.4 < explicit.imbalance
+    table = format_plan_table([uniform, explicit])
+    lines = table.splitlines()
+    assert "uniform layers" in lines[0] and "explicit layers" in lines[0] and len(lines) == 6
+    assert lines[2].split()[:2] == ["0", "2"] and lines[3].split()[:2] == ["1", "2"]
+    assert lines[2].split()[4] == "1" and lines[3].split()[4] == "3"
+
+
+@pytest.mark.parametrize(
+    "family, overrides, words",
+    [
+        ("dit", ["parallel.vpp=2"], ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
+        ("dit", ["parallel.pipeline_profile=profile.json"],
+         ["parallel.pipeline_profile='profile.json'", "model.family=dit has no measured profile", "null"]),
+        ("llava", [], ["model.family='dit'", "pretrain_dit.py"]),
+    ],
+)
+def test_unsupported_combination_exits_2_with_one_line(capsys, family, overrides, words):
+    """What the entry points do before any process group: validate, then plan."""
+    from megascale_omni.entry import parse_for_family, run_cli
+
+    def main():
+        argv = ["--config", DIT, "parallel.pp=2", *overrides]
+        cfg, spec = parse_for_family(family, argv, world_size=2)
+        spec.plan_pipeline(cfg, cuda=False, world_size=2)
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli(main)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), lines
+    for w in words:
+        assert w in lines[0]
