@@ -5,8 +5,10 @@ micro-batch and memory, with the imbalance (slowest rank / mean).
     python tools/plan_pipeline.py --config examples/llava/pp4_vit_heavy.yaml [section.field=value ...]
         [--world-size N] [--device cpu|cuda]
 
-Exits 2 with one line when the configured split cannot run (too few layers,
-memory), like the training entry points do before they start.
+The cost model is the one ``model.family`` declares
+(``megascale_omni.tasks.registry``). Exits 2 with one line when the
+configured split cannot run (too few layers, memory, a feature the family
+lacks), like the training entry points do before they start.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import sys
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megascale_omni.config import load_job_config, validate_job  # noqa: E402
+from megascale_omni.config import load_job_config  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
+from megascale_omni.tasks.registry import family_of  # noqa: E402
 
 
 def main() -> None:
@@ -31,16 +34,20 @@ def main() -> None:
 
     cfg = load_job_config(rest, description=__doc__)
     world = args.world_size or cfg.parallel.model_parallel_size
-    validate_job(cfg, world)
+    family = family_of(cfg)
+    family.validate(cfg, world)
+    cost_model = family.cost_model_fn(cfg)
     if args.device is None:
         import torch
 
         cuda = torch.cuda.is_available()
     else:
         cuda = args.device == "cuda"
-    configured = plan_pipeline(cfg, cuda=cuda, world_size=world)
-    plans = [plan_for(cfg, "uniform", cuda, world)] if cfg.model.num_layers % (cfg.parallel.pp * configured.vpp) == 0 else []
-    plans.append(plan_for(cfg, "auto", cuda, world) if configured.mode != "auto" else configured)
+    configured = plan_pipeline(cfg, cost_model, cuda=cuda, world_size=world)
+    plans = []
+    if cfg.model.num_layers % (cfg.parallel.pp * configured.vpp) == 0:
+        plans.append(plan_for(cfg, "uniform", cost_model, cuda, world))
+    plans.append(plan_for(cfg, "auto", cost_model, cuda, world) if configured.mode != "auto" else configured)
     if configured.mode == "explicit":
         plans.append(configured)
     par = cfg.parallel

@@ -6,7 +6,9 @@ output layer + loss) on this device and write the profile JSON that
 
 On CPU it times one thread (torch.set_num_threads(1), like torchrun's
 OMP_NUM_THREADS=1 per process). With parallel.tp > 1 run it under
-``torchrun --nproc-per-node <tp>``.
+``torchrun --nproc-per-node <tp>``. The profile records the shape of the
+cost model ``model.family`` declares; a family whose cost model has no
+profile shape (DiT) exits 2.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import sys
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megascale_omni.config import load_job_config, validate_job  # noqa: E402
+from megascale_omni.config import ConfigError, load_job_config, validate_job  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
+from megascale_omni.tasks.registry import family_of  # noqa: E402
 
 
 def main() -> None:
@@ -31,11 +34,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed forward+backward passes per component (fastest counts)")
     args, rest = p.parse_known_args()
     cfg = load_job_config(rest, description=__doc__)
+    # The FLOP model's shape (not a loaded profile's): what this profile will be checked against.
+    cost = family_of(cfg).cost_model_fn(cfg)(cfg, False, None)
+    if cost.shape is None:
+        raise ConfigError(
+            "model.family", cfg.model.family,
+            "tools/profile_layers.py times gpt and llava components only; plan this family with its FLOP cost "
+            "model (parallel.pipeline_profile: null)",
+        )
     import torch
 
     from megascale_omni.models.component_profile import profile_components, single_stage_config
     from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel
-    from megascale_omni.parallel.pipeline_cost import PROFILE_VERSION, padded_vocab_size, profile_shape
+    from megascale_omni.parallel.pipeline_cost import PROFILE_VERSION, VISION, padded_vocab_size
     from megascale_omni.platform import init_distributed, init_platform
 
     single = single_stage_config(cfg)
@@ -57,10 +68,10 @@ def main() -> None:
         "device": device,
         "date": datetime.date.today().isoformat(),
         "clock": "cuda-synchronised wall time" if platform.is_cuda else "thread CPU time",
-        "shape": profile_shape(cfg),
+        "shape": dict(cost.shape),
         "seconds": seconds,
         "images_per_micro_batch_timed": max(1, round(cfg.train.micro_batch_size * cfg.vision.images_per_sequence))
-        if cfg.model.family == "llava" else 0,
+        if VISION in cost.components else 0,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

@@ -49,11 +49,12 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     #: Megatron sequence parallelism (requires tp > 1).
     sequence_parallel: bool = False
-    #: Language-model layers per pipeline stage. ``uniform``: megatron's even
-    #: split (``num_layers`` divisible by pp*vpp). ``auto``: the split that
-    #: minimises the slowest stage under the cost model (or the measured
-    #: ``pipeline_profile``) within ``pipeline_memory_gib``; stage 0 also runs
-    #: the ViT, projector and embedding, the last stage the output layer and
+    #: Transformer layers (LM layers, DiT blocks) per pipeline stage.
+    #: ``uniform``: megatron's even split (``num_layers`` divisible by
+    #: pp*vpp). ``auto``: the split that minimises the slowest stage under the
+    #: family's cost model (or the measured ``pipeline_profile``) within
+    #: ``pipeline_memory_gib``; stage 0 also runs the ViT, projector and
+    #: embedding (DiT: its embedders), the last stage the output layer and
     #: loss. A list gives the counts explicitly, one per model chunk in
     #: megatron's layout order (virtual stage 0 of pp ranks 0..pp-1, then
     #: virtual stage 1, ...), each >= 1, summing to ``model.num_layers``.

@@ -3,13 +3,18 @@
 The pipeline partitioner needs, for one micro-batch on one TP rank:
 
 - the forward+backward time of every component that a pipeline stage can
-  hold: the vision encoder, the projector, the token embedding, one
-  language-model decoder layer, and the output layer + loss;
+  hold: the fixed head of the first stage (LLaVA: vision encoder, projector,
+  token embedding), one repeated layer (a decoder layer), and the fixed tail
+  of the last stage (output layer + loss);
 - the bytes each component pins for the whole run (weights, gradients,
   optimizer state) and the activation bytes it keeps from forward to
   backward for each micro-batch in flight.
 
-Time comes from FLOPs (this module) or from a measured profile
+A model family declares which cost model describes it
+(``megascale_omni.tasks.registry``): :func:`lm_cost_model` (GPT),
+:func:`llava_cost_model` (ViT + projector + LM) or
+:func:`megascale_omni.parallel.pipeline_cost_dit.dit_cost_model`; each is a
+:data:`CostModelFn`. Time comes from FLOPs or from a measured profile
 (``tools/profile_layers.py``, loaded by :func:`load_profile`). Only ratios of
 times matter to the partitioner, so the FLOP model needs no device peak.
 Pure Python: the planner runs before any process group or model exists.
@@ -17,10 +22,11 @@ Pure Python: the planner runs before any process group or model exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
@@ -54,7 +60,9 @@ class PipelineCostModel:
 
     ``head``/``tail`` name the components fixed to the first model chunk
     (pp rank 0, virtual stage 0) and the last one (last pp rank, last virtual
-    stage). ``unit`` is ``"s"`` when every time is measured, else ``"FLOP"``.
+    stage); ``layer`` the one repeated ``model.num_layers`` times, which the
+    partitioner distributes. ``unit`` is ``"s"`` when every time is measured,
+    else ``"FLOP"``.
     """
 
     components: Mapping[str, ComponentCost]
@@ -69,7 +77,12 @@ class PipelineCostModel:
     unit: str = "FLOP"
     #: Where the times came from (for the plan table).
     source: str = "FLOP model"
-    shape: Mapping[str, object] = field(default_factory=dict)
+    #: Every setting a measured profile of this model depends on (what
+    #: tools/profile_layers.py records); None: the family has no profiler, so
+    #: ``parallel.pipeline_profile`` cannot apply.
+    shape: Optional[Mapping[str, object]] = None
+    #: The repeated component (see ``layer_time``).
+    layer: str = LM_LAYER
 
     def time(self, name: str) -> float:
         """Forward+backward time of one component for one micro-batch
@@ -88,7 +101,7 @@ class PipelineCostModel:
 
     @property
     def layer_time(self) -> float:
-        return self.time(LM_LAYER)
+        return self.time(self.layer)
 
     @property
     def head_time(self) -> float:
@@ -152,102 +165,156 @@ def padded_vocab_size(cfg: JobConfig) -> int:
     return cfg.model.padded_vocab_size(cfg.model.vocab_size)
 
 
-def flop_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
-    """Analytical cost model of ``cfg``'s model for one micro-batch.
+#: A family's analytical cost model: ``(cfg, cuda, world_size) -> PipelineCostModel``
+#: of one micro-batch. ``cuda`` decides what ``train.precision: auto`` means
+#: (bf16 vs fp32); ``world_size`` (None: tp*pp*cp, i.e. DP=1) sets DP, which
+#: divides optimizer state under ``parallel.use_distributed_optimizer`` and
+#: the micro-batches per step.
+CostModelFn = Callable[[JobConfig, bool, Optional[int]], PipelineCostModel]
 
-    ``cuda`` decides what ``train.precision: auto`` means (bf16 vs fp32).
-    ``world_size`` (default tp*pp*cp, i.e. DP=1) sets DP, which divides
-    optimizer state under ``parallel.use_distributed_optimizer`` and the
-    number of micro-batches per step.
-    """
-    m, v, par, train = cfg.model, cfg.vision, cfg.parallel, cfg.train
-    tp = par.tp
+
+@dataclass(frozen=True)
+class MemoryConventions:
+    """What one parameter and one step cost in memory, whatever the family."""
+
+    #: Weights + gradient + optimizer state per trainable parameter, bytes.
+    bytes_per_trainable_param: float
+    #: Weights per parameter, bytes (frozen parameters keep only these).
+    bytes_per_frozen_param: float
+    #: Micro-batches per step on one DP rank.
+    num_microbatches: int
+
+
+def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) -> MemoryConventions:
+    """Bytes per parameter under ``train.precision`` and the distributed
+    optimizer, and the micro-batches per step, of ``cfg`` on ``world_size`` ranks."""
+    par, train = cfg.parallel, cfg.train
     dp = max((world_size or par.model_parallel_size) // par.model_parallel_size, 1)
-    nbytes = _dtype_bytes(cfg, cuda)
-    b, s, h = train.micro_batch_size, m.seq_length, m.hidden_size
-    tokens = float(b * s)
-    vocab = padded_vocab_size(cfg)
-    lm_trainable = not m.freeze
-    comps: dict[str, ComponentCost] = {}
-    head: tuple[str, ...] = (EMBEDDING,)
-    head_trains = False
-    if m.family == "llava":
-        images = b * v.images_per_sequence
-        p = v.tokens_per_image
-        vtokens = images * p
-        # Images enter with no gradient: backward reaches the ViT only if it trains.
-        layer = _transformer_layer(
-            vtokens, p, images, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
-            nbytes, m.recompute, not v.freeze, not v.freeze, tp,
-        )
-        patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
-        patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
-        comps[VISION] = ComponentCost(
-            flops=v.num_layers * layer.flops + patch_flops,
-            params=v.num_layers * layer.params + patch_params,
-            trainable_params=0 if v.freeze else v.num_layers * layer.params + patch_params,
-            activation_bytes=0.0 if v.freeze else v.num_layers * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
-        )
-        ph = v.projector_hidden_size or h
-        proj_params = v.hidden_size * ph + ph + ph * h + h
-        proj_trains = not v.freeze_projector
-        comps[PROJECTOR] = ComponentCost(
-            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * (v.hidden_size * ph + ph * h) / tp,
-            params=proj_params // tp,
-            trainable_params=proj_params // tp if proj_trains else 0,
-            activation_bytes=vtokens * (v.hidden_size + 2 * ph) * nbytes / tp if proj_trains or not v.freeze else 0.0,
-        )
-        # Gradient reaches the LM's input when the projector or ViT trains.
-        head_trains = proj_trains or not v.freeze
-        head = (VISION, PROJECTOR, EMBEDDING)
-    emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
-    comps[EMBEDDING] = ComponentCost(
-        flops=3.0 * tokens * h,  # gather + add; negligible next to matmuls
-        params=emb_params,
-        trainable_params=emb_params if lm_trainable else 0,
-        activation_bytes=tokens * h * nbytes,
-    )
-    comps[LM_LAYER] = _transformer_layer(
-        tokens, s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
-        # Input gradients flow through every layer when earlier layers, the
-        # embedding or the ViT/projector train.
-        lm_trainable, lm_trainable or head_trains, tp,
-    )
-    out_params = vocab * h // tp + 2 * h
-    comps[OUTPUT] = ComponentCost(
-        # Output projection (3 passes) + softmax/cross-entropy (~5 ops per logit).
-        flops=(3.0 * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
-        params=out_params,
-        trainable_params=out_params if lm_trainable else 0,
-        # Final-norm input, output-layer input, fp32 logits and their softmax.
-        activation_bytes=2.0 * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
-    )
-    if nbytes == 2:  # bf16 weights + fp32 main grad + fp32 master + Adam m, v
+    if _dtype_bytes(cfg, cuda) == 2:  # bf16 weights + fp32 main grad + fp32 master + Adam m, v
         weights, grads, optim = 2.0, 4.0, 12.0
     else:  # fp32 weights + grad + Adam m, v
         weights, grads, optim = 4.0, 4.0, 8.0
     if par.use_distributed_optimizer:
         optim /= dp
-    num_mb = max(train.global_batch_size // (train.micro_batch_size * dp), 1)
-    return PipelineCostModel(
-        components=comps,
-        head=head,
-        tail=(OUTPUT,),
+    return MemoryConventions(
         bytes_per_trainable_param=weights + grads + optim,
         bytes_per_frozen_param=weights,
-        num_microbatches=num_mb,
-        shape=profile_shape(cfg),
+        num_microbatches=max(train.global_batch_size // (train.micro_batch_size * dp), 1),
+    )
+
+
+def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, ComponentCost]:
+    """Token embedding, one decoder layer and the output layer + loss of the
+    language model, per micro-batch of ``micro_batch_size`` rows of
+    ``seq_length`` tokens. ``head_trains``: something before the embedding
+    (a ViT or projector) trains, so input gradients flow through every layer."""
+    m, tp = cfg.model, cfg.parallel.tp
+    b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
+    tokens = float(b * s)
+    vocab = padded_vocab_size(cfg)
+    lm_trainable = not m.freeze
+    emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
+    out_params = vocab * h // tp + 2 * h
+    return {
+        EMBEDDING: ComponentCost(
+            flops=3.0 * tokens * h,  # gather + add; negligible next to matmuls
+            params=emb_params,
+            trainable_params=emb_params if lm_trainable else 0,
+            activation_bytes=tokens * h * nbytes,
+        ),
+        LM_LAYER: _transformer_layer(
+            tokens, s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
+            # Input gradients flow through every layer when earlier layers, the
+            # embedding or the ViT/projector train.
+            lm_trainable, lm_trainable or head_trains, tp,
+        ),
+        OUTPUT: ComponentCost(
+            # Output projection (3 passes) + softmax/cross-entropy (~5 ops per logit).
+            flops=(3.0 * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
+            params=out_params,
+            trainable_params=out_params if lm_trainable else 0,
+            # Final-norm input, output-layer input, fp32 logits and their softmax.
+            activation_bytes=2.0 * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
+        ),
+    }
+
+
+def _vision_components(cfg: JobConfig, nbytes: int) -> dict[str, ComponentCost]:
+    """LLaVA's ViT (patch embedding + layers) and projector for the
+    ``micro_batch_size * vision.images_per_sequence`` images of a micro-batch."""
+    m, v, tp = cfg.model, cfg.vision, cfg.parallel.tp
+    images = cfg.train.micro_batch_size * v.images_per_sequence
+    p = v.tokens_per_image
+    vtokens = images * p
+    # Images enter with no gradient: backward reaches the ViT only if it trains.
+    layer = _transformer_layer(
+        vtokens, p, images, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
+        nbytes, m.recompute, not v.freeze, not v.freeze, tp,
+    )
+    patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
+    patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
+    ph = v.projector_hidden_size or m.hidden_size
+    proj_params = v.hidden_size * ph + ph + ph * m.hidden_size + m.hidden_size
+    proj_trains = not v.freeze_projector
+    return {
+        VISION: ComponentCost(
+            flops=v.num_layers * layer.flops + patch_flops,
+            params=v.num_layers * layer.params + patch_params,
+            trainable_params=0 if v.freeze else v.num_layers * layer.params + patch_params,
+            activation_bytes=0.0 if v.freeze else v.num_layers * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
+        ),
+        PROJECTOR: ComponentCost(
+            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * (v.hidden_size * ph + ph * m.hidden_size) / tp,
+            params=proj_params // tp,
+            trainable_params=proj_params // tp if proj_trains else 0,
+            activation_bytes=vtokens * (v.hidden_size + 2 * ph) * nbytes / tp if proj_trains or not v.freeze else 0.0,
+        ),
+    }
+
+
+def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+    """:data:`CostModelFn` of a GPT language model: embedding, decoder layers,
+    output layer + loss, for one micro-batch of ``micro_batch_size`` rows of
+    ``seq_length`` tokens."""
+    mem = memory_conventions(cfg, cuda, world_size)
+    return PipelineCostModel(
+        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False),
+        head=(EMBEDDING,),
+        tail=(OUTPUT,),
+        bytes_per_trainable_param=mem.bytes_per_trainable_param,
+        bytes_per_frozen_param=mem.bytes_per_frozen_param,
+        num_microbatches=mem.num_microbatches,
+        shape=lm_profile_shape(cfg),
+    )
+
+
+def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+    """:data:`CostModelFn` of LLaVA: the language model of :func:`lm_cost_model`
+    with the ViT and projector in front of the embedding on the first stage."""
+    v = cfg.vision
+    nbytes = _dtype_bytes(cfg, cuda)
+    # Gradient reaches the LM's input when the projector or ViT trains.
+    head_trains = not v.freeze_projector or not v.freeze
+    mem = memory_conventions(cfg, cuda, world_size)
+    return PipelineCostModel(
+        components={**_vision_components(cfg, nbytes), **_lm_components(cfg, nbytes, head_trains)},
+        head=(VISION, PROJECTOR, EMBEDDING),
+        tail=(OUTPUT,),
+        bytes_per_trainable_param=mem.bytes_per_trainable_param,
+        bytes_per_frozen_param=mem.bytes_per_frozen_param,
+        num_microbatches=mem.num_microbatches,
+        shape=llava_profile_shape(cfg),
     )
 
 
 # -------------------------------------------------------------- the profile
 
 
-def profile_shape(cfg: JobConfig) -> dict[str, object]:
-    """Every setting a measured profile depends on; a profile only applies to
-    a config with the same shape."""
-    m, v, par = cfg.model, cfg.vision, cfg.parallel
-    shape: dict[str, object] = {
+def lm_profile_shape(cfg: JobConfig) -> dict[str, object]:
+    """Every setting a measured profile of a language model depends on; a
+    profile only applies to a config with the same shape."""
+    m, par = cfg.model, cfg.parallel
+    return {
         "family": m.family,
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
@@ -260,17 +327,21 @@ def profile_shape(cfg: JobConfig) -> dict[str, object]:
         "tp": par.tp,
         "precision": cfg.train.precision,
     }
-    if m.family == "llava":
-        shape.update(
-            vision_layers=v.num_layers,
-            vision_hidden_size=v.hidden_size,
-            vision_ffn_hidden_size=v.ffn_size,
-            image_size=v.image_size,
-            patch_size=v.patch_size,
-            projector_hidden_size=v.projector_hidden_size or m.hidden_size,
-            vision_freeze=v.freeze,
-        )
-    return shape
+
+
+def llava_profile_shape(cfg: JobConfig) -> dict[str, object]:
+    """:func:`lm_profile_shape` plus the ViT and projector settings."""
+    v = cfg.vision
+    return {
+        **lm_profile_shape(cfg),
+        "vision_layers": v.num_layers,
+        "vision_hidden_size": v.hidden_size,
+        "vision_ffn_hidden_size": v.ffn_size,
+        "image_size": v.image_size,
+        "patch_size": v.patch_size,
+        "projector_hidden_size": v.projector_hidden_size or cfg.model.hidden_size,
+        "vision_freeze": v.freeze,
+    }
 
 
 def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> PipelineCostModel:
@@ -279,9 +350,16 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
     The profile stores seconds per micro-batch for every component except the
     vision encoder and projector, which are stored per image and scaled by
     ``micro_batch_size * vision.images_per_sequence`` here. Raises ConfigError
-    if the file is missing, malformed or measured for another model shape.
+    if the file is missing, malformed or measured for another model shape, or
+    if ``model`` has no profile shape (its family has no profiler).
     """
     field_name = "parallel.pipeline_profile"
+    if model.shape is None:
+        raise ConfigError(
+            field_name, path,
+            f"model.family={cfg.model.family} has no measured profile (tools/profile_layers.py does not time "
+            f"its components); set parallel.pipeline_profile: null to plan with its FLOP cost model",
+        )
     if not os.path.isfile(path):
         raise ConfigError(field_name, path, "file not found; write one with `python tools/profile_layers.py --config ...`")
     try:
@@ -292,7 +370,7 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         raise ConfigError(field_name, path, "is not a profile written by tools/profile_layers.py; re-run it") from None
     if version != PROFILE_VERSION:
         raise ConfigError(field_name, path, f"has format version {version}, expected {PROFILE_VERSION}; re-run the profiler")
-    expected = profile_shape(cfg)
+    expected = model.shape
     diff = [f"{k}={shape.get(k)!r} (config: {expected[k]!r})" for k in expected if shape.get(k) != expected[k]]
     if diff:
         raise ConfigError(
@@ -307,14 +385,6 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
             raise ConfigError(field_name, path, f"has no time for {key!r}; re-run tools/profile_layers.py")
         t = float(seconds[key]) * (images if name in (VISION, PROJECTOR) else 1.0)
         comps[name] = ComponentCost(c.flops, c.params, c.trainable_params, c.activation_bytes, seconds=t)
-    return PipelineCostModel(
-        components=comps,
-        head=model.head,
-        tail=model.tail,
-        bytes_per_trainable_param=model.bytes_per_trainable_param,
-        bytes_per_frozen_param=model.bytes_per_frozen_param,
-        num_microbatches=model.num_microbatches,
-        unit="s",
-        source=f"profile {path} ({data.get('device', 'unknown device')})",
-        shape=model.shape,
+    return dataclasses.replace(
+        model, components=comps, unit="s", source=f"profile {path} ({data.get('device', 'unknown device')})"
     )

@@ -4,6 +4,8 @@
 :func:`plan_pipeline` turns any of them into per-chunk layer counts with the
 predicted time and memory of every pp rank, and raises ConfigError for a plan
 that cannot run (memory, too few layers) before any process group starts.
+The cost model is the caller's: a model family declares its own
+(``megascale_omni.tasks.registry``); nothing here depends on the family.
 :func:`resolve_partition` writes the counts back into the config, and
 :func:`megatron_layout` renders them as megatron's
 ``pipeline_model_parallel_layout`` string, which is what builds the stages.
@@ -18,12 +20,7 @@ from typing import Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
-from megascale_omni.parallel.pipeline_cost import (
-    LM_LAYER,
-    PipelineCostModel,
-    flop_cost_model,
-    load_profile,
-)
+from megascale_omni.parallel.pipeline_cost import CostModelFn, PipelineCostModel, load_profile
 from megascale_omni.parallel.pipeline_solver import StageProblem, min_memory, solve
 
 GIB = float(1 << 30)
@@ -61,18 +58,11 @@ class PipelinePlan:
         return max(self.rank_memory)
 
 
-#: Model families the cost model describes.
-COST_MODEL_FAMILIES = ("gpt", "llava")
-
-
-def build_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
-    """FLOP cost model of ``cfg``, with measured times if ``parallel.pipeline_profile`` is set."""
-    if cfg.model.family not in COST_MODEL_FAMILIES:
-        raise ConfigError(
-            "parallel.pipeline_partition", cfg.parallel.pipeline_partition,
-            f"has no cost model for model.family={cfg.model.family!r}; use uniform or explicit counts",
-        )
-    model = flop_cost_model(cfg, cuda=cuda, world_size=world_size)
+def build_cost_model(
+    cfg: JobConfig, cost_model: CostModelFn, cuda: bool = False, world_size: Optional[int] = None
+) -> PipelineCostModel:
+    """``cost_model`` of ``cfg``, with measured times if ``parallel.pipeline_profile`` is set."""
+    model = cost_model(cfg, cuda, world_size)
     if cfg.parallel.pipeline_profile:
         model = load_profile(cfg.parallel.pipeline_profile, model, cfg)
     return model
@@ -103,7 +93,7 @@ def stage_problem(
         inflight = microbatches_in_flight(r, pp, vpp, model.num_microbatches)
         fixed = [*(model.head if r == 0 else ()), *(model.tail if r == pp - 1 else ())]
         mem_fixed.append(sum(model.static_bytes(n) + inflight * model.activation_bytes(n) for n in fixed))
-        mem_per_layer.append(model.static_bytes(LM_LAYER) + inflight * model.activation_bytes(LM_LAYER))
+        mem_per_layer.append(model.static_bytes(model.layer) + inflight * model.activation_bytes(model.layer))
     return StageProblem(
         num_layers=num_layers, pp=pp, vpp=vpp,
         layer_time=model.layer_time, head_time=model.head_time, tail_time=model.tail_time,
@@ -130,13 +120,15 @@ def uniform_counts(num_layers: int, chunks: int) -> list[int]:
     return [num_layers // chunks] * chunks
 
 
-def plan_for(cfg: JobConfig, mode: str, cuda: bool = False, world_size: Optional[int] = None) -> PipelinePlan:
+def plan_for(
+    cfg: JobConfig, mode: str, cost_model: CostModelFn, cuda: bool = False, world_size: Optional[int] = None
+) -> PipelinePlan:
     """The plan of partition ``mode`` (``uniform``, ``auto`` or ``explicit``
-    for the configured list) under ``cfg``, without the memory check.
-    Raises ConfigError when ``auto`` finds no split within the capacity."""
+    for the configured list) under ``cfg`` and ``cost_model``, without the
+    memory check. Raises ConfigError when ``auto`` finds no split within the capacity."""
     par = cfg.parallel
     vpp = par.vpp or 1
-    model = build_cost_model(cfg, cuda=cuda, world_size=world_size)
+    model = build_cost_model(cfg, cost_model, cuda=cuda, world_size=world_size)
     problem = stage_problem(model, cfg.model.num_layers, par.pp, vpp, par.pipeline_memory_gib)
     if mode == "uniform":
         counts = uniform_counts(cfg.model.num_layers, par.pp * vpp)
@@ -145,39 +137,49 @@ def plan_for(cfg: JobConfig, mode: str, cuda: bool = False, world_size: Optional
     else:
         counts = solve(problem)
         if counts is None:
-            raise _memory_error(cfg, problem, cuda, world_size)
+            raise _memory_error(cfg, cost_model, problem, cuda, world_size)
     return evaluate(problem, counts, mode, model)
 
 
-def plan_pipeline(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelinePlan:
-    """The plan ``cfg`` asks for (every rank, before any process group).
+def plan_pipeline(
+    cfg: JobConfig, cost_model: CostModelFn, cuda: bool = False, world_size: Optional[int] = None
+) -> PipelinePlan:
+    """The plan ``cfg`` asks for under ``cost_model`` (every rank, before any process group).
 
     Raises ConfigError if it does not fit ``parallel.pipeline_memory_gib``,
     naming the memory it would need and the smallest pp that fits.
     """
     partition = cfg.parallel.pipeline_partition
     mode = partition if isinstance(partition, str) else "explicit"
-    plan = plan_for(cfg, mode, cuda=cuda, world_size=world_size)
+    plan = plan_for(cfg, mode, cost_model, cuda=cuda, world_size=world_size)
     cap = cfg.parallel.pipeline_memory_gib
     if cap is not None and plan.peak_memory > cap * GIB:
-        model = build_cost_model(cfg, cuda=cuda, world_size=world_size)
+        model = build_cost_model(cfg, cost_model, cuda=cuda, world_size=world_size)
         problem = stage_problem(model, cfg.model.num_layers, plan.pp, plan.vpp, cap)
-        raise _memory_error(cfg, problem, cuda, world_size, plan)
+        raise _memory_error(cfg, cost_model, problem, cuda, world_size, plan)
     return plan
 
 
-def plan_if_needed(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> Optional[PipelinePlan]:
-    """:func:`plan_pipeline` for families with a cost model; for others None
-    unless the config needs one (``auto`` or a memory capacity: ConfigError).
-    Uniform and explicit splits build without a plan."""
+def plan_if_needed(
+    cfg: JobConfig, cost_model: Optional[CostModelFn], cuda: bool = False, world_size: Optional[int] = None
+) -> Optional[PipelinePlan]:
+    """:func:`plan_pipeline` under ``cost_model``; without one (a family that
+    declares none) None, unless the config needs a cost model (``auto`` or a
+    memory capacity: ConfigError). Uniform and explicit splits then build
+    without a plan."""
+    if cost_model is not None:
+        return plan_pipeline(cfg, cost_model, cuda=cuda, world_size=world_size)
     par = cfg.parallel
-    if cfg.model.family in COST_MODEL_FAMILIES or par.pipeline_partition == "auto" or par.pipeline_memory_gib:
-        return plan_pipeline(cfg, cuda=cuda, world_size=world_size)
+    why = f"model.family={cfg.model.family} has no pipeline cost model"
+    if par.pipeline_partition == "auto":
+        raise ConfigError("parallel.pipeline_partition", "auto", f"{why}; use uniform or explicit counts")
+    if par.pipeline_memory_gib:
+        raise ConfigError("parallel.pipeline_memory_gib", par.pipeline_memory_gib, f"{why}; set it to null")
     return None
 
 
 def _memory_error(
-    cfg: JobConfig, problem: StageProblem, cuda: bool, world_size: Optional[int],
+    cfg: JobConfig, cost_model: CostModelFn, problem: StageProblem, cuda: bool, world_size: Optional[int],
     plan: Optional[PipelinePlan] = None,
 ) -> ConfigError:
     """ConfigError for a partition that exceeds the capacity, with the memory
@@ -197,7 +199,7 @@ def _memory_error(
         hint = f"no split of {cfg.model.num_layers} layers over pp={problem.pp} fits"
     # Round up so that the number quoted is itself enough.
     hint += f"; the best split at pp={problem.pp} needs {math.ceil(need_gib * 1000) / 1000:.3f} GiB per pp rank"
-    fits = smallest_fitting_pp(cfg, cuda, world_size)
+    fits = smallest_fitting_pp(cfg, cost_model, cuda, world_size)
     if fits is None:
         hint += f" and no pp up to {cfg.model.num_layers // problem.vpp} fits; raise parallel.pipeline_memory_gib"
     else:
@@ -205,7 +207,9 @@ def _memory_error(
     return ConfigError("parallel.pipeline_memory_gib", cap, hint)
 
 
-def smallest_fitting_pp(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> Optional[int]:
+def smallest_fitting_pp(
+    cfg: JobConfig, cost_model: CostModelFn, cuda: bool = False, world_size: Optional[int] = None
+) -> Optional[int]:
     """Smallest pp (tp, cp and dp unchanged) whose most memory-frugal split
     fits ``parallel.pipeline_memory_gib``; None if none up to num_layers/vpp does."""
     par = cfg.parallel
@@ -215,7 +219,7 @@ def smallest_fitting_pp(cfg: JobConfig, cuda: bool = False, world_size: Optional
         if vpp > 1 and pp < 2:
             continue
         trial = dataclasses.replace(cfg, parallel=dataclasses.replace(par, pp=pp, pipeline_partition="auto"))
-        model = build_cost_model(trial, cuda=cuda, world_size=dp * trial.parallel.model_parallel_size)
+        model = build_cost_model(trial, cost_model, cuda=cuda, world_size=dp * trial.parallel.model_parallel_size)
         need = min_memory(stage_problem(model, cfg.model.num_layers, pp, vpp, None))
         if need is not None and need[0] <= par.pipeline_memory_gib * GIB:
             return pp
@@ -224,8 +228,10 @@ def smallest_fitting_pp(cfg: JobConfig, cuda: bool = False, world_size: Optional
 
 def resolve_partition(cfg: JobConfig, plan: Optional[PipelinePlan]) -> JobConfig:
     """``cfg`` with ``parallel.pipeline_partition`` set to the plan's explicit
-    counts, or unchanged for a uniform plan (megatron's own even split) or no plan."""
-    if plan is None or plan.mode == "uniform" or plan.pp == 1:
+    counts (``[num_layers]`` for an ``auto`` plan at pp=1), or unchanged for a
+    uniform plan (megatron's own even split) or no plan. The model builders
+    accept only ``uniform`` or counts."""
+    if plan is None or plan.mode == "uniform":
         return cfg
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_partition=list(plan.counts)))
 

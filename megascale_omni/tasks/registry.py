@@ -35,8 +35,10 @@ class ModelFamily:
     task: str
     #: Subset of :data:`FEATURES` keys this family trains correctly.
     features: frozenset[str]
-    #: ``"module:function"`` of its pipeline cost model, ``(cfg, cuda, world_size) ->
-    #: PipelineCostModel`` of one micro-batch; None: no ``auto`` split.
+    #: ``"module:function"`` of its pipeline cost model, a
+    #: :data:`~megascale_omni.parallel.pipeline_cost.CostModelFn` ``(cfg, cuda,
+    #: world_size) -> PipelineCostModel`` of one micro-batch; None: no ``auto``
+    #: split and no memory check.
     cost_model: Optional[str] = None
     #: Family-specific config checks (raise ConfigError), after the generic ones.
     check: Optional[Callable[[JobConfig], None]] = None
@@ -46,14 +48,22 @@ class ModelFamily:
     def task_class(self) -> type:
         return _resolve(self.task)
 
-    def build_cost_model(self, cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None):
-        """This family's pipeline cost model of ``cfg`` (ConfigError if it has none)."""
+    def cost_model_fn(self, cfg: JobConfig) -> Callable:
+        """This family's cost model function (ConfigError, about ``cfg``'s
+        partition, if it declares none)."""
         if self.cost_model is None:
             raise ConfigError(
                 "parallel.pipeline_partition", cfg.parallel.pipeline_partition,
                 f"model.family={self.name} has no pipeline cost model; use uniform or explicit counts",
             )
-        return _resolve(self.cost_model)(cfg, cuda, world_size)
+        return _resolve(self.cost_model)
+
+    def build_cost_model(self, cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None):
+        """This family's pipeline cost model of ``cfg``, with the measured
+        times of ``parallel.pipeline_profile`` if set (ConfigError if it has none)."""
+        from megascale_omni.parallel.pipeline_plan import build_cost_model
+
+        return build_cost_model(cfg, self.cost_model_fn(cfg), cuda=cuda, world_size=world_size)
 
     def build_task(self, cfg: JobConfig, platform, dims):
         """The family's task on this rank (every rank; builds datasets, not the model)."""
@@ -93,7 +103,8 @@ class ModelFamily:
         configured). Raises ConfigError for an infeasible plan."""
         from megascale_omni.parallel.pipeline_plan import plan_if_needed
 
-        return plan_if_needed(cfg, cuda=cuda, world_size=world_size)
+        cost_model = None if self.cost_model is None else _resolve(self.cost_model)
+        return plan_if_needed(cfg, cost_model, cuda=cuda, world_size=world_size)
 
 
 def _resolve(target: str):
@@ -155,14 +166,14 @@ FAMILIES: dict[str, ModelFamily] = {
             name="gpt",
             task="megascale_omni.tasks.gpt_smoke:GptSmokeTask",
             features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "elastic"}),
-            cost_model="megascale_omni.parallel.pipeline_cost:flop_cost_model",
+            cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             notes=(("context_parallel", "ring attention is not implemented yet"),),
         ),
         ModelFamily(
             name="llava",
             task="megascale_omni.tasks.llava:LlavaTask",
             features=frozenset({"vpp", "explicit_partition", "elastic"}),
-            cost_model="megascale_omni.parallel.pipeline_cost:flop_cost_model",
+            cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             check=_check_llava,
             notes=(
                 ("sequence_parallel", "packed sequences are not split across TP ranks"),
@@ -172,11 +183,11 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="dit",
             task="megascale_omni.tasks.dit:DitTask",
-            features=frozenset(),
+            features=frozenset({"explicit_partition"}),
+            cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,
             notes=(
                 ("vpp", "the DiT stage is one chunk per pp rank"),
-                ("explicit_partition", "DiT stages split layers evenly"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("context_parallel", "ring attention is not implemented yet"),
                 ("elastic", "the sample ledger and job-wide skip counters are not wired for DiT yet"),

@@ -1,6 +1,7 @@
-"""Pipeline planning from a config: cost model, the ViT-heavy example,
-megatron layout strings and layer numbering, and bad-input errors
-(tests/e2e/test_pipeline_tools.py runs the tools and the entry point)."""
+"""Pipeline planning from a config: the family cost models (LLaVA's ViT-heavy
+example, GPT, DiT), megatron layout strings and layer numbering, and
+bad-input errors (tests/e2e/test_pipeline_tools.py runs the tools and the
+entry point)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import pytest
 
 from megascale_omni.config import ConfigError, load_job_config, validate_job
 from megascale_omni.parallel.pipeline_cost import (
-    EMBEDDING, LM_LAYER, OUTPUT, PROFILE_VERSION, PROJECTOR, VISION, flop_cost_model, profile_shape,
+    EMBEDDING, LM_LAYER, OUTPUT, PROFILE_VERSION, PROJECTOR, VISION, llava_cost_model, lm_cost_model,
 )
 from megascale_omni.parallel.pipeline_plan import (
-    GIB, megatron_layout, plan_for, plan_pipeline, resolve_partition, smallest_fitting_pp,
+    GIB, format_plan_table, megatron_layout, plan_for, resolve_partition, smallest_fitting_pp,
 )
+from megascale_omni.parallel.pipeline_plan import plan_pipeline as plan_with
 
 EXAMPLE = "examples/llava/pp4_vit_heavy.yaml"
+DIT = "examples/dit/tiny_cpu.yaml"
 
 
 def config(*overrides: str, path: str = EXAMPLE, world_size: int | None = None):
@@ -25,12 +28,17 @@ def config(*overrides: str, path: str = EXAMPLE, world_size: int | None = None):
     return cfg
 
 
+def plan_pipeline(cfg, cost_model=llava_cost_model):
+    """The LLaVA example's plan unless told otherwise."""
+    return plan_with(cfg, cost_model)
+
+
 def test_example_vit_costs_about_three_lm_layers_and_auto_balances_it():
     cfg = config()
-    model = flop_cost_model(cfg)
+    model = llava_cost_model(cfg)
     head_in_layers = model.head_time / model.layer_time
     assert 2.5 <= head_in_layers <= 3.5
-    uniform, auto = plan_for(cfg, "uniform"), plan_for(cfg, "auto")
+    uniform, auto = plan_for(cfg, "uniform", llava_cost_model), plan_for(cfg, "auto", llava_cost_model)
     assert uniform.counts == (4, 4, 4, 4) and uniform.imbalance >= 1.4
     assert auto.imbalance <= 1.10
     assert auto.counts[0] < 4 and sum(auto.counts) == 16
@@ -38,23 +46,23 @@ def test_example_vit_costs_about_three_lm_layers_and_auto_balances_it():
 
 
 def test_cost_model_follows_freezing_and_recompute():
-    base = flop_cost_model(config())
-    frozen = flop_cost_model(config("vision.freeze=true"))
+    base = llava_cost_model(config())
+    frozen = llava_cost_model(config("vision.freeze=true"))
     # A frozen ViT runs forward only: about a third of forward+backward, no activations kept.
     assert frozen.time(VISION) == pytest.approx(base.time(VISION) / 3, rel=0.02)
     assert frozen.activation_bytes(VISION) == 0
     assert frozen.static_bytes(VISION) == pytest.approx(base.static_bytes(VISION) / 4)  # weights only, fp32
-    recompute = flop_cost_model(config("model.recompute=true"))
+    recompute = llava_cost_model(config("model.recompute=true"))
     assert recompute.time(LM_LAYER) == pytest.approx(base.time(LM_LAYER) * 4 / 3, rel=1e-9)
     assert recompute.activation_bytes(LM_LAYER) < base.activation_bytes(LM_LAYER) / 10
-    gpt = flop_cost_model(config(path="examples/gpt/tiny.yaml"))
+    gpt = lm_cost_model(config(path="examples/gpt/tiny.yaml"))
     assert set(gpt.components) == {EMBEDDING, LM_LAYER, OUTPUT} and gpt.head == (EMBEDDING,)
 
 
 def test_layer_parameter_count_matches_megatron():
     """The cost model's parameter count of one LM layer is megatron's."""
     cfg = config()
-    model = flop_cost_model(cfg)
+    model = llava_cost_model(cfg)
     h, f = cfg.model.hidden_size, cfg.model.ffn_size
     # QKV, proj, fc1, fc2 weights + biases, two LayerNorms (weight + bias).
     expected = 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
@@ -96,6 +104,9 @@ def test_auto_resolves_to_explicit_counts_for_megatron():
     assert resolved.parallel.pipeline_partition == list(plan.counts)
     assert resolve_partition(config("parallel.pipeline_partition=uniform"), plan_pipeline(
         config("parallel.pipeline_partition=uniform"))).parallel.pipeline_partition == "uniform"
+    # The builders take counts or uniform, never "auto": one stage gets every layer.
+    one = config("parallel.pp=1")
+    assert resolve_partition(one, plan_pipeline(one)).parallel.pipeline_partition == [16]
 
 
 def test_interleaved_auto_plan():
@@ -103,7 +114,7 @@ def test_interleaved_auto_plan():
     plan = plan_pipeline(cfg)
     assert len(plan.counts) == 4 and sum(plan.counts) == 16 and min(plan.counts) >= 1
     assert plan.counts[0] == min(plan.counts)  # the ViT chunk gets the fewest layers
-    assert plan.imbalance <= plan_for(cfg, "uniform").imbalance
+    assert plan.imbalance <= plan_for(cfg, "uniform", llava_cost_model).imbalance
 
 
 @pytest.mark.parametrize(
@@ -137,7 +148,8 @@ def test_memory_capacity_names_needed_memory_and_smallest_pp():
     msg = str(err.value)
     assert err.value.field == "parallel.pipeline_memory_gib"
     assert "parallel.pp=3 (smallest pp that fits)" in msg
-    assert smallest_fitting_pp(config("parallel.pp=2", "parallel.pipeline_memory_gib=0.12", world_size=2)) == 3
+    assert smallest_fitting_pp(
+        config("parallel.pp=2", "parallel.pipeline_memory_gib=0.12", world_size=2), llava_cost_model) == 3
     need = float(msg.split("the best split at pp=2 needs ")[1].split(" GiB")[0])
     # The quoted need is enough (rounded up) and tight.
     plan = plan_pipeline(config("parallel.pp=2", f"parallel.pipeline_memory_gib={need}", world_size=2))
@@ -165,7 +177,9 @@ def test_profile_replaces_flops_and_must_match_the_shape(tmp_path):
     seconds = {"embedding": 0.001, "lm_layer": 0.02, "output": 0.002,
                "vision_per_image": 0.003, "projector_per_image": 0.0001}
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"version": PROFILE_VERSION, "shape": profile_shape(cfg), "seconds": seconds}))
+    shape = llava_cost_model(cfg).shape
+    assert shape["vision_layers"] == cfg.vision.num_layers and shape["family"] == "llava"
+    path.write_text(json.dumps({"version": PROFILE_VERSION, "shape": shape, "seconds": seconds}))
     plan = plan_pipeline(config(f"parallel.pipeline_profile={path}"))
     assert plan.unit == "s"
     images = cfg.train.micro_batch_size * cfg.vision.images_per_sequence
@@ -178,12 +192,83 @@ def test_profile_replaces_flops_and_must_match_the_shape(tmp_path):
         plan_pipeline(config(f"parallel.pipeline_profile={tmp_path / 'missing.json'}"))
 
 
-def test_families_without_cost_model_build_uniform_and_explicit_splits():
-    from megascale_omni.parallel.pipeline_plan import plan_if_needed
+def dit_config(*overrides: str, world_size: int = 2):
+    return config("parallel.pp=2", *overrides, path=DIT, world_size=world_size)
 
-    dit = ["model.family=dit", "parallel.pp=2", "model.num_layers=4"]
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=uniform", path="examples/dit/tiny_cpu.yaml")) is None
-    assert plan_if_needed(config(*dit, "parallel.pipeline_partition=[1,3]", path="examples/dit/tiny_cpu.yaml")) is None
-    with pytest.raises(ConfigError, match="no cost model for model.family='dit'"):
-        plan_if_needed(config(*dit, "parallel.pipeline_partition=auto", path="examples/dit/tiny_cpu.yaml"))
-    assert plan_if_needed(config("parallel.pipeline_partition=uniform")) is not None
+
+def test_dit_cost_model_counts_a_block_and_finds_head_and_tail_cheap():
+    from megascale_omni.parallel.pipeline_cost_dit import (
+        CONDITION, DIT_BLOCK, DIT_OUTPUT, PATCH_EMBEDDING, TEXT_EMBEDDING, dit_cost_model, dit_package,
+    )
+
+    cfg = dit_config()
+    model = dit_cost_model(cfg)
+    assert model.head == (PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION) and model.tail == (DIT_OUTPUT,)
+    assert model.layer == DIT_BLOCK and model.shape is None  # no profiler: FLOPs only
+    h, f = cfg.model.hidden_size, cfg.model.ffn_size
+    # adaLN (h -> 9h), self-attention (QKV + proj), cross-attention (Q, KV, proj), MLP; all biased, no norm weights.
+    expected = (9 * h * h + 9 * h) + (4 * h * h + 4 * h) + (4 * h * h + 4 * h) + (2 * h * f + f + h)
+    assert model.components[DIT_BLOCK].params == expected
+    tokens, per_image, images = dit_package(cfg)
+    assert (tokens, per_image, images) == (144, 36, 4)  # token_budget; the 24x24 bucket at patch 4
+    # Forward + two backward matmuls over the image tokens dominate a block:
+    # QKV and projection, cross-attention query and projection, MLP.
+    image_matmuls = 3 * 2 * tokens * (6 * h * h + 2 * h * f)
+    assert image_matmuls < model.time(DIT_BLOCK) < 1.2 * image_matmuls
+    # The head and tail are a few percent of one block.
+    assert model.head_time < 0.1 * model.layer_time and model.tail_time < 0.1 * model.layer_time
+    # Precomputed captions have no embedding table; EMA keeps one more copy of the weights.
+    pre = dit_cost_model(dit_config("dit.text_encoder=precomputed", "dit.text_dim=32"))
+    assert pre.components[TEXT_EMBEDDING].params == 32 * h + h
+    no_ema = dit_cost_model(dit_config("dit.ema_decay=0"))
+    assert model.bytes_per_trainable_param - no_ema.bytes_per_trainable_param == 4  # fp32 on CPU
+
+
+def test_dit_auto_balances_the_blocks_and_the_table_renders():
+    from megascale_omni.tasks.registry import family_of
+
+    cfg = dit_config("model.num_layers=5", "parallel.pipeline_partition=auto")
+    family = family_of(cfg)
+    family.validate(cfg, 2)
+    plan = family.plan_pipeline(cfg, cuda=False, world_size=2)
+    # The head outweighs the tail, so the odd block goes to the last stage.
+    assert plan.counts == (2, 3) and plan.unit == "FLOP"
+    assert resolve_partition(cfg, plan).parallel.pipeline_partition == [2, 3]
+    even = dit_config("parallel.pipeline_partition=auto")
+    assert family.plan_pipeline(even, cuda=False, world_size=2).counts == (2, 2)
+    explicit = family.plan_pipeline(dit_config("parallel.pipeline_partition=[1,3]"), cuda=False, world_size=2)
+    uniform = family.plan_pipeline(dit_config(), cuda=False, world_size=2)
+    assert explicit.counts == (1, 3) and explicit.mode == "explicit"
+    assert uniform.imbalance < 1.05 < 1.4 < explicit.imbalance
+    table = format_plan_table([uniform, explicit])
+    lines = table.splitlines()
+    assert "uniform layers" in lines[0] and "explicit layers" in lines[0] and len(lines) == 6
+    assert lines[2].split()[:2] == ["0", "2"] and lines[3].split()[:2] == ["1", "2"]
+    assert lines[2].split()[4] == "1" and lines[3].split()[4] == "3"
+
+
+@pytest.mark.parametrize(
+    "family, overrides, words",
+    [
+        ("dit", ["parallel.vpp=2"], ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
+        ("dit", ["parallel.pipeline_profile=profile.json"],
+         ["parallel.pipeline_profile='profile.json'", "model.family=dit has no measured profile", "null"]),
+        ("llava", [], ["model.family='dit'", "pretrain_dit.py"]),
+    ],
+)
+def test_unsupported_combination_exits_2_with_one_line(capsys, family, overrides, words):
+    """What the entry points do before any process group: validate, then plan."""
+    from megascale_omni.entry import parse_for_family, run_cli
+
+    def main():
+        argv = ["--config", DIT, "parallel.pp=2", *overrides]
+        cfg, spec = parse_for_family(family, argv, world_size=2)
+        spec.plan_pipeline(cfg, cuda=False, world_size=2)
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli(main)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), lines
+    for w in words:
+        assert w in lines[0]

@@ -19,11 +19,18 @@ diffusion models - a copy of the condition embedders on every stage with
 ``has_cond_embedder`` grad all-reduce - counts those weights once per stage
 in the gradient norm, so clipping, and thus training, would depend on the
 pipeline split.)
+
+Stage ``r`` holds the blocks ``[first, first + count)`` of
+:func:`stage_layers`: ``parallel.pipeline_partition`` after
+``resolve_partition`` (explicit counts, or ``uniform``: an even split).
+Blocks keep their global index, so parameter keys, the layout-invariant
+init and checkpoints are the same under any split.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Optional, Sequence, Union
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -45,8 +52,26 @@ from megascale_omni.models.dit.layer import (
 from megascale_omni.models.gpt import common_config_kwargs
 from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl
 
-#: Width of the sinusoidal timestep features fed to the timestep MLP.
-TIME_FEATURES = 128
+# TIME_FEATURES, the width of the sinusoidal timestep features fed to the
+# timestep MLP, is defined beside the cost model, which counts that MLP.
+from megascale_omni.parallel.pipeline_cost_dit import TIME_FEATURES
+
+logger = logging.getLogger(__name__)
+
+
+def stage_layers(num_layers: int, pp: int, partition: Union[str, Sequence[int]], rank: int) -> tuple[int, int]:
+    """``(first global block index, block count)`` of pp rank ``rank``:
+    ``partition`` is per-stage counts (one per pp rank) or ``"uniform"``
+    (``num_layers // pp`` each). ``"auto"`` must be resolved first."""
+    if partition == "uniform":
+        counts = [num_layers // pp] * pp
+    elif isinstance(partition, str):
+        raise ValueError(f"parallel.pipeline_partition={partition!r} must be resolved to counts (resolve_partition)")
+    else:
+        counts = list(partition)
+    if len(counts) != pp or sum(counts) != num_layers:
+        raise ValueError(f"partition {counts} is not {num_layers} layers over pp={pp} stages")
+    return sum(counts[:rank]), counts[rank]
 
 
 def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
@@ -108,9 +133,10 @@ class DiTChunk(MegatronModule):
             self.text_proj = _linear(config, text_dim, h)
             self.pooled_embedder = build_module(mlp, config=config, input_size=h)
         impl = resolve_layer_impl(cfg.model.layer_impl)
-        per_stage = config.num_layers // cfg.parallel.pp
-        first = mpu.get_pipeline_model_parallel_rank() * per_stage
-        self.layers = DiTLayerStack(config, dit_layer_specs(impl), first, per_stage)
+        rank = mpu.get_pipeline_model_parallel_rank()
+        first, count = stage_layers(config.num_layers, cfg.parallel.pp, cfg.parallel.pipeline_partition, rank)
+        logger.info("DiT stage %d: layers [%d, %d)", rank, first, first + count)
+        self.layers = DiTLayerStack(config, dit_layer_specs(impl), first, count)
         if post_process:
             self.final_adaln = modulation_linear(config, h, 2 * h)
             self.final_linear = _linear(config, h, patch_dim)

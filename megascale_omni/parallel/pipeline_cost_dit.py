@@ -1,0 +1,159 @@
+"""Pipeline cost model of the DiT (``model.family: dit``, models/dit/model.py).
+
+One micro-batch is one bucket package: the images of one aspect-ratio bucket,
+``dit.token_budget // n`` of them for a bucket of ``n`` tokens per image,
+each with a caption of ``dit.max_text_length`` tokens. The model counts
+``N = dit.token_budget`` image tokens per micro-batch (a full package) and
+takes ``n`` from the bucket with the most tokens per image: the quadratic
+attention terms and their activations are largest there, so the memory the
+plan reports is the package that needs the most. The ``N / n`` images of
+that package bring ``N / n * max_text_length`` caption tokens.
+
+Components, in pipeline order (see :class:`~megascale_omni.parallel.pipeline_cost.PipelineCostModel`):
+
+- head (stage 0): ``patch_embedding`` (patch linear + 2-D positions),
+  ``text_embedding`` (learned caption embedding, or none for precomputed
+  states, + the text projection), ``condition`` (timestep MLP + pooled-caption MLP);
+- layer: ``dit_block`` (adaLN modulation linear, self-attention over the
+  image tokens, cross-attention to the caption, MLP);
+- tail (last stage): ``dit_output`` (final adaLN + linear + MSE loss).
+
+Every DiT weight trains (the DiT ignores ``model.freeze`` and
+``model.recompute``); with ``dit.ema_decay > 0`` each parameter also keeps
+an EMA copy in the weights' dtype. Activation bytes follow the same rough
+accounting as :func:`~megascale_omni.parallel.pipeline_cost._transformer_layer`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.pipeline_cost import (
+    ComponentCost,
+    PipelineCostModel,
+    _dtype_bytes,
+    _passes,
+    _transformer_layer,
+    memory_conventions,
+    padded_vocab_size,
+)
+
+#: Component names of the DiT cost model.
+PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION, DIT_BLOCK, DIT_OUTPUT = (
+    "patch_embedding", "text_embedding", "condition", "dit_block", "dit_output",
+)
+#: Width of the sinusoidal timestep features fed to the timestep MLP. Defined
+#: here, where the MLP is counted; models/dit/model.py builds it with this
+#: constant (parallel/ may not import models/).
+TIME_FEATURES = 128
+#: Modulation vectors of a block: (shift, scale, gate) for each of its 3 branches.
+BLOCK_MODULATION = 9
+
+
+def _linear(tokens: float, n_in: int, n_out: int, passes: float, tp: int) -> tuple[float, int]:
+    """(forward+backward FLOPs, parameters) of a biased ``n_in -> n_out``
+    linear on ``tokens`` rows, sharded over ``tp`` ranks."""
+    return passes * 2.0 * tokens * n_in * n_out / tp, (n_in * n_out + n_out) // tp
+
+
+def _mlp(tokens: float, n_in: int, ffn: int, h: int, passes: float, tp: int) -> tuple[float, int]:
+    """(FLOPs, parameters) of megatron's 2-matrix MLP ``n_in -> ffn -> h``."""
+    f1, p1 = _linear(tokens, n_in, ffn, passes, tp)
+    f2, p2 = _linear(tokens, ffn, h, passes, tp)
+    return f1 + f2, p1 + p2
+
+
+def dit_package(cfg: JobConfig) -> tuple[float, int, float]:
+    """``(image tokens N, tokens per image n, images N / n)`` of the micro-batch
+    the cost model describes (see the module docstring)."""
+    d = cfg.dit
+    n = max((hh // d.patch_size) * (ww // d.patch_size) for hh, ww in d.buckets)
+    tokens = float(d.token_budget)
+    return tokens, n, tokens / n
+
+
+def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+    """:data:`~megascale_omni.parallel.pipeline_cost.CostModelFn` of a DiT for
+    one bucket package of ``dit.token_budget`` image tokens and
+    ``dit.max_text_length`` caption tokens per image (module docstring).
+    No measured profile applies (``shape`` is None)."""
+    m, d, tp = cfg.model, cfg.dit, cfg.parallel.tp
+    nbytes = _dtype_bytes(cfg, cuda)
+    h, ffn, heads = m.hidden_size, m.ffn_size, m.num_attention_heads
+    tokens, n, images = dit_package(cfg)
+    text_tokens = images * d.max_text_length
+    patch_dim = d.in_channels * d.patch_size**2
+    learned_text = d.text_encoder == "learned"
+    text_dim = d.text_dim or h
+
+    # Head. Noisy images and timesteps enter without gradient: their first
+    # linears compute weight gradients only (2 passes), the rest 3.
+    patch_flops, patch_params = _linear(tokens, patch_dim, h, _passes(True, False), tp)
+    patch = ComponentCost(
+        flops=patch_flops + tokens * h,  # + positions
+        params=patch_params, trainable_params=patch_params,
+        activation_bytes=tokens * (patch_dim + h) * nbytes,
+    )
+    emb_params = padded_vocab_size(cfg) * text_dim // tp if learned_text else 0
+    proj_flops, proj_params = _linear(text_tokens, text_dim, h, _passes(True, learned_text), tp)
+    text = ComponentCost(
+        flops=proj_flops + (2.0 * text_tokens * text_dim if learned_text else 0.0),  # gather + its gradient
+        params=emb_params + proj_params, trainable_params=emb_params + proj_params,
+        # Projection input and the caption states (ctx) every block reads.
+        activation_bytes=text_tokens * (text_dim + h) * nbytes,
+    )
+    time_flops, time_params = _mlp(images, TIME_FEATURES, ffn, h, _passes(True, False), tp)
+    pooled_flops, pooled_params = _mlp(images, h, ffn, h, _passes(True, True), tp)
+    cond_params = time_params + pooled_params
+    condition = ComponentCost(
+        flops=time_flops + pooled_flops + 2.0 * text_tokens * h,  # + masked caption mean
+        params=cond_params, trainable_params=cond_params,
+        activation_bytes=images * (TIME_FEATURES + 2 * h + 4 * ffn) * nbytes / tp,
+    )
+
+    # One block: self-attention + MLP as a pre-norm transformer layer without
+    # norm weights (the adaLN norms are affine-free), plus cross-attention and
+    # the modulation linear. Gradients flow through every block (the head trains).
+    base = _transformer_layer(tokens, n, images, h, ffn, heads, heads, nbytes, False, True, True, tp)
+    passes = _passes(True, True)
+    q_flops, q_params = _linear(tokens, h, h, passes, tp)
+    kv_flops, kv_params = _linear(text_tokens, h, 2 * h, passes, tp)
+    o_flops, o_params = _linear(tokens, h, h, passes, tp)
+    # Scores and attention-times-values: each image's n tokens against its caption.
+    cross_core = passes * 4.0 * tokens * d.max_text_length * h / tp
+    mod_flops, mod_params = _linear(images, h, BLOCK_MODULATION * h, passes, tp)
+    block_params = base.params - 4 * h // tp + q_params + kv_params + o_params + mod_params
+    # Beyond the layer's own: the third norm's input, three modulated-norm
+    # outputs and three gated branch outputs; the cross-attention's query
+    # input, Q and projection input; K and V of the caption; its softmax.
+    extra_elems = 10.0 * tokens * h + 2.0 * text_tokens * h + 2.0 * images * heads * n * d.max_text_length
+    block = ComponentCost(
+        flops=base.flops + q_flops + kv_flops + o_flops + cross_core + mod_flops,
+        params=block_params, trainable_params=block_params,
+        activation_bytes=base.activation_bytes + extra_elems * nbytes / tp,
+    )
+
+    # Tail: final adaLN (shift, scale) + linear, then the per-token squared
+    # error in fp32 (~3 ops per value forward and backward).
+    ada_flops, ada_params = _linear(images, h, 2 * h, passes, tp)
+    out_flops, out_params = _linear(tokens, h, patch_dim, passes, tp)
+    out = ComponentCost(
+        flops=ada_flops + out_flops + 6.0 * tokens * patch_dim,
+        params=ada_params + out_params, trainable_params=ada_params + out_params,
+        # Norm input, modulated norm, linear input; prediction and target in fp32.
+        activation_bytes=3.0 * tokens * h * nbytes + 2.0 * tokens * patch_dim * 4,
+    )
+
+    mem = memory_conventions(cfg, cuda, world_size)
+    ema_bytes = mem.bytes_per_frozen_param if d.ema_decay > 0 else 0.0
+    return PipelineCostModel(
+        components={PATCH_EMBEDDING: patch, TEXT_EMBEDDING: text, CONDITION: condition, DIT_BLOCK: block,
+                    DIT_OUTPUT: out},
+        head=(PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION),
+        tail=(DIT_OUTPUT,),
+        layer=DIT_BLOCK,
+        bytes_per_trainable_param=mem.bytes_per_trainable_param + ema_bytes,
+        bytes_per_frozen_param=mem.bytes_per_frozen_param + ema_bytes,
+        num_microbatches=mem.num_microbatches,
+    )
