@@ -34,17 +34,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed forward+backward passes per component (fastest counts)")
     args, rest = p.parse_known_args()
     cfg = load_job_config(rest, description=__doc__)
+    family = family_of(cfg)
     # The FLOP model's shape (not a loaded profile's): what this profile will be checked against.
-    cost = family_of(cfg).cost_model_fn(cfg)(cfg, False, None)
-    if cost.shape is None:
+    cost = family.cost_model_fn(cfg)(cfg, False, None)
+    profile = family.profiler_fn()
+    if profile is None or cost.shape is None:
         raise ConfigError(
             "model.family", cfg.model.family,
-            "tools/profile_layers.py times gpt and llava components only; plan this family with its FLOP cost "
+            "this family declares no component profiler (tasks/registry.py); plan it with its FLOP cost "
             "model (parallel.pipeline_profile: null)",
         )
     import torch
 
-    from megascale_omni.models.component_profile import profile_components, single_stage_config
+    from megascale_omni.models.component_profile import single_stage_config
     from megascale_omni.parallel import ParallelDims, destroy_parallel, initialize_parallel
     from megascale_omni.parallel.pipeline_cost import PROFILE_VERSION, VISION, padded_vocab_size
     from megascale_omni.platform import init_distributed, init_platform
@@ -57,7 +59,7 @@ def main() -> None:
     rank, world = init_distributed(platform)
     initialize_parallel(ParallelDims.from_config(single.parallel, world), cfg.train.seed)
     try:
-        seconds = profile_components(cfg, platform.device, padded_vocab_size(cfg), repeats=args.repeats)
+        seconds = profile(cfg, platform.device, padded_vocab_size(cfg), repeats=args.repeats)
     finally:
         destroy_parallel()
     if rank != 0:

@@ -4,7 +4,8 @@ The pipeline cost model (``parallel/pipeline_cost.py``) needs, per micro-batch,
 the time of the vision encoder and projector (per image), the embedding, one
 language-model decoder layer and the output layer + loss. FLOPs predict these
 poorly where kernels are small or memory-bound (CPU, the embedding, the loss),
-so :func:`profile_components` times the real megatron modules instead, each in
+so each family's profiler (:func:`profile_gpt_components`,
+:func:`profile_llava_components`) times the real megatron modules instead, each in
 isolation, on inputs of the configured shapes.
 
 Clock: on CPU the CPU time of the calling thread (``time.thread_time``), so
@@ -70,40 +71,75 @@ def _causal_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).expand(b, 1, s, s)
 
 
-def profile_components(
+def profile_gpt_components(
     cfg: JobConfig, device: torch.device, vocab_size: int, repeats: int = 5, warmup: int = 2
 ) -> dict[str, float]:
-    """Fastest forward+backward seconds of each component (every TP rank).
-
-    Keys: ``vision_per_image`` and ``projector_per_image`` (LLaVA only, per
-    image), ``embedding``, ``lm_layer`` and ``output`` (per micro-batch of
-    ``train.micro_batch_size`` rows of ``model.seq_length`` tokens).
-    """
-    from megascale_omni.models.init import init_layout_invariant
+    """Fastest forward+backward seconds of the GPT's ``embedding``, ``lm_layer``
+    and ``output`` per micro-batch of ``train.micro_batch_size`` rows of
+    ``model.seq_length`` tokens (every TP rank)."""
+    from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 
     cfg = single_stage_config(cfg)
+    m = cfg.model
+    (chunk,) = build_gpt_chunks(
+        m, transformer_config(m, cfg.parallel, _dtype(cfg, device)), vocab_size=vocab_size,
+        max_sequence_length=m.seq_length,
+    )
+    return _profile_lm(cfg, chunk, chunk, device, vocab_size, causal_mask=False, repeats=repeats, warmup=warmup)
+
+
+def profile_llava_components(
+    cfg: JobConfig, device: torch.device, vocab_size: int, repeats: int = 5, warmup: int = 2
+) -> dict[str, float]:
+    """:func:`profile_gpt_components`' keys for the LLaVA language model, plus
+    ``vision_per_image`` and ``projector_per_image`` (seconds per image)."""
+    from megascale_omni.models.llava import build_llava_chunks
+
+    cfg = single_stage_config(cfg)
+    dtype = _dtype(cfg, device)
+    (chunk,) = build_llava_chunks(cfg, dtype, vocab_size, image_token_id=vocab_size - 1)
+    # Packed LLaVA rows carry an explicit (block-diagonal) mask: time the masked path.
+    seconds = _profile_lm(
+        cfg, chunk, chunk.language_model, device, vocab_size, causal_mask=True, repeats=repeats, warmup=warmup
+    )
+    cuda = device.type == "cuda"
+    v, b = cfg.vision, cfg.train.micro_batch_size
+    gen = torch.Generator().manual_seed(cfg.train.seed + 1)
+    n = max(1, round(b * v.images_per_sequence))
+    images = torch.rand(n, 3, v.image_size, v.image_size, generator=gen).to(device, dtype)
+    p = v.tokens_per_image
+    full = torch.zeros(1, 1, p, p, dtype=torch.bool, device=device)
+    feats = torch.randn(p, n, v.hidden_size, generator=gen).to(device, dtype)
+    feats.requires_grad_(not v.freeze)
+    vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=full))
+    projector = _fwd_bwd(lambda: chunk.vision_projection(feats))
+    seconds[f"{VISION}_per_image"] = _best_seconds(vision, repeats, warmup, cuda) / n
+    seconds[f"{PROJECTOR}_per_image"] = _best_seconds(projector, repeats, warmup, cuda) / n
+    return seconds
+
+
+def _dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    return torch.float32 if cfg.train.precision == "fp32" or device.type == "cpu" else torch.bfloat16
+
+
+def _profile_lm(
+    cfg: JobConfig, chunk: torch.nn.Module, lm: torch.nn.Module, device: torch.device, vocab_size: int,
+    causal_mask: bool, repeats: int, warmup: int,
+) -> dict[str, float]:
+    """Embedding, one decoder layer and output + loss of the language model
+    ``lm`` inside ``chunk`` (a one-layer, one-stage model)."""
+    from megascale_omni.models.init import init_layout_invariant
+
     m, train = cfg.model, cfg.train
-    dtype = torch.float32 if cfg.train.precision == "fp32" or device.type == "cpu" else torch.bfloat16
+    dtype = _dtype(cfg, device)
     b, s = train.micro_batch_size, m.seq_length
     cuda = device.type == "cuda"
-    if m.family == "llava":
-        from megascale_omni.models.llava import build_llava_chunks
-
-        (chunk,) = build_llava_chunks(cfg, dtype, vocab_size, image_token_id=vocab_size - 1)
-        lm = chunk.language_model
-    else:
-        from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
-
-        (chunk,) = build_gpt_chunks(
-            m, transformer_config(m, cfg.parallel, dtype), vocab_size=vocab_size, max_sequence_length=s
-        )
-        lm = chunk
     init_layout_invariant([chunk], seed=train.seed, std=m.init_method_std, num_layers=m.num_layers)
     chunk.to(device)
     gen = torch.Generator().manual_seed(train.seed)
     tokens = torch.randint(0, vocab_size, (b, s), generator=gen).to(device)
     positions = torch.arange(s, device=device).expand(b, s)
-    mask = _causal_mask(b, s, device) if m.family == "llava" else None
+    mask = _causal_mask(b, s, device) if causal_mask else None
     hidden = torch.randn(s, b, m.hidden_size, generator=gen).to(device, dtype).requires_grad_()
     rope = lm.rotary_pos_emb(s) if m.position_embedding_type == "rope" else None
     layer = lm.decoder.layers[0]
@@ -122,16 +158,4 @@ def profile_components(
         return lm.compute_language_model_loss(labels, logits).sum()
 
     seconds[OUTPUT] = _best_seconds(_fwd_bwd(output_and_loss), repeats, warmup, cuda)
-    if m.family == "llava":
-        v = cfg.vision
-        n = max(1, round(b * v.images_per_sequence))
-        images = torch.rand(n, 3, v.image_size, v.image_size, generator=gen).to(device, dtype)
-        p = v.tokens_per_image
-        full = torch.zeros(1, 1, p, p, dtype=torch.bool, device=device)
-        feats = torch.randn(p, n, v.hidden_size, generator=gen).to(device, dtype)
-        feats.requires_grad_(not v.freeze)
-        vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=full))
-        projector = _fwd_bwd(lambda: chunk.vision_projection(feats))
-        seconds[f"{VISION}_per_image"] = _best_seconds(vision, repeats, warmup, cuda) / n
-        seconds[f"{PROJECTOR}_per_image"] = _best_seconds(projector, repeats, warmup, cuda) / n
     return seconds

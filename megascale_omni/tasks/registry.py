@@ -40,6 +40,9 @@ class ModelFamily:
     #: world_size) -> PipelineCostModel`` of one micro-batch; None: no ``auto``
     #: split and no memory check.
     cost_model: Optional[str] = None
+    #: ``"module:function"`` timing its components on this device for a measured
+    #: pipeline profile (tools/profile_layers.py); None: FLOP cost model only.
+    profiler: Optional[str] = None
     #: Family-specific config checks (raise ConfigError), after the generic ones.
     check: Optional[Callable[[JobConfig], None]] = None
     #: Why a missing feature is missing, by feature (appended to the error).
@@ -64,6 +67,10 @@ class ModelFamily:
         from megascale_omni.parallel.pipeline_plan import build_cost_model
 
         return build_cost_model(cfg, self.cost_model_fn(cfg), cuda=cuda, world_size=world_size)
+
+    def profiler_fn(self) -> Optional[Callable]:
+        """``(cfg, device, vocab_size, repeats) -> seconds per component``, or None."""
+        return None if self.profiler is None else _resolve(self.profiler)
 
     def build_task(self, cfg: JobConfig, platform, dims):
         """The family's task on this rank (every rank; builds datasets, not the model)."""
@@ -167,6 +174,7 @@ FAMILIES: dict[str, ModelFamily] = {
             task="megascale_omni.tasks.gpt_smoke:GptSmokeTask",
             features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
+            profiler="megascale_omni.models.component_profile:profile_gpt_components",
             notes=(("context_parallel", "ring attention is not implemented yet"),),
         ),
         ModelFamily(
@@ -174,6 +182,7 @@ FAMILIES: dict[str, ModelFamily] = {
             task="megascale_omni.tasks.llava:LlavaTask",
             features=frozenset({"vpp", "explicit_partition", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
+            profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
             notes=(
                 ("sequence_parallel", "packed sequences are not split across TP ranks"),
