@@ -35,11 +35,10 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules
 
-    from megascale_omni.config import parse_job_config
-    from megascale_omni.tasks.llava import LlavaTask
+    from megascale_omni.entry import parse_for_family
     from megascale_omni.training.trainer import Trainer
 
-    cfg = parse_job_config(overrides)
+    cfg, family = parse_for_family("llava", overrides)
     clock = {"seconds": 0.0, "forwards": 0}
 
     def timed(fn, count: bool):
@@ -55,14 +54,14 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     # Module globals: the 1F1B schedule looks both up at call time.
     schedules.forward_step = timed(schedules.forward_step, True)
     schedules.backward_step = timed(schedules.backward_step, False)
-    trainer = Trainer(cfg, LlavaTask)
+    trainer = Trainer(cfg, family)
     try:
-        trainer._one_step()  # warm-up: allocator, first-touch, lazy inits
+        trainer.train_one_step()  # warm-up: allocator, first-touch, lazy inits
         per_step, walls = [], []
         for _ in range(args.steps - 1):
             clock.update(seconds=0.0, forwards=0)
             t0 = time.perf_counter()
-            trainer._one_step()
+            trainer.train_one_step()
             walls.append(time.perf_counter() - t0)
             per_step.append(clock["seconds"] / max(clock["forwards"], 1))
         gathered = [None] * dist.get_world_size()
