@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks training: synchronous vs asynchronous.
 
-    python benchmarks/checkpoint_async.py [--hidden 1024 --layers 8 --steps 9 --interval 4]
+    .venv/bin/python benchmarks/checkpoint_async.py [--hidden 1024 --layers 8 --steps 9 --interval 4] [--quick]
 
 Runs the same GPT (about 135M parameters with the defaults: ~1.6 GB of model
 + Adam state in fp32) twice in one process each, side by side in one
@@ -9,6 +9,7 @@ whole save) and once with the default async save (training waits for the
 host copy and megatron's planning only). Each run saves every ``--interval``
 steps; the per-save numbers come from the run's ``checkpoints.jsonl``.
 Prints one table and the ratio async blocking / sync save time.
+``--quick``: hidden 64, 2 layers, vocab 1024, 2 steps, a save every step.
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+from _quick import add_quick_flag, apply_quick  # noqa: E402
+
+QUICK = {"hidden": 64, "layers": 2, "vocab": 1024, "steps": 2, "interval": 1}
+
 
 def run(mode: str, root: Path, args) -> list[dict]:
     out = root / mode
     cmd = [
         sys.executable, "-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
         f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}", "model.num_attention_heads=16",
-        "model.vocab_size=32000", "model.seq_length=128", "train.global_batch_size=1", "train.micro_batch_size=1",
+        f"model.vocab_size={args.vocab}", "model.seq_length=128", "train.global_batch_size=1",
+        "train.micro_batch_size=1",
         f"train.steps={args.steps}", f"logging.output_dir={out}", "logging.tensorboard=false",
         "logging.progress_bar=false", f"checkpoint.dir={out / 'ckpt'}", f"checkpoint.interval={args.interval}",
         "checkpoint.save_at_end=false", f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
         "checkpoint.keep_last=1",
     ]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+    if res.returncode:
+        sys.exit(f"the {mode} run failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
     print(f"  {mode}: run took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return [json.loads(line) for line in (out / "checkpoints.jsonl").read_text().splitlines()]
 
@@ -47,9 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--interval", type=int, default=4)
-    args = parser.parse_args()
+    add_quick_flag(parser, QUICK)
+    args = apply_quick(parser.parse_args(), QUICK)
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         results = {mode: run(mode, Path(tmp), args) for mode in ("sync", "async")}
     sync_s = statistics.mean(r["blocking_s"] for r in results["sync"])

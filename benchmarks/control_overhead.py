@@ -1,6 +1,6 @@
 """Cost of the control plane's per-step command exchange.
 
-    .venv/bin/python benchmarks/control_overhead.py [--iters 2000] [--steps 100]
+    .venv/bin/python benchmarks/control_overhead.py [--iters 2000] [--steps 100] [--quick]
 
 Two measurements, both with 2 processes on gloo/loopback:
 
@@ -14,6 +14,8 @@ Two measurements, both with 2 processes on gloo/loopback:
    Rounds alternate between the cases.
 2. In situ: the tiny GPT smoke job (DP=2) logs the mean boundary time it
    measured over its real steps; compared with its median step time.
+
+``--quick``: 40 calls per case, 5 steps.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package, whatever is installed
+
+from _quick import add_quick_flag, apply_quick  # noqa: E402
+
+#: The micro-benchmark's cases alternate in this many rounds.
+ROUNDS = 20
+QUICK = {"iters": 2 * ROUNDS, "steps": 5}
 
 
 def worker(iters: int, out_dir: str) -> None:
@@ -69,7 +78,7 @@ def worker(iters: int, out_dir: str) -> None:
         "step_with_blocking_us": lambda i: (step(), dist.all_reduce(same_size)),
     }
     total = dict.fromkeys(cases, 0.0)
-    rounds = 20
+    rounds = ROUNDS
     per_round = iters // rounds
     for r in range(rounds):
         for name, call in cases.items():
@@ -85,25 +94,34 @@ def worker(iters: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _run(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
+    if res.returncode:
+        sys.exit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--iters", type=int, default=2000, help=f"calls per case (at least {ROUNDS})")
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--worker", metavar="OUT_DIR")
-    args = p.parse_args()
+    p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
+    add_quick_flag(p, QUICK)
+    args = apply_quick(p.parse_args(), QUICK)
+    if args.iters < ROUNDS:
+        p.error(f"--iters must be >= {ROUNDS} (the cases alternate in {ROUNDS} rounds)")
     if args.worker:
         return worker(args.iters, args.worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     with tempfile.TemporaryDirectory() as tmp:
-        micro = subprocess.run([*torchrun, __file__, "--iters", str(args.iters), "--worker", f"{tmp}/micro"],
-                               env=env, capture_output=True, text=True, check=True, cwd=REPO)
+        micro = _run([*torchrun, __file__, "--iters", str(args.iters), "--worker", f"{tmp}/micro"], env)
         m = json.loads(micro.stdout.strip().splitlines()[-1])
-        smoke = subprocess.run(
+        smoke = _run(
             [*torchrun, "-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
              f"train.steps={args.steps}", f"logging.output_dir={tmp}/smoke", "logging.tensorboard=false",
              "logging.log_interval=1000"],
-            env=env, capture_output=True, text=True, check=True, cwd=REPO,
+            env,
         )
         records = [json.loads(line) for line in Path(f"{tmp}/smoke/metrics.jsonl").read_text().splitlines()]
         step_s = statistics.median(r["step_s"] for r in records if "step_s" in r)

@@ -1,6 +1,6 @@
 """Join latency of an elastic replica group vs a full torchrun restart + checkpoint reload.
 
-    .venv/bin/python benchmarks/elastic_join.py [--join-after 20] [--global-batch 12] [--pin]
+    .venv/bin/python benchmarks/elastic_join.py [--join-after 20] [--global-batch 12] [--pin] [--quick]
 
 Three cases side by side on the tiny GPT of examples/elastic/gpt_pp2.yaml
 (TP1 x PP2 = two processes per replica group), one lighthouse each:
@@ -30,6 +30,9 @@ groups of a real job run on their own nodes. ``--pin`` emulates that with
 other.
 
 Times are wall-clock seconds observed by polling metrics.jsonl every 10 ms.
+
+``--quick``: the join after 5 steps, r0's new steady state from 3 steps
+(still 7 torchrun launches: a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -46,13 +49,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _quick import add_quick_flag, apply_quick  # noqa: E402
+
 from megascale_omni.control import ControlClient  # noqa: E402
 from megascale_omni.control.client import endpoint_of_run  # noqa: E402
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records  # noqa: E402
 from tests.launcher import _kill_group, finish, spawn, torchrun_cmd  # noqa: E402
 
-#: Steps of r0 after the join used for its new steady-state step time.
-STEADY = range(3, 23)
+#: r0's steps after the first step with the new participant count that are
+#: skipped before its new steady state is measured (``--steady-steps`` steps).
+STEADY_FROM = 3
+QUICK = {"join_after": 5, "steady_steps": 3}
 
 
 def _wait(predicate, timeout: float, procs=()) -> float:
@@ -67,12 +74,12 @@ def _wait(predicate, timeout: float, procs=()) -> float:
     return time.monotonic()
 
 
-def _disruption(recs: list[dict], first_in_window: int) -> dict:
+def _disruption(recs: list[dict], first_in_window: int, steady: range) -> dict:
     """r0's lost step times around its first step with a new participant count."""
     before = recs[0]["participants"]
     changed = next(i for i, r in enumerate(recs) if i >= first_in_window and r["participants"] != before)
     median_before = statistics.median(r["step_s"] for r in recs[2:first_in_window])  # skip warm-up
-    median_after = statistics.median(recs[changed + k]["step_s"] for k in STEADY)
+    median_after = statistics.median(recs[changed + k]["step_s"] for k in steady)
     window = recs[first_in_window : changed + 3]
     lost = sum(r["step_s"] - (median_before if r["participants"] == before else median_after) for r in window)
     return {
@@ -84,16 +91,16 @@ def _disruption(recs: list[dict], first_in_window: int) -> dict:
     }
 
 
-def _first_commit_then_steady(run: Path, procs) -> float:
+def _first_commit_then_steady(run: Path, procs, steady: range) -> float:
     """Wait for r1's first committed step (returns when), then for enough
     steps of r0 to measure its new steady state."""
     first = _wait(lambda: len(step_records(run / "r1")) >= 1, 600, procs)
     at_first = len(step_records(run / "r0"))
-    _wait(lambda: len(step_records(run / "r0")) >= at_first + STEADY.stop + 2, 600, procs)
+    _wait(lambda: len(step_records(run / "r0")) >= at_first + steady.stop + 2, 600, procs)
     return first
 
 
-def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict) -> dict:
+def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict, steady: range) -> dict:
     run = work / "cold"
     lighthouse, addr = start_lighthouse(timeout=1200)
     procs = [lighthouse]
@@ -104,14 +111,14 @@ def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict) 
         at_launch = len(step_records(run / "r0"))
         launched = time.monotonic()
         procs.append(start_replica("r1", addr, run, args, timeout=1200, cpus=cpus.get("r1")))
-        first = _first_commit_then_steady(run, procs)
+        first = _first_commit_then_steady(run, procs, steady)
     finally:
         for p in procs:
             _kill_group(p)
     recs = step_records(run / "r0")
     # The join itself: the step r1 first asked for a quorum in, onwards.
     healed_step = step_records(run / "r1")[0]["step"]
-    join = _disruption(recs, next(i for i, r in enumerate(recs) if r["step"] >= healed_step - 1))
+    join = _disruption(recs, next(i for i, r in enumerate(recs) if r["step"] >= healed_step - 1), steady)
     startup = [r["step_s"] for r in recs[at_launch : healed_step - 2]]
     return {
         "latency_s": first - launched,
@@ -121,7 +128,7 @@ def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict) 
     }
 
 
-def measure_standby_join(work: Path, args: list[str], join_after: int, cpus: dict) -> dict:
+def measure_standby_join(work: Path, args: list[str], join_after: int, cpus: dict, steady: range) -> dict:
     run = work / "standby"
     lighthouse, addr = start_lighthouse(timeout=1200)
     procs = [lighthouse]
@@ -137,12 +144,12 @@ def measure_standby_join(work: Path, args: list[str], join_after: int, cpus: dic
         sent = time.monotonic()
         with ControlClient(endpoint_of_run(str(run / "r1")), timeout_s=60) as client:
             client.call("join")
-        first = _first_commit_then_steady(run, procs)
+        first = _first_commit_then_steady(run, procs, steady)
     finally:
         for p in procs:
             _kill_group(p)
     recs = step_records(run / "r0")
-    return {"latency_s": first - sent, **_disruption(recs, max(at_join - 1, start + 2))}
+    return {"latency_s": first - sent, **_disruption(recs, max(at_join - 1, start + 2), steady)}
 
 
 def _state(run_dir: Path):
@@ -164,8 +171,10 @@ def measure_restart(work: Path, args: list[str], kill_after: int, cpus: dict) ->
     if cpus.get("r0"):
         cmd = ["taskset", "-c", cpus["r0"], *cmd]
     first = spawn(cmd, timeout=1200)
-    _wait(lambda: len(step_records(out)) >= kill_after + 1, 600, [first])
-    _kill_group(first)
+    try:
+        _wait(lambda: len(step_records(out)) >= kill_after + 1, 600, [first])
+    finally:
+        _kill_group(first)
     done = len(step_records(out))
     relaunched = time.monotonic()
     second = spawn(cmd, timeout=1200)
@@ -184,7 +193,14 @@ def main() -> None:
     p.add_argument("--pin", action="store_true",
                    help="give each replica group cores of its own (taskset: r0 and the restarted job on the first "
                         "half, r1 on the second), as on separate nodes")
-    args = p.parse_args()
+    p.add_argument("--steady-steps", type=int, default=20,
+                   help=f"r0's steps whose median is its new steady state, from step {STEADY_FROM} after the join on")
+    add_quick_flag(p, QUICK)
+    args = apply_quick(p.parse_args(), QUICK)
+    if args.join_after < 4:
+        p.error("--join-after must be >= 4 (r0's first two steps are warm-up; its step time before the join "
+                "comes from the steps after them)")
+    steady = range(STEADY_FROM, STEADY_FROM + args.steady_steps)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cpus: dict = {}
     if args.pin:
@@ -195,8 +211,8 @@ def main() -> None:
                 "logging.progress_bar=false", "logging.tensorboard=false"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        cold = measure_cold_join(work, job_args, args.join_after, cpus)
-        standby = measure_standby_join(work, job_args, args.join_after, cpus)
+        cold = measure_cold_join(work, job_args, args.join_after, cpus, steady)
+        standby = measure_standby_join(work, job_args, args.join_after, cpus, steady)
         restart = measure_restart(work, job_args, args.join_after, cpus)
     result = {
         "pinned_cpus": cpus or None,

@@ -1,24 +1,37 @@
 """Packing efficiency of the LLaVA data path vs padding every sample to the max.
 
-    .venv/bin/python benchmarks/packing_efficiency.py [--num-train 20000] [--seq-length 256]
+    .venv/bin/python benchmarks/packing_efficiency.py [--num-train 20000] [--seq-length 256] [--quick]
 
 Builds (or reuses) the embedded shapes dataset, computes encoded lengths from
 the shard metadata and reports, side by side, the fraction of non-padding
 tokens with sequence packing and with one padded sample per row.
+``--quick``: 500 samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from megascale_omni.data.llava.batches import LlavaEncoder
-from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency
-from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset, load_shapes_tokenizer, open_shapes_split
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package, whatever is installed
+
+from _quick import add_quick_flag, apply_quick  # noqa: E402
+
+from megascale_omni.data.llava.batches import LlavaEncoder  # noqa: E402
+from megascale_omni.data.llava.shapes_dataset import (  # noqa: E402
+    ensure_shapes_dataset,
+    load_shapes_tokenizer,
+    open_shapes_split,
+)
+from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency  # noqa: E402
+
+QUICK = {"num_train": 500}
 
 
 def main() -> None:
@@ -27,12 +40,14 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--tokens-per-image", type=int, default=16)
     p.add_argument("--data-dir", default=None, help="dataset dir (default: a temporary directory)")
-    args = p.parse_args()
-    root = Path(args.data_dir or tempfile.mkdtemp()) / f"shapes-{args.num_train}"
-    ensure_shapes_dataset(root, num_train=args.num_train, num_val=20)
-    reader = open_shapes_split(root, "train")
-    enc = LlavaEncoder(load_shapes_tokenizer(root), args.tokens_per_image)
-    lengths = np.array([enc.length_from_metadata(reader.read_metadata(i)) for i in range(len(reader))])
+    add_quick_flag(p, QUICK)
+    args = apply_quick(p.parse_args(), QUICK)
+    with tempfile.TemporaryDirectory(prefix="packing-bench-") as tmp:
+        root = Path(args.data_dir or tmp) / f"shapes-{args.num_train}"
+        ensure_shapes_dataset(root, num_train=args.num_train, num_val=20)
+        reader = open_shapes_split(root, "train")
+        enc = LlavaEncoder(load_shapes_tokenizer(root), args.tokens_per_image)
+        lengths = np.array([enc.length_from_metadata(reader.read_metadata(i)) for i in range(len(reader))])
     t0 = time.perf_counter()
     packs = pack_samples(lengths, args.seq_length)
     pack_s = time.perf_counter() - t0

@@ -1,0 +1,117 @@
+"""Every benchmark command in BENCHMARKS.md runs as written, at ``--quick`` sizes.
+
+The command is taken from the document itself (``- Command: `...` ``), with
+its optional ``[...]`` arguments given and ``--quick`` appended, so a renamed
+script, a dropped flag or an API change in a benchmark fails here instead of
+rotting until someone re-measures. Only exit code 0 and the shape of the
+printed result are checked: quick numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+
+import pytest
+
+from tests.launcher import REPO, run
+
+#: Lines each benchmark's output must contain (regular expressions, searched per line).
+EXPECTED = {
+    "packing_efficiency": [
+        r"^samples 500 ",
+        r"^method\s+efficiency\s+rows$",
+        r"^packed \(best-fit\)\s+[\d.]+\s+\d+$",
+        r"^pad to longest sample\s+[\d.]+\s+500$",
+        r"^ratio [\d.]+x useful tokens per row",
+    ],
+    "control_overhead": [
+        r"^micro-benchmark, 40 calls, 2 ranks gloo:",
+        r"^  step_boundary \(encode, all-reduce 41 x float64, decode, publish\): +[\d.]+ us",
+        r"^  ratio step_boundary / baseline: [\d.]+x",
+        r"^  stand-in step .* with a blocking exchange instead",
+        r"^in situ, tiny GPT DP=2, 5 steps:",
+        r"^  boundary [\d.]+ us .* -> [\d.]+% of a step",
+    ],
+    "dit_buckets": [
+        r"^500 images; buckets \(HxW:tokens x batch\): ",
+        *(rf"^dp={dp}, {4 * dp} packages/step, \d+ steps$" for dp in (2, 4, 8)),
+        *(rf"^rank token imbalance \(max/mean, dp={dp}\)\s+max [\d.]+" for dp in (2, 4, 8)),
+        r"^padding waste\s+[\d.]+%\s+[\d.]+% \(pad to largest\)",
+    ],
+    "checkpoint_async": [
+        r"^checkpoint size: [\d.]+ GB; saves per run: 2$",
+        r"^\| mode \| training blocked per save \(s\) \| save complete after \(s\) \|$",
+        r"^\| sync \(baseline\) \| [\d.]+ \| [\d.]+ \|$",
+        r"^\| async \| [\d.]+ \| [\d.]+ \|$",
+        r"^ratio async blocking / sync save: [\d.]+",
+    ],
+    "pipeline_partition": [
+        r"^config examples/llava/pp4_vit_heavy.yaml, PP=4, 1 measured steps",
+        r"^mode\s+rank\s+layers\s+predicted\s+measured\s+diff\s+median step$",
+        *(rf"^{mode}\s+{rank}\s+\d+\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%\s+[\d.]+$"
+          for mode in ("uniform", "auto") for rank in range(4)),
+        r"^mode\s+max/mean predicted\s+max/mean measured\s+step wall s$",
+        r"^measured slowest stage: uniform / auto = [\d.]+x",
+    ],
+    "elastic_join": [
+        r'^  "pinned_cpus": \{',  # --pin from the documented command
+        r'^  "standby_join": \{',
+        r"^latency: cold join [\d.]+ s, standby join [\d.]+ s, restart\+reload [\d.]+ s",
+        r"^survivor lost step times at the join: cold -?[\d.]+, standby -?[\d.]+",
+    ],
+}
+
+#: Hard limit per run (the whole process tree is killed), generous for a
+#: loaded 2-core host: a quick run takes a fraction of it.
+TIMEOUT_S = {
+    "packing_efficiency": 240,
+    "dit_buckets": 240,
+    "checkpoint_async": 420,
+    "control_overhead": 420,
+    "pipeline_partition": 600,
+    "elastic_join": 1200,
+}
+#: Benchmarks that start several torchrun jobs.
+DIST = {"control_overhead", "pipeline_partition", "elastic_join"}
+#: Too long for `make test` even at quick sizes (7 torchrun launches plus a
+#: lighthouse: a few minutes); `make test-all` runs it.
+SLOW = {"elastic_join"}
+
+
+def documented_commands() -> dict[str, list[str]]:
+    """Benchmark name -> argv of its ``- Command:`` in BENCHMARKS.md, optional
+    ``[...]`` arguments included, run by this interpreter."""
+    commands = {}
+    for text in re.findall(r"^- Command: `([^`]+)`", (REPO / "BENCHMARKS.md").read_text(), re.MULTILINE):
+        argv = shlex.split(text.replace("[", " ").replace("]", " "))
+        assert argv[0] == ".venv/bin/python" and argv[1].startswith("benchmarks/"), text
+        assert (REPO / argv[1]).is_file(), f"BENCHMARKS.md runs a missing script: {text}"
+        name = argv[1].removeprefix("benchmarks/").removesuffix(".py")
+        assert name not in commands, f"two commands for {name}"
+        commands[name] = [sys.executable, *argv[1:]]
+    return commands
+
+
+def test_every_benchmark_has_one_documented_command():
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert set(documented_commands()) == scripts == set(EXPECTED)
+
+
+def _case(name: str):
+    marks = [pytest.mark.timeout(TIMEOUT_S[name] + 60)]
+    marks += [pytest.mark.dist] if name in DIST else []
+    marks += [pytest.mark.slow] if name in SLOW else []
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", [_case(name) for name in EXPECTED])
+def test_documented_command_runs_quick(name):
+    cmd = [*documented_commands()[name], "--quick"]
+    res = run(cmd, timeout=TIMEOUT_S[name])
+    shown = " ".join(cmd[1:])
+    assert res.returncode == 0, f"{shown} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    lines = res.stdout.splitlines()
+    missing = [pattern for pattern in EXPECTED[name] if not any(re.search(pattern, line) for line in lines)]
+    assert not missing, f"{shown}: no line matches {missing}\n--- stdout ---\n{res.stdout[-5000:]}"
