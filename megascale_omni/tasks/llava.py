@@ -232,8 +232,11 @@ class LlavaTask(Task):
         mine = list(packs[rank::dp])
         mbs = self.cfg.train.micro_batch_size
         # Pipeline p2p buffers are [seq, micro_batch_size, hidden]: every
-        # micro-batch must be full, so pad the tail with empty rows.
-        mine += [Pack((), (), ())] * (-len(mine) % mbs or (mbs if not mine else 0))
+        # micro-batch must be full, so pad the tail with empty rows. The
+        # interleaved (VPP) schedule also runs micro-batches in groups of pp
+        # and rejects a partial last group: pad to whole groups.
+        rows = mbs * (self.dims.pp if self.dims.num_model_chunks > 1 else 1)
+        mine += [Pack((), (), ())] * (-len(mine) % rows or (rows if not mine else 0))
         batches = [
             self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
             for i in range(0, len(mine), mbs)

@@ -1,7 +1,8 @@
 """DiT under TP2, PP2 and TP2xDP2 matches the single-process run.
 
 Same seed, same data and noise, fp32: the per-step loss of 20 steps must
-agree within 1e-3 relative with TP1/PP1. PP2 checks that image tokens,
+agree within 1e-6 relative with TP1/PP1 (measured: below 9e-8), the grad norm
+within 1e-5 (measured: below 2e-7). PP2 checks that image tokens,
 caption states and the condition cross the stage boundary (variable shapes
 per bucket) with their gradients; TP2 that the sharded attention, MLP and
 adaLN linears recombine exactly. DP2 also checks the token-balanced split:
@@ -18,7 +19,8 @@ from tests.launcher import assert_same_training, train_and_read
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 STEPS = 20
-RTOL = 1e-3
+RTOL = 1e-6
+GRAD_RTOL = 1e-5
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2"]),
@@ -50,5 +52,4 @@ def baseline(tmp_path_factory, dataset):
 def test_dit_layout_matches_single_process(tmp_path_factory, dataset, baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, dataset, name, nproc, overrides)
-    worst = assert_same_training(baseline, records, name, RTOL, counters=("tokens", "loss_tokens"))
-    print(f"\n{name}: max relative loss difference vs TP1/PP1 over {STEPS} steps: {worst:.2e}")
+    assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("tokens", "loss_tokens"))

@@ -2,22 +2,26 @@
 
 The strongest guard against fake parallelism: a tiny megatron GPT trains 10
 steps on identical global batches under (TP, PP, DP) layouts on gloo, and
-every layout's loss curve must equal the single-process run within 1e-4
-relative (fp32). Layout-invariant init makes step 0 identical; equality
-afterwards proves gradients, their reduction and the optimizer agree.
+every layout's loss curve must equal the single-process run within 1e-6
+relative (fp32; measured: below 6e-8) and the grad norm within 1e-5 (measured:
+below 6e-7). Layout-invariant init makes step 0 identical; equality
+afterwards proves gradients, their reduction and the optimizer agree. What
+remains is fp32 rounding of a different summation order (TP partial sums,
+DP gradient all-reduce, per-stage grad-norm partial sums).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.launcher import train_and_read
+from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 CONFIG = "examples/gpt/tiny.yaml"
 STEPS = 10
-RTOL = 1e-4
+RTOL = 1e-6
+GRAD_RTOL = 1e-5
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -45,12 +49,8 @@ def baseline(tmp_path_factory) -> list[dict]:
 def test_layout_matches_single_process(tmp_path_factory, baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, name, nproc, overrides)
-    for ref, got in zip(baseline, records):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"{name} step {got['step']}"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), f"{name} step {got['step']}"
-        assert got["lr"] == pytest.approx(ref["lr"], rel=1e-9)
-    # Same samples per step in every layout.
-    assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in baseline]
+    # Same samples (loss tokens) and learning rate per step in every layout.
+    assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("loss_tokens",), lr_rtol=1e-9)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
@@ -59,6 +59,4 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
     tied = ["model.share_embeddings_and_output_weights=true"]
     ref = _train(tmp_path_factory, "tied-base", 1, tied)
     got = _train(tmp_path_factory, "tied-tp2-pp2", 4, tied + ["parallel.tp=2", "parallel.pp=2"])
-    for r, g in zip(ref, got):
-        assert g["loss"] == pytest.approx(r["loss"], rel=RTOL), f"step {g['step']}"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-3), f"step {g['step']}"
+    assert_same_training(ref, got, "tied tp2-pp2", RTOL, GRAD_RTOL, counters=("loss_tokens",))

@@ -1,7 +1,8 @@
 """LLaVA under TP2, PP2 and 4-process layouts with DP matches TP1/PP1.
 
 Same seed, same data, fp32: the per-step loss of 20 steps must agree within
-1e-3 relative with the single-process run. The ViT and projector live on
+1e-6 relative with the single-process run (measured: below 1e-7), the grad
+norm within 1e-5 (measured: below 3.1e-6, PP2). The ViT and projector live on
 pipeline stage 0, so PP2 checks that image features cross the stage boundary
 correctly, and TP2 that the ViT/projector/LM shards recombine exactly.
 """
@@ -15,7 +16,8 @@ from tests.launcher import assert_same_training, train_and_read
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 STEPS = 20
-RTOL = 1e-3
+RTOL = 1e-6
+GRAD_RTOL = 1e-5
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2"]),
@@ -42,4 +44,4 @@ def baseline(tmp_path_factory, llava_dataset):
 def test_llava_layout_matches_single_process(tmp_path_factory, llava_dataset, baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, llava_dataset, name, nproc, overrides)
-    assert_same_training(baseline, records, name, RTOL, counters=("samples", "loss_tokens"))
+    assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))

@@ -2,7 +2,9 @@
 
 LLaVA on 4 pipeline stages (4 processes, the ViT on stage 0): megatron's
 uniform split and the cost-model split must give the same per-step loss
-within 1e-4 relative (fp32, same seed and data). Equality at step 1 shows the
+within 1e-6 relative (fp32, same seed and data; measured: identical) and grad
+norm within 1e-5 (measured: below 1.2e-7; the norm sums per-stage partial
+squares, so its rounding depends on the split). Equality at step 1 shows the
 layout-invariant init and global layer numbering survive a non-uniform
 layout; equality afterwards that gradients and updates do too. The
 interleaved (PP2 x VPP2) auto split is held to the same baseline (slow).
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launcher import train_and_read
+from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 STEPS = 3
-RTOL = 1e-4
+RTOL = 1e-6
+GRAD_RTOL = 1e-5
 # The ViT-heavy example, shrunk to 8 LM layers: uniform is [2, 2, 2, 2].
 SMALL = ["model.num_layers=8", "train.eval_interval=0", f"train.steps={STEPS}", "train.global_batch_size=4"]
 
@@ -47,7 +50,4 @@ def uniform(tmp_path_factory, llava_dataset):
 )
 def test_auto_partition_matches_uniform(tmp_path_factory, llava_dataset, uniform, name, nproc, overrides):
     records = _train(tmp_path_factory, llava_dataset, name, nproc, overrides)
-    for ref, got in zip(uniform, records):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"{name} step {got['step']}"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), f"{name} step {got['step']}"
-    assert [r["loss_tokens"] for r in records] == [r["loss_tokens"] for r in uniform]
+    assert_same_training(uniform, records, name, RTOL, GRAD_RTOL, counters=("loss_tokens",))

@@ -1,7 +1,9 @@
 """Resume exactness, triggered saves and DP resharding on real torchrun jobs.
 
-Every comparison is against one uninterrupted run with the same seed, data
-and layout: a resumed run must reproduce its per-step losses (fp32).
+Every comparison is against one uninterrupted run with the same seed and
+data: a run resumed in the same layout must reproduce its per-step losses
+bit for bit (fp32, ``==``); one resumed at another DP size within 1e-6
+relative (the gradient reduction order changes; measured 5.9e-8).
 """
 
 from __future__ import annotations
@@ -55,8 +57,14 @@ def straight(tmp_path_factory):
     return get
 
 
-def _assert_same(reference, got, rel):
+def _assert_same(reference: dict, got: dict, rel: float = 0.0) -> None:
+    """Same steps; every loss bit-identical (``rel=0``, the default) or within
+    ``rel`` relative. Prints the worst relative difference."""
     assert sorted(got) == sorted(reference), (sorted(got), sorted(reference))
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    print(f"\nworst relative loss difference vs the uninterrupted run: {worst!r}")
+    if rel == 0.0:
+        assert got == reference, [(s, got[s], reference[s]) for s in reference if got[s] != reference[s]]
     for step, loss in reference.items():
         assert abs(got[step] - loss) <= rel * abs(loss), (step, got[step], loss)
 
@@ -76,12 +84,14 @@ def test_failure_save_then_resume_reproduces_losses(tmp_path, straight, name):
     res, records = _train(nproc, args, out)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr and "at step 10" in res.stderr
-    _assert_same(straight(name), _losses(records), rel=1e-6)
+    _assert_same(straight(name), _losses(records))
 
 
 def test_dp2_checkpoint_resumes_under_dp1(tmp_path, straight):
     """Distributed-optimizer state saved by 2 DP ranks loads into 1; the loss
-    curve continues (same global batch, so equal up to fp32 reduction order)."""
+    curve continues (same global batch, so equal up to fp32 reduction order:
+    the DP2 run all-reduces gradients, the DP1 run sums them in one process;
+    measured 5.9e-8 relative)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     args = ["parallel.use_distributed_optimizer=true", f"checkpoint.dir={ckpt}"]
     res, _ = _train(2, args, out, fail_at_step=11)
@@ -89,7 +99,7 @@ def test_dp2_checkpoint_resumes_under_dp1(tmp_path, straight):
     res, records = _train(1, args, out)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "saved with tp1 pp1 dp2, now tp1 pp1 dp1" in res.stderr
-    _assert_same(straight("dp2-distopt"), _losses(records), rel=1e-4)
+    _assert_same(straight("dp2-distopt"), _losses(records), rel=1e-6)
 
 
 def _wait_for_step(out: Path, step: int, proc, timeout: float = 120.0) -> None:
@@ -155,7 +165,7 @@ def _worker_pids(agent_pid: int) -> list[int]:
 
 def test_llava_tp2_resume_reproduces_losses(tmp_path):
     """The LLaVA task (ViT + projector + LM, packed data, skip counters)
-    resumes exactly under TP2 as well."""
+    resumes bit-identically under TP2 as well."""
     from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 
     data = tmp_path / "shapes"
@@ -176,4 +186,4 @@ def test_llava_tp2_resume_reproduces_losses(tmp_path):
     assert res.returncode != 0
     res, got = train(tmp_path / "resumed", ckpt)
     assert res.returncode == 0 and "at step 4" in res.stderr, res.stderr[-3000:]
-    _assert_same(reference, got, rel=1e-6)
+    _assert_same(reference, got)
