@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 STEPS = 4
 RTOL = 1e-6
+GRAD_RTOL = 1e-5
 CONFIG = "examples/dit/tiny_cpu.yaml"
 
 
@@ -86,9 +87,7 @@ def test_explicit_1_3_builds_its_blocks_and_matches_one_process(tmp_path_factory
     head, block, tail = _predicted_params(dataset, 4, _text_vocab(dataset))
     assert _stage_log(base_log) == {0: ((0, 4), head + 4 * block + tail)}
     assert _stage_log(output) == {0: ((0, 1), head + block), 1: ((1, 4), 3 * block + tail)}
-    worst = assert_same_training(base, records, "pp2 [1,3]", RTOL, counters=("tokens", "loss_tokens"))
-    for ref, got in zip(base, records):
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    worst, _ = assert_same_training(base, records, "pp2 [1,3]", RTOL, GRAD_RTOL, counters=("tokens", "loss_tokens"))
     print(f"\npp2 [1,3]: max relative loss difference vs one process over {STEPS} steps: {worst:.2e}")
 
 
@@ -102,5 +101,5 @@ def test_auto_resolves_to_counts_the_stages_build(tmp_path_factory, dataset, bas
     assert "pipeline partition (auto, FLOP model): layers per chunk [2, 2]" in output
     stages = _stage_log(output)
     assert [stages[r][0] for r in (0, 1)] == [(0, 2), (2, 4)]
-    worst = assert_same_training(base, records, "pp2 auto", RTOL, counters=("tokens", "loss_tokens"))
+    worst, _ = assert_same_training(base, records, "pp2 auto", RTOL, GRAD_RTOL, counters=("tokens", "loss_tokens"))
     print(f"\npp2 auto [2,2]: max relative loss difference vs one process over {STEPS} steps: {worst:.2e}")
