@@ -11,6 +11,7 @@ are deterministic on CPU, so a failure means the training changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
-from tests.launcher import read_metrics, run
+from tests.launcher import finish, read_metrics, spawn
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,14 +29,42 @@ COMMON = [f"train.steps={STEPS}", "train.global_batch_size=4", "train.eval_inter
           "logging.tensorboard=false", "logging.progress_bar=false"]
 
 
-def _train(entry: str, config: str, out: Path, *overrides: str) -> list[dict]:
-    """One process (faster than DP2 on the shared 2-core machine); returns every
-    metrics.jsonl record after asserting a clean exit and all steps."""
-    res = run([sys.executable, entry, "--config", config, *COMMON, *overrides, f"logging.output_dir={out}"],
-              timeout=540)
+TIMEOUT_S = 540
+
+
+def _start(entry: str, config: str, out: Path, *overrides: str):
+    """Start one single-process training run (each run is one process, so the
+    two checks below run side by side on a 2-core machine)."""
+    return spawn([sys.executable, entry, "--config", config, *COMMON, *overrides, f"logging.output_dir={out}"],
+                 timeout=TIMEOUT_S)
+
+
+def _records(proc, out: Path) -> list[dict]:
+    """Wait for ``proc``; every metrics.jsonl record after asserting a clean exit and all steps."""
+    res = finish(proc, TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-4000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both trainings, started together; each test waits for its own."""
+    root = tmp_path_factory.mktemp("learning")
+    llava_data = root / "shapes"
+    make_shapes_dataset(llava_data, num_train=4000, num_val=500, seed=7, image_size=32, samples_per_shard=500)
+    dit_data = ensure_dit_shapes_dataset(root / "d", num_train=2000, num_val=10, seed=3)
+    started = {
+        "llava": (_start("pretrain_llava.py", "examples/llava/tiny_cpu.yaml", root / "llava", f"data.path={llava_data}",
+                         "train.micro_batch_size=4"), root / "llava"),
+        "dit": (_start("pretrain_dit.py", "examples/dit/tiny_cpu.yaml", root / "dit", f"data.path={dit_data}",
+                       "train.lr=3e-3", "dit.ema_decay=0", "checkpoint.dir=''"), root / "dit"),
+    }
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:  # a test failed before waiting: kill the run's process group
+            with contextlib.suppress(AssertionError):
+                finish(proc, 1)
 
 
 def _mean_loss(records: list[dict], first: int, last: int) -> float:
@@ -44,7 +73,7 @@ def _mean_loss(records: list[dict], first: int, last: int) -> float:
     return sum(losses) / len(losses)
 
 
-def test_llava_uses_the_image(tmp_path):
+def test_llava_uses_the_image(runs):
     """400 steps of 4 packed rows (lr 2e-3, the demo's): held-out answers to
     image-dependent words are more often right, and cheaper, with the real
     images than with images shuffled across samples.
@@ -55,10 +84,7 @@ def test_llava_uses_the_image(tmp_path):
     loss ratio 1.5 to 1.8. A model that ignores the image scores the same on
     both (ratio 1.0, difference 0.0), as such runs do around step 100.
     """
-    data = tmp_path / "shapes"
-    make_shapes_dataset(data, num_train=4000, num_val=500, seed=7, image_size=32, samples_per_shard=500)
-    records = _train("pretrain_llava.py", "examples/llava/tiny_cpu.yaml", tmp_path / "run", f"data.path={data}",
-                     "train.micro_batch_size=4")
+    records = _records(*runs["llava"])
     [final] = [r for r in records if "eval/real/loss" in r]
     real, shuffled = final["eval/real/image_word_accuracy"], final["eval/shuffled/image_word_accuracy"]
     loss_ratio = final["eval/shuffled/loss"] / final["eval/real/loss"]
@@ -72,7 +98,7 @@ def test_llava_uses_the_image(tmp_path):
     assert _mean_loss(records, STEPS - 19, STEPS) < 0.7 * _mean_loss(records, 41, 60)
 
 
-def test_dit_follows_the_colour_prompt(tmp_path):
+def test_dit_follows_the_colour_prompt(runs):
     """400 steps of 4 packages (lr 3e-3), sampled with the trained weights (no
     EMA: a 0.995 average lags far behind a 400-step run): the dominant colour
     of the images for the seven colour prompts is the prompted one far more
@@ -83,10 +109,8 @@ def test_dit_follows_the_colour_prompt(tmp_path):
     seeds 1, 2 and 3: 0.98, 0.48 and 1.00; loss over the last 20 steps 0.17
     (steps 41-60: 1.09).
     """
-    data = ensure_dit_shapes_dataset(tmp_path / "d", num_train=2000, num_val=10, seed=3)
-    out = tmp_path / "run"
-    records = _train("pretrain_dit.py", "examples/dit/tiny_cpu.yaml", out, f"data.path={data}", "train.lr=3e-3",
-                     "dit.ema_decay=0", "checkpoint.dir=''")
+    records = _records(*runs["dit"])
+    out = runs["dit"][1]
     result = json.loads((out / f"color_accuracy-step{STEPS}.json").read_text())
     late, plateau = _mean_loss(records, STEPS - 19, STEPS), _mean_loss(records, 41, 60)
     print(f"\nDiT {STEPS} steps: colour accuracy {result['color_accuracy']:.3f} over "
