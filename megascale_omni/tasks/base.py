@@ -16,6 +16,7 @@ Shared plumbing: dataset and tokenizer resolution (:func:`resolve_dataset_root`,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,7 +31,7 @@ from megascale_omni.parallel.schedules import run_forward_backward
 from megascale_omni.platform import Platform
 
 
-class Task:
+class Task(ABC):
     """Base of every model family's task (every rank).
 
     Subclasses set :attr:`seq_length` and implement :meth:`build_model`,
@@ -48,23 +49,23 @@ class Task:
         self.dtype = platform.default_dtype(cfg.train.precision)
 
     # ------------------------------------------------------------ required
+    @abstractmethod
     def build_model(self) -> list[torch.nn.Module]:
         """This rank's model chunks (``vpp`` of them when interleaved)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
         """megatron ``forward_step_func``: returns (output, loss_func)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         """DP rank ``dp_rank``'s share of global batch ``step``, as micro-batches
         (every rank; all TP/PP ranks of a replica build the same ones)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         """(samples, non-padding tokens) in global batch ``step`` over all DP
         ranks, for throughput reporting."""
-        raise NotImplementedError
 
     # ------------------------------------------------------ optional hooks
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:

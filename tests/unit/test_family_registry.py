@@ -67,3 +67,12 @@ def test_family_checks_run_after_the_generic_ones():
                                           "model.make_vocab_size_divisible_by=3"), world_size=3)
     with pytest.raises(ConfigError, match="train.micro_batch_size"):
         get_family("dit").validate(_cfg("dit", "train.micro_batch_size=2", "train.global_batch_size=8"), world_size=1)
+
+
+def test_a_task_missing_a_required_method_cannot_be_built():
+    class Incomplete(Task):
+        def build_model(self):
+            return []
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete(None, None, None)
