@@ -113,15 +113,24 @@ def stage_to_host(state: dict[str, Any]) -> int:
     return copied
 
 
-def incompatibilities(saved: dict, current: JobConfig) -> list[str]:
+#: Fields a run may also change when it only starts from a checkpoint's
+#: weights (``checkpoint.pretrained``): sequence length and RoPE scaling
+#: (context extension), memory settings, the vocabulary as written (its
+#: padded size is checked with the tensors).
+PRETRAINED_FREE_FIELDS = RESUMABLE_MODEL_FIELDS | frozenset(
+    {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor"}
+)
+
+
+def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RESUMABLE_MODEL_FIELDS) -> list[str]:
     """Model/vision fields that differ between a checkpoint's config and ``current``
-    (each as ``section.field: checkpoint X, config Y``)."""
+    (each as ``section.field: checkpoint X, config Y``), except those in ``free``."""
     now = to_dict(current)
     diffs = []
     for section in ("model", "vision"):
         old, new = saved.get(section, {}), now.get(section, {})
         for key in sorted(set(old) | set(new)):
-            if key in RESUMABLE_MODEL_FIELDS:
+            if key in free:
                 continue
             if old.get(key) != new.get(key):
                 diffs.append(f"{section}.{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")

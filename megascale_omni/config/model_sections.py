@@ -40,6 +40,23 @@ class ModelConfig:
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     #: ``LayerNorm`` or ``RMSNorm``.
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    #: Epsilon of every norm of the language model.
+    norm_epsilon: float = 1e-5
+    #: MLP activation: ``gelu`` (GPT-2 style) or ``swiglu`` (Llama/Qwen/Mistral:
+    #: ``down(silu(gate(x)) * up(x))``, megatron's gated linear unit).
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    #: Biases on every linear layer (attention and MLP). Llama/Qwen/Mistral: false.
+    add_bias_linear: bool = True
+    #: Bias on the fused QKV projection even when ``add_bias_linear`` is false (Qwen2).
+    add_qkv_bias: bool = False
+    #: RoPE base (HF ``rope_theta``); only with ``position_embedding_type: rope``.
+    rotary_base: float = 10000.0
+    #: RoPE frequency scaling: ``none``; ``linear`` (positions divided by
+    #: ``rope_scaling_factor``); ``llama3`` (Llama-3.1 banded scaling with
+    #: low/high frequency factors 1/4 and 8192 original positions).
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    #: Factor of ``rope_scaling`` (ignored for ``none``).
+    rope_scaling_factor: float = 1.0
     #: Dropout after attention/MLP blocks (0 makes layouts bitwise comparable).
     hidden_dropout: float = 0.0
     #: Dropout on attention probabilities.
@@ -76,6 +93,15 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name}", getattr(self, name), "must be in [0, 1)")
+        require_positive("model", "norm_epsilon", self.norm_epsilon)
+        require_positive("model", "rotary_base", self.rotary_base)
+        require_positive("model", "rope_scaling_factor", self.rope_scaling_factor)
+        uses_rope = self.position_embedding_type == "rope"
+        if not uses_rope and (self.rope_scaling != "none" or self.rotary_base != 10000.0):
+            raise ConfigError(
+                "model.position_embedding_type", self.position_embedding_type,
+                "model.rotary_base / model.rope_scaling only apply to rope; set position_embedding_type: rope",
+            )
 
     def padded_vocab_size(self, vocab: int) -> int:
         """Rows of the embedding/output layer for a ``vocab``-token vocabulary:
@@ -108,6 +134,22 @@ class VisionConfig:
     ffn_hidden_size: Optional[int] = None
     #: Hidden width of the 2-layer MLP projector; ``None`` = LM hidden size.
     projector_hidden_size: Optional[int] = None
+    #: Tower architecture: ``clip`` (pre-norm ``ln_pre`` after the patch
+    #: embedding, bias-free patch conv) or ``siglip`` (patch conv with bias,
+    #: no pre-norm, no class token).
+    model_type: Literal["clip", "siglip"] = "clip"
+    #: Prepend CLIP's class token (OpenAI CLIP towers have one). Its output is
+    #: dropped before the projector (LLaVA's ``default`` feature selection).
+    class_token: bool = False
+    #: MLP activation: ``gelu`` (exact), ``gelu_tanh`` (SigLIP) or ``quick_gelu`` (OpenAI CLIP).
+    activation: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
+    #: Epsilon of the tower's norms.
+    norm_epsilon: float = 1e-5
+    #: Which layer's output feeds the projector: -1 the last of ``num_layers``,
+    #: -2 the penultimate (LLaVA-1.5), ... Layers after it are not built.
+    feature_layer: int = -1
+    #: Projector: ``mlp`` (linear, GELU, linear; LLaVA-1.5) or ``linear``.
+    projector_type: Literal["mlp", "linear"] = "mlp"
     #: Freeze the ViT (typical for both LLaVA stages with a pretrained encoder).
     freeze: bool = False
     #: Freeze the projector.
@@ -121,6 +163,14 @@ class VisionConfig:
         for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
             require_positive("vision", name, getattr(self, name))
         require_positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
+        require_positive("vision", "norm_epsilon", self.norm_epsilon)
+        if self.model_type == "siglip" and self.class_token:
+            raise ConfigError("vision.class_token", True, "SigLIP towers have no class token; set it to false")
+        if not -self.num_layers <= self.feature_layer <= -1:
+            raise ConfigError(
+                "vision.feature_layer", self.feature_layer,
+                f"must be in [-{self.num_layers}, -1] (-1: the last of vision.num_layers={self.num_layers})",
+            )
         if self.image_size % self.patch_size:
             raise ConfigError(
                 "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
@@ -135,6 +185,11 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def layers_built(self) -> int:
+        """Tower layers that run: those up to and including ``feature_layer``."""
+        return self.num_layers + self.feature_layer + 1
 
     @property
     def ffn_size(self) -> int:

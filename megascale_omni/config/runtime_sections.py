@@ -105,6 +105,11 @@ class CheckpointConfig:
     resume: str = "auto"
     #: Verify file checksums (sha256) before loading, not only sizes.
     verify_checksums: bool = True
+    #: Model weights to start from when no checkpoint is resumed (fresh
+    #: optimizer, step 0): a tools/hf_import.py output directory, or any
+    #: checkpoint of the same model (a root or a step_NNNNNNNN directory),
+    #: e.g. a stage-1 run's for stage 2. Loads under any TP/PP/VPP.
+    pretrained: str = ""
 
     def __post_init__(self) -> None:
         require_positive("checkpoint", "interval", self.interval, allow_zero=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
@@ -44,6 +45,48 @@ def recompute_kwargs(recompute: bool) -> dict:
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
+def activation_kwargs(activation: str) -> dict:
+    """MLP activation settings of ``TransformerConfig`` for our activation names."""
+    if activation == "swiglu":
+        # fc1 holds [gate; up]; megatron applies silu(gate) * up.
+        return dict(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    if activation == "gelu":
+        return dict(activation_func=F.gelu, bias_activation_fusion=False)
+    raise ValueError(f"unknown language-model activation {activation!r}")
+
+
+def rope_kwargs(model: ModelConfig) -> dict:
+    """``GPTModel`` rotary-embedding arguments (``model.rotary_base``, ``model.rope_scaling``)."""
+    if model.position_embedding_type != "rope":
+        return {}
+    kwargs: dict = dict(rotary_base=model.rotary_base)
+    if model.rope_scaling == "linear":
+        kwargs["seq_len_interpolation_factor"] = model.rope_scaling_factor
+    elif model.rope_scaling == "llama3":
+        kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
+    return kwargs
+
+
+def build_gpt_model(
+    model: ModelConfig, config: TransformerConfig, spec, *, vocab_size: int, max_sequence_length: int,
+    pre_process: bool, post_process: bool, vp_stage,
+) -> GPTModel:
+    """One megatron ``GPTModel`` (a pipeline chunk) with every architecture
+    option of ``model`` applied (every rank)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        vp_stage=vp_stage,
+        **rope_kwargs(model),
+    )
+
+
 def pipeline_kwargs(parallel: ParallelConfig) -> dict:
     """Pipeline degrees and split for megatron. Explicit per-chunk counts
     (``auto`` is resolved to them before start-up) become megatron's
@@ -83,6 +126,10 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        **activation_kwargs(model.activation),
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
         **pipeline_kwargs(parallel),
@@ -111,15 +158,12 @@ def build_gpt_chunks(
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
         chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=spec,
+            build_gpt_model(
+                model, config, spec,
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-                position_embedding_type=model.position_embedding_type,
                 vp_stage=vp_stage,
             )
         )

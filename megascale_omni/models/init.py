@@ -21,7 +21,7 @@ import math
 from typing import Iterable
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.transformer.module import MegatronModule
 
@@ -86,8 +86,11 @@ def init_layout_invariant(
     for chunk in chunks:
         norm_ptrs = _norm_param_storage(chunk)
         zero_ptrs = _zero_init_storage(chunk)
-        sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
-        for sh in _iter_sharded(sharded):
+        sharded, factories = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
+        # Factories (e.g. SwiGLU's fc1, [gate; up] sharded as two halves per
+        # TP rank) build sharded views of the local tensor.
+        built = [factory.build() for factory in _iter_factories(factories)]
+        for sh in _iter_sharded([sharded, built]):
             if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
                 continue
             # Leading "prepend" axes index stacked layers: each layer is drawn
@@ -107,6 +110,17 @@ def init_layout_invariant(
             sh.data.copy_(full[index].to(sh.data.dtype))
             count += 1
     return count
+
+
+def _iter_factories(tree) -> Iterable[ShardedTensorFactory]:
+    if isinstance(tree, ShardedTensorFactory):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _iter_factories(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _iter_factories(v)
 
 
 def _iter_sharded(tree) -> Iterable[ShardedTensor]:

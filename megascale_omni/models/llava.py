@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
+from megatron.core.activations import quick_gelu
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.models.vision import vit_layer_specs
@@ -30,30 +31,43 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
-from megascale_omni.models.gpt import common_config_kwargs, recompute_kwargs, transformer_config
+from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (SigLIP's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+VISION_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": gelu_tanh, "quick_gelu": quick_gelu}
+
+
 def vision_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
-    """ViT config: same TP as the LM, never pipelined (it sits on stage 0)."""
+    """ViT config: same TP as the LM, never pipelined (it sits on stage 0).
+    Only the layers up to ``vision.feature_layer`` are built."""
     v = cfg.vision
     config = TransformerConfig(
-        num_layers=v.num_layers,
+        num_layers=v.layers_built,
         hidden_size=v.hidden_size,
         num_attention_heads=v.num_attention_heads,
         ffn_hidden_size=v.ffn_size,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        layernorm_epsilon=v.norm_epsilon,
+        activation_func=VISION_ACTIVATIONS[v.activation],
+        bias_activation_fusion=False,
         pipeline_model_parallel_size=1,
         **recompute_kwargs(cfg.model.recompute),
         **common_config_kwargs(cfg.parallel.tp, dtype, cfg.model.init_method_std),
     )
-    config.vision_model_type = "clip"
+    config.vision_model_type = v.model_type
     return config
 
 
 def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
-    """2-layer GELU MLP projector: vision hidden -> projector hidden -> LM hidden."""
+    """Projector: 2-layer exact-GELU MLP, vision hidden -> projector hidden -> LM
+    hidden (``vision.projector_type: mlp``), or one linear layer (``linear``)."""
     v = cfg.vision
     return TransformerConfig(
         num_layers=1,
@@ -98,6 +112,7 @@ class LlavaChunk(MegatronModule):
         self.post_process = post_process
         self.image_token_id = image_token_id
         self.tokens_per_image = cfg.vision.tokens_per_image
+        self.class_tokens = 0
         self.vision_model: Optional[CLIPViTModel] = None
         self.vision_projection: Optional[MultimodalProjector] = None
         if pre_process:
@@ -110,33 +125,36 @@ class LlavaChunk(MegatronModule):
             )
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+            self.class_tokens = 1 if v.class_token else 0
             self.vision_model = CLIPViTModel(
                 vision_transformer_config(cfg, dtype),
                 vit_spec,
                 # The default resolves to TE or torch.nn.LayerNorm, which does
                 # not accept megatron's ``config`` argument.
                 ln_pre_impl=WrappedTorchNorm,
-                add_class_token=False,
-                class_token_len=0,
+                ln_post_impl=WrappedTorchNorm,
+                add_class_token=v.class_token,
+                class_token_len=self.class_tokens,
                 patch_dim=v.patch_size,
                 img_h=v.image_size,
                 img_w=v.image_size,
+                model_subtype=v.model_type,
             )
+            # LLaVA reads a layer's hidden states, before SigLIP's post-norm
+            # (which only feeds SigLIP's pooling head): the norm is not built.
+            self.vision_model.ln_post = None
             self.vision_projection = MultimodalProjector(
                 projector_config(cfg, dtype),
                 MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                projector_type="mlp",
+                projector_type="mlp" if v.projector_type == "mlp" else "affine",
                 input_size=v.hidden_size,
             )
-        self.language_model = GPTModel(
-            config=lm_config,
-            transformer_layer_spec=gpt_layer_spec(impl, cfg.model.normalization),
+        self.language_model = build_gpt_model(
+            cfg.model, lm_config, gpt_layer_spec(impl, cfg.model.normalization),
             vocab_size=vocab_size,
             max_sequence_length=cfg.model.seq_length,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
-            position_embedding_type=cfg.model.position_embedding_type,
             vp_stage=vp_stage,
         )
 
@@ -169,8 +187,10 @@ class LlavaChunk(MegatronModule):
             return emb
         # megatron's ViT layer specs declare causal attention; an all-False
         # mask (nothing masked) makes the encoder bidirectional, as in CLIP.
-        full_attention = torch.zeros(1, 1, self.tokens_per_image, self.tokens_per_image, dtype=torch.bool)
-        feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, p, vh]
+        seq = self.tokens_per_image + self.class_tokens
+        full_attention = torch.zeros(1, 1, seq, seq, dtype=torch.bool)
+        feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, c + p, vh]
+        feats = feats[:, self.class_tokens :]  # the class token never reaches the LM
         feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
         feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
         pos_table = getattr(self.language_model.embedding, "position_embeddings", None)

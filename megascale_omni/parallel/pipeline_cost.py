@@ -128,14 +128,15 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 def _transformer_layer(
     tokens: float, seq: int, sequences: float, hidden: int, ffn: int, heads: int, groups: int,
-    dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int,
+    dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
 ) -> ComponentCost:
-    """One pre-norm transformer layer (attention + 2-matrix MLP) on ``tokens``
+    """One pre-norm transformer layer (attention + MLP) on ``tokens``
     = ``sequences * seq`` positions, split over ``tp`` ranks. ``grad_flows``:
-    backward passes through it (something before it trains)."""
+    backward passes through it (something before it trains). ``gated``: a
+    SwiGLU MLP (gate, up and down matrices instead of two)."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
-    matmul_params = qkv + hidden * hidden + 2 * hidden * ffn
+    matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*s*s*h each.
     forward = 2.0 * tokens * matmul_params + 4.0 * sequences * seq * seq * hidden
     backward = trainable or grad_flows
@@ -226,7 +227,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
             tokens, s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
-            lm_trainable, lm_trainable or head_trains, tp,
+            lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu",
         ),
         OUTPUT: ComponentCost(
             # Output projection (3 passes) + softmax/cross-entropy (~5 ops per logit).
@@ -258,10 +259,10 @@ def _vision_components(cfg: JobConfig, nbytes: int) -> dict[str, ComponentCost]:
     proj_trains = not v.freeze_projector
     return {
         VISION: ComponentCost(
-            flops=v.num_layers * layer.flops + patch_flops,
-            params=v.num_layers * layer.params + patch_params,
-            trainable_params=0 if v.freeze else v.num_layers * layer.params + patch_params,
-            activation_bytes=0.0 if v.freeze else v.num_layers * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
+            flops=v.layers_built * layer.flops + patch_flops,
+            params=v.layers_built * layer.params + patch_params,
+            trainable_params=0 if v.freeze else v.layers_built * layer.params + patch_params,
+            activation_bytes=0.0 if v.freeze else v.layers_built * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
         ),
         PROJECTOR: ComponentCost(
             flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * (v.hidden_size * ph + ph * m.hidden_size) / tp,
@@ -334,7 +335,7 @@ def llava_profile_shape(cfg: JobConfig) -> dict[str, object]:
     v = cfg.vision
     return {
         **lm_profile_shape(cfg),
-        "vision_layers": v.num_layers,
+        "vision_layers": v.layers_built,
         "vision_hidden_size": v.hidden_size,
         "vision_ffn_hidden_size": v.ffn_size,
         "image_size": v.image_size,

@@ -21,6 +21,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from megascale_omni.checkpoint.manager import Checkpointer
+from megascale_omni.checkpoint.pretrained import load_pretrained
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
@@ -106,11 +107,13 @@ class Trainer:
 
     def _build_model(self) -> list:
         """This rank's model chunks: built by the task, initialised identically
-        under any layout, wrapped in megatron DDP (every rank)."""
+        under any layout (then overwritten by ``checkpoint.pretrained`` when
+        set), wrapped in megatron DDP (every rank)."""
         chunks = self.task.build_model()
         n = init_layout_invariant(
             chunks, seed=self.cfg.train.seed, std=self.cfg.model.init_method_std, num_layers=self.cfg.model.num_layers
         )
+        load_pretrained(chunks, self.cfg)
         total = sum(p.numel() for c in chunks for p in c.parameters())
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         logger.info(

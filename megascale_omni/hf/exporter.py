@@ -1,0 +1,132 @@
+"""Our checkpoint (any layout it was saved in) -> a Hugging Face directory
+(``config.json`` + ``model.safetensors`` + tokenizer files) that
+``transformers`` loads with ``from_pretrained``.
+
+``gpt`` models become ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or the
+architecture they were imported from), ``llava`` models
+``LlavaForConditionalGeneration``. The output is written under a temporary
+name and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from megascale_omni.checkpoint.pretrained import ModelCheckpoint, load_model_weights, open_model_checkpoint
+from megascale_omni.config import ConfigError
+from megascale_omni.hf import lm, vision
+from megascale_omni.hf.importer import PROJECTOR_PREFIX, TOKENIZER_FILES
+
+
+def checkpoint_state(ckpt: ModelCheckpoint, field: str) -> dict[str, torch.Tensor]:
+    """The model of ``ckpt`` as one-process tensors (inside ``one_process``)."""
+    from megatron.core import dist_checkpointing
+
+    from megascale_omni.models.standalone import build_model
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt.path))
+    emb = next((k for k in meta if k.endswith("embedding.word_embeddings.weight")), None)
+    if emb is None:
+        raise ConfigError(field, str(ckpt.path), "holds no language-model embedding; not a gpt/llava checkpoint")
+    model = build_model(ckpt.cfg, int(meta[emb].global_shape[0]), image_token_id(ckpt))
+    load_model_weights([model], ckpt, field)
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def image_token_id(ckpt: ModelCheckpoint) -> int:
+    """The image token of an imported LLaVA (-1 when unknown)."""
+    return int(ckpt.provenance.get("image_token_id", -1))
+
+
+def hf_vocab_size(ckpt: ModelCheckpoint, padded: int) -> int:
+    """Real vocabulary rows: the imported model's, else ``model.vocab_size``,
+    else every (padded) row."""
+    return int(ckpt.provenance.get("vocab_size") or ckpt.cfg.model.vocab_size or padded)
+
+
+def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: int | None = None) -> Path:
+    """Write the HF directory ``out`` for the checkpoint at ``path``."""
+    from safetensors.torch import save_file
+
+    from megascale_omni.models.standalone import one_process
+
+    out = Path(out)
+    if out.exists():
+        raise ConfigError("--out", str(out), "already exists; choose a new directory (exports never overwrite)")
+    ckpt = open_model_checkpoint(path, field)
+    family = ckpt.cfg.model.family
+    if family not in ("gpt", "llava"):
+        raise ConfigError(field, str(ckpt.path), f"holds a {family!r} model; gpt and llava checkpoints export to "
+                          "Hugging Face")
+    m = ckpt.cfg.model
+    prov = ckpt.provenance
+    text = lm.hf_text_config(m, prov.get("text_config"))
+    with one_process():
+        state = checkpoint_state(ckpt, field)
+    padded = state["language_model.embedding.word_embeddings.weight" if family == "llava"
+                   else "embedding.word_embeddings.weight"].shape[0]
+    vocab = hf_vocab_size(ckpt, padded)
+    text["vocab_size"] = vocab
+    if family == "gpt":
+        tensors = lm.weights_to_hf(state, m, vocab, body="model.", head="lm_head.weight", src="")
+        config = text
+    else:
+        tensors, config = _llava(ckpt, state, text, vocab, image_token)
+    dtype = next(iter(tensors.values())).dtype
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer = ckpt.path.parent / "tokenizer"
+        if tokenizer.is_dir():
+            for name in TOKENIZER_FILES:
+                if (tokenizer / name).is_file():
+                    shutil.copy2(tokenizer / name, tmp / name)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_token: int | None
+           ) -> tuple[dict[str, torch.Tensor], dict]:
+    m, v = ckpt.cfg.model, ckpt.cfg.vision
+    vision.check_tower(v, "vision")
+    if v.projector_type != "mlp" or (v.projector_hidden_size or m.hidden_size) != m.hidden_size:
+        raise ConfigError("vision.projector_type", v.projector_type, "HF LLaVA's projector is the 2-layer MLP "
+                          "with hidden size = the LM's; this model's cannot be exported")
+    token = image_token if image_token is not None else image_token_id(ckpt)
+    if token < 0:
+        raise ConfigError("--image-token-id", None, "this checkpoint was not imported from HF; pass the id of "
+                          "the <image> token of its tokenizer")
+    tensors = lm.weights_to_hf(state, m, vocab, body="language_model.model.", head="language_model.lm_head.weight",
+                               src="language_model.")
+    tensors.update(vision.tower_to_hf(state, v, "vision_tower.", src="vision_model."))
+    tensors.update(vision.projector_to_hf(state, "multi_modal_projector.", src=PROJECTOR_PREFIX))
+    base = {k: val for k, val in (ckpt.provenance.get("llava_config") or {}).items()
+            if k not in ("text_config", "vision_config")}
+    config = {
+        **base,
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "text_config": text,
+        "vision_config": vision.hf_vision_config(v),
+        # Only the layers up to the feature layer were kept: read the last.
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default" if v.class_token else "full",
+        "image_token_index": token,
+        "image_seq_length": v.tokens_per_image,
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True,
+        "tie_word_embeddings": m.share_embeddings_and_output_weights,
+    }
+    return tensors, config

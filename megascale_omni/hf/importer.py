@@ -1,0 +1,213 @@
+"""Hugging Face model directories -> our model-only checkpoint + config sections.
+
+Three sources (:func:`read_llm`, :func:`read_llava`, :func:`read_llm_and_tower`)
+give an :class:`HFImport`: our config sections, the megatron weights of a
+one-process model, and where they came from. :func:`write_import` builds the
+model, loads the weights and writes, under a temporary name renamed at the
+end (an interrupted import leaves no half-written output)::
+
+    OUT/step_00000000/   model-only checkpoint (loads under any TP/PP/VPP)
+    OUT/model.yaml       the model (and vision) sections + checkpoint.pretrained: OUT
+    OUT/tokenizer/       the HF tokenizer files and chat template, when present
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from megascale_omni.config import ConfigError, JobConfig, from_dict
+from megascale_omni.hf import lm, vision
+from megascale_omni.hf.directory import HFDirectory
+
+logger = logging.getLogger(__name__)
+
+#: Tokenizer files copied along (whatever of them exist).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "preprocessor_config.json", "processor_config.json")
+
+#: Our names of the parts that an import without a projector initialises fresh.
+PROJECTOR_PREFIX = "vision_projection."
+
+
+@dataclasses.dataclass
+class HFImport:
+    """What an HF source maps to, before anything is written."""
+
+    #: Config sections (``model``, and ``vision`` for LLaVA) as dicts.
+    sections: dict
+    #: One-process megatron state, by module ``state_dict`` name.
+    state: dict[str, torch.Tensor]
+    #: Record stored in the checkpoint: sources, HF configs, image token id.
+    provenance: dict
+    #: Directories whose tokenizer files come along (first found wins).
+    tokenizer_dirs: list[Path]
+    #: Name prefixes of parts not in ``state`` that are initialised fresh.
+    fresh: tuple[str, ...] = ()
+
+
+def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
+    body = d.find_prefix("embed_tokens.weight", exclude=("vision", "text_model"))
+    if body is None:
+        raise ConfigError(d.field, str(d.path), "has no decoder weights (no *embed_tokens.weight); is it a "
+                          "Llama/Qwen2/Mistral model?")
+    head = None
+    if not tied:
+        head_prefix = d.find_prefix("lm_head.weight")
+        if head_prefix is None:
+            from megascale_omni.checkpoint.errors import CheckpointError
+
+            raise CheckpointError(f"{d.path}: config.json says tie_word_embeddings=false but no lm_head.weight "
+                                  "is in the weights; copy the complete model")
+        head = f"{head_prefix}lm_head.weight"
+    return body, head
+
+
+def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
+    """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
+    tc = d.config
+    if tc.get("model_type") not in lm.LM_ARCHITECTURES:
+        raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
+                          f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
+    model = {"family": "gpt", **lm.model_section(tc, seq_length, f"{d.path}/config.json")}
+    m = from_dict(JobConfig, {"model": model}).model
+    body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="")
+    provenance = {"source": str(d.path), "architecture": d.architecture, "text_config": tc,
+                  "vocab_size": m.vocab_size}
+    return HFImport({"model": model}, state, provenance, [d.path])
+
+
+def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int, where: str) -> dict:
+    model = {"family": "llava", **lm.model_section(text, seq_length, where)}
+    vis = vision.vision_section(tower, feature_layer, where)
+    vis.update(projector_type="mlp", projector_hidden_size=model["hidden_size"])
+    return {"model": model, "vision": vis}
+
+
+def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
+    """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family."""
+    c = d.config
+    where = f"{d.path}/config.json"
+    text = dict(c.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    if "tie_word_embeddings" in c and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = c["tie_word_embeddings"]
+    tower = dict(c.get("vision_config") or {})
+    tower.setdefault("model_type", "clip_vision_model")
+    feature_layer = c.get("vision_feature_layer", -2)
+    if not isinstance(feature_layer, int):
+        raise ConfigError(f"{where}: vision_feature_layer", feature_layer, "only a single feature layer is mapped")
+    sections = _llava_sections(text, tower, seq_length, feature_layer, where)
+    strategy = c.get("vision_feature_select_strategy", "default")
+    wanted = "default" if sections["vision"]["class_token"] else "full"
+    if strategy != wanted:
+        raise ConfigError(f"{where}: vision_feature_select_strategy", strategy,
+                          f"with a {sections['vision']['model_type']} tower only {wanted!r} is mapped "
+                          "(every patch feature, no class token)")
+    if c.get("projector_hidden_act", "gelu") != "gelu" or not c.get("multimodal_projector_bias", True):
+        raise ConfigError(f"{where}: projector_hidden_act", c.get("projector_hidden_act"),
+                          "only the LLaVA-1.5 projector (linear, exact GELU, linear, with biases) is mapped")
+    image_token = c.get("image_token_index", c.get("image_token_id"))
+    if image_token is None:
+        raise ConfigError(f"{where}: image_token_index", None, "is missing; a LLaVA config names its image token")
+    cfg = from_dict(JobConfig, sections)
+    m, v = cfg.model, cfg.vision
+    body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    tower_prefix = d.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
+    projector_prefix = d.find_prefix("linear_1.weight")
+    if tower_prefix is None or projector_prefix is None:
+        raise ConfigError(d.field, str(d.path), "lacks the vision tower or projector weights of a LLaVA model")
+    state.update(vision.tower_from_hf(d.tensor, v, tower_prefix, out="vision_model."))
+    state.update(vision.projector_from_hf(d.tensor, projector_prefix, out=PROJECTOR_PREFIX))
+    provenance = {"source": str(d.path), "architecture": d.architecture, "llava_config": c, "text_config": text,
+                  "vision_config": tower, "image_token_id": int(image_token), "vocab_size": m.vocab_size}
+    return HFImport(sections, state, provenance, [d.path])
+
+
+def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Optional[int], seq_length: int
+                       ) -> HFImport:
+    """A causal LM + a CLIP/SigLIP tower (``CLIPVisionModel``, ``CLIPModel``,
+    ``SiglipVisionModel``, ``SiglipModel``) -> ``llava`` with a fresh projector."""
+    text = llm.config
+    tc = tower.config.get("vision_config") or tower.config
+    tc = dict(tc)
+    if tower.config.get("model_type") in ("clip", "siglip"):
+        tc.setdefault("model_type", f"{tower.config['model_type']}_vision_model")
+    kind = vision.TOWER_TYPES.get(tc.get("model_type"))
+    if feature_layer is None:
+        feature_layer = -2 if kind == "clip" else -1  # LLaVA-1.5's choice for CLIP
+    where = f"{llm.path}/config.json + {tower.path}/config.json"
+    sections = _llava_sections(text, tc, seq_length, feature_layer, where)
+    cfg = from_dict(JobConfig, sections)
+    m, v = cfg.model, cfg.vision
+    body, head = _lm_prefixes(llm, m.share_embeddings_and_output_weights)
+    state = lm.weights_from_hf(llm.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    tower_prefix = tower.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
+    if tower_prefix is None:
+        raise ConfigError(tower.field, str(tower.path), "has no vision tower weights (*embeddings.patch_embedding)")
+    state.update(vision.tower_from_hf(tower.tensor, v, tower_prefix, out="vision_model."))
+    provenance = {"source": f"{llm.path} + {tower.path}", "architecture": "LlavaForConditionalGeneration",
+                  "text_config": text, "vision_config": tc, "vocab_size": m.vocab_size}
+    return HFImport(sections, state, provenance, [llm.path, tower.path], fresh=(PROJECTOR_PREFIX,))
+
+
+def write_import(imp: HFImport, out: Path, seed: int, image_token_id: int = -1) -> Path:
+    """Build the model, load ``imp``'s weights and write ``out`` (see module
+    docstring). Parts in ``imp.fresh`` get the layout-invariant init of
+    ``seed``. Raises ConfigError when ``out`` exists."""
+    from megascale_omni.checkpoint.pretrained import save_model_checkpoint
+    from megascale_omni.models.init import init_layout_invariant
+    from megascale_omni.models.standalone import build_model, one_process
+
+    out = Path(out)
+    if out.exists():
+        raise ConfigError("--out", str(out), "already exists; choose a new directory (imports never overwrite)")
+    cfg = from_dict(JobConfig, {**imp.sections, "train": {"seed": seed}})
+    tmp = out.parent / f".{out.name}.importing-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with one_process(seed):
+            model = build_model(cfg, cfg.model.padded_vocab_size(cfg.model.vocab_size), image_token_id)
+            init_layout_invariant([model], seed, cfg.model.init_method_std, cfg.model.num_layers)
+            own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+            missing = sorted(k for k in own - set(imp.state) if not k.startswith(imp.fresh or ("\0",)))
+            unexpected = sorted(set(imp.state) - own)
+            if missing or unexpected:
+                raise RuntimeError(f"HF mapping incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            model.load_state_dict(imp.state, strict=False)
+            provenance = {**imp.provenance, "fresh": list(imp.fresh), "seed": seed}
+            save_model_checkpoint(model, cfg, tmp, provenance)
+        _write_sections(tmp / "model.yaml", imp.sections, out.resolve())
+        _copy_tokenizer(imp.tokenizer_dirs, tmp / "tokenizer")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_sections(path: Path, sections: dict, out: Path) -> None:
+    doc = {**sections, "checkpoint": {"pretrained": str(out)}}
+    header = ("# Written by tools/hf_import.py: the architecture of the imported weights.\n"
+              "# Use it as a base config: --config <your job>.yaml, then merge these sections,\n"
+              "# or pass them as overrides. Changing a shape field no longer matches the weights.\n")
+    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+
+
+def _copy_tokenizer(sources: list[Path], target: Path) -> None:
+    for src in sources:
+        files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+        if any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
+            target.mkdir()
+            for f in files:
+                shutil.copy2(f, target / f.name)
+            return

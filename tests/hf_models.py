@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face models saved with ``save_pretrained`` (no download),
+for the import/export tests. Each builder returns the model (eval mode, fp32)
+after writing it to ``path``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 100
+
+
+def _save(model, path: Path):
+    model.eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+def text_config(kind: str, vocab: int = VOCAB, **overrides):
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if kind == "llama":
+        return T.LlamaConfig(**{**common, "rms_norm_eps": 1e-6, "rope_theta": 5000.0, **overrides})
+    if kind == "qwen2":
+        return T.Qwen2Config(**{**common, "tie_word_embeddings": True, "rope_theta": 20000.0, **overrides})
+    if kind == "mistral":
+        return T.MistralConfig(**{**common, "sliding_window": None, **overrides})
+    raise ValueError(kind)
+
+
+def causal_lm(kind: str, path: Path, seed: int = 0, **overrides):
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM}[kind]
+    model = cls(text_config(kind, **overrides))
+    _perturb_norms(model, seed)
+    return _save(model, path)
+
+
+def vision_config(kind: str, image_size: int = 32, patch_size: int = 8, layers: int = 3):
+    import transformers as T
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  image_size=image_size, patch_size=patch_size)
+    if kind == "clip":
+        return T.CLIPVisionConfig(**common)
+    return T.SiglipVisionConfig(**common)
+
+
+def vision_tower(kind: str, path: Path, seed: int = 0):
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cls = T.CLIPVisionModel if kind == "clip" else T.SiglipVisionModel
+    model = cls(vision_config(kind))
+    _perturb_norms(model, seed)
+    return _save(model, path)
+
+
+def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOCAB, image_token: int = 5,
+          seed: int = 0, feature_layer: int = -2, image_size: int = 32, patch_size: int = 8):
+    import transformers as T
+
+    torch.manual_seed(seed)
+    config = T.LlavaConfig(
+        vision_config=vision_config(tower, image_size, patch_size), text_config=text_config(text, vocab),
+        image_token_index=image_token, vision_feature_layer=feature_layer,
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
+    model = T.LlavaForConditionalGeneration(config)
+    _perturb_norms(model, seed)
+    return _save(model, path)
+
+
+@torch.no_grad()
+def _perturb_norms(model, seed: int) -> None:
+    """Random norm weights/biases and biases: freshly initialised HF models
+    have norms at exactly 1/0 and zero biases, which would hide a mapping
+    that swaps or drops them."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("bias") or "class_embedding" in name:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)

@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Export a checkpoint to a Hugging Face directory that transformers loads with from_pretrained.
+
+    python tools/hf_export.py --checkpoint runs/llava/checkpoints --out hf/llava-trained
+    python tools/hf_export.py --checkpoint ckpt/qwen2-0.5b --out hf/qwen2-roundtrip
+
+--checkpoint is a checkpoint root (its newest intact checkpoint) or one step_NNNNNNNN
+directory, saved under any TP/PP/VPP/DP layout (resharded to one process here).
+gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from),
+llava models LlavaForConditionalGeneration (the vision tower holds the layers up to the
+feature layer, read with vision_feature_layer: -1). Tokenizer files of an import come along.
+
+Exit codes: 2 bad arguments or a model HF cannot express; 4 a broken checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    import megascale_omni  # noqa: F401
+except ImportError:  # run from a checkout without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megascale_omni.entry import run_cli
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root or step_NNNNNNNN directory")
+    p.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
+    p.add_argument("--image-token-id", type=int, default=None,
+                   help="LLaVA trained here from scratch: id of the <image> token (imports know it)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from megascale_omni.hf.exporter import export_hf
+
+    out = export_hf(args.checkpoint, args.out, "--checkpoint", args.image_token_id)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
