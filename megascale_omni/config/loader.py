@@ -42,6 +42,17 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+def merge_sections(base: dict, update: dict) -> dict:
+    """``update`` over ``base``, recursively for mappings (returns a new dict)."""
+    out = _deep_copy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_sections(out[key], value)
+        else:
+            out[key] = _deep_copy(value) if isinstance(value, dict) else value
+    return out
+
+
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     """Apply ``a.b=value`` strings to a nested dict (returns a new dict)."""
     out = _deep_copy(raw)

@@ -28,12 +28,21 @@ def single_process_config(cfg: JobConfig) -> JobConfig:
 @contextlib.contextmanager
 def one_process(seed: int = 0) -> Iterator[None]:
     """A one-rank process group and megatron's TP1/PP1 parallel state for the
-    duration of the block (plain ``python``, not torchrun)."""
+    duration of the block (plain ``python``, not torchrun). A process group
+    and rendezvous variables created here are removed at the end, so a
+    caller (e.g. a test) can start other processes afterwards. Torn down
+    with the default process group: not for use inside a training process."""
+    import os
+
+    import torch.distributed as dist
+
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.parallel.state import destroy_parallel, initialize_parallel
     from megascale_omni.platform import init_platform
     from megascale_omni.platform.device import init_distributed
 
+    owns_group = not dist.is_initialized()
+    saved_env = {k: os.environ.get(k) for k in _RENDEZVOUS_ENV}
     platform = init_platform()
     _, world = init_distributed(platform)
     if world != 1:
@@ -43,7 +52,16 @@ def one_process(seed: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        destroy_parallel()
+        destroy_parallel()  # the default group too
+        if owns_group:
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+_RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def build_model(cfg: JobConfig, padded_vocab: int, image_token_id: int = -1) -> torch.nn.Module:

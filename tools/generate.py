@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Generate text from a checkpoint in one process: greedy or sampled, with an image for LLaVA.
+
+    python tools/generate.py --checkpoint runs/demo-llava/checkpoints \\
+        --image shape.png --prompt "<image> what shape is this ?" --max-new-tokens 8
+    python tools/generate.py --checkpoint ckpt/qwen2-0.5b --prompt "The capital of France is" \\
+        --max-new-tokens 20 --temperature 0.7 --top-k 50 --seed 1
+
+--checkpoint: a checkpoint root (newest intact checkpoint) or a step_NNNNNNNN directory of a
+gpt or llava model, saved under any layout (resharded to one process), or a tools/hf_import.py
+output. Each <image> in --prompt takes the next --image (resized to vision.image_size and
+normalised as in training, or with the tower's preprocessor_config.json mean/std when the
+tokenizer directory has one). The tokenizer: --tokenizer, else the import's tokenizer/, else
+the training run's (data.tokenizer or <data.path>/tokenizer.json). Prints the generated text;
+--ids also prints the token ids. Exit codes: 2 bad arguments, 4 broken checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+try:
+    import megascale_omni  # noqa: F401
+except ImportError:  # run from a checkout without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megascale_omni.config import ConfigError
+from megascale_omni.entry import run_cli
+
+IMAGE_MARKER = "<image>"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root or step_NNNNNNNN directory")
+    p.add_argument("--prompt", required=True, help=f"prompt text; {IMAGE_MARKER} marks where an image goes")
+    p.add_argument("--image", type=Path, action="append", default=[], help="image file, one per marker (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json or a directory holding one")
+    p.add_argument("--ids", action="store_true", help="also print the generated token ids")
+    return p.parse_args(argv)
+
+
+def find_tokenizer(args_tokenizer, ckpt) -> Path:
+    """Where the tokenizer of ``ckpt`` is (see the module docstring)."""
+    cfg = ckpt.cfg
+    candidates = [args_tokenizer, ckpt.path.parent / "tokenizer"]
+    if cfg.data.tokenizer:
+        candidates.append(Path(cfg.data.tokenizer))
+    if cfg.data.path:
+        candidates.append(Path(cfg.data.path) / "tokenizer.json")
+    if cfg.model.family == "llava" and not cfg.data.path:
+        from megascale_omni.tasks.llava import DEFAULT_DATASET_DIR
+
+        d = cfg.data
+        candidates.append(Path(DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val,
+                                                          image_size=cfg.vision.image_size)) / "tokenizer.json")
+    for c in candidates:
+        if c is None:
+            continue
+        if c.is_file() or (c / "tokenizer.json").is_file():
+            return c if c.is_file() else c / "tokenizer.json"
+        if c is args_tokenizer:
+            raise ConfigError("--tokenizer", str(c), "has no tokenizer.json; point it at the file or its directory")
+    raise ConfigError("--tokenizer", None, f"no tokenizer found for {ckpt.path}; pass --tokenizer")
+
+
+def encode_prompt(tok, text: str, image_token: int, tokens_per_image: int) -> tuple[list[int], int]:
+    """Token ids of ``text`` with each marker expanded to ``tokens_per_image``
+    image tokens, after the tokenizer's start tokens (its post-processor's, or
+    ``<bos>`` when it has one and no post-processor). Returns (ids, images)."""
+    start = tok.encode("", add_special_tokens=True).ids
+    if not start and tok.token_to_id("<bos>") is not None:
+        start = [tok.token_to_id("<bos>")]
+    pieces = text.split(IMAGE_MARKER)
+    ids = list(start)
+    for i, piece in enumerate(pieces):
+        if piece.strip():
+            ids.extend(tok.encode(piece, add_special_tokens=False).ids)
+        if i < len(pieces) - 1:
+            ids.extend([image_token] * tokens_per_image)
+    return ids, len(pieces) - 1
+
+
+def load_images(paths, image_size: int, preprocessor: Path):
+    import numpy as np
+    import torch
+    from PIL import Image, UnidentifiedImageError
+
+    mean = std = None
+    if preprocessor.is_file():
+        conf = json.loads(preprocessor.read_text())
+        mean, std = conf.get("image_mean"), conf.get("image_std")
+    out = []
+    for p in paths:
+        try:
+            im = Image.open(p).convert("RGB").resize((image_size, image_size), Image.BICUBIC)
+        except (OSError, UnidentifiedImageError) as e:
+            raise ConfigError("--image", str(p), f"cannot be read as an image ({e})") from None
+        x = np.asarray(im, dtype=np.float32)
+        x = (x / 255.0 - np.array(mean)) / np.array(std) if mean and std else x / 127.5 - 1.0
+        out.append(torch.from_numpy(x.astype(np.float32)).permute(2, 0, 1))
+    return torch.stack(out)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.max_new_tokens <= 0:
+        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
+    if args.temperature < 0:
+        raise ConfigError("--temperature", args.temperature, "must be >= 0 (0 = greedy)")
+    from tokenizers import Tokenizer
+
+    from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
+    from megascale_omni.hf.exporter import hf_vocab_size, image_token_id
+    from megascale_omni.models.generation import generate
+    from megascale_omni.models.standalone import build_model, one_process
+
+    ckpt = open_model_checkpoint(args.checkpoint, "--checkpoint")
+    cfg = ckpt.cfg
+    if cfg.model.family not in ("gpt", "llava"):
+        raise ConfigError("--checkpoint", str(ckpt.path), f"holds a {cfg.model.family!r} model; generation is for "
+                          "gpt and llava (DiT: tools/sample_dit.py)")
+    tok_path = find_tokenizer(args.tokenizer, ckpt)
+    tok = Tokenizer.from_file(str(tok_path))
+    is_llava = cfg.model.family == "llava"
+    image_token = image_token_id(ckpt)
+    if image_token < 0:
+        image_token = tok.token_to_id(IMAGE_MARKER) if tok.token_to_id(IMAGE_MARKER) is not None else -1
+    tokens_per_image = cfg.vision.tokens_per_image if is_llava else 0
+    prompt, n_markers = encode_prompt(tok, args.prompt, image_token, tokens_per_image)
+    if n_markers != len(args.image) or (n_markers and not is_llava):
+        raise ConfigError("--image", [str(p) for p in args.image],
+                          f"the prompt has {n_markers} {IMAGE_MARKER} markers"
+                          + ("" if is_llava else " but this is a text-only model") + "; give one --image per marker")
+    if len(prompt) + args.max_new_tokens > cfg.model.seq_length and cfg.model.position_embedding_type != "rope":
+        raise ConfigError("--max-new-tokens", args.max_new_tokens,
+                          f"prompt ({len(prompt)} tokens) + new tokens exceed model.seq_length={cfg.model.seq_length}")
+    images = load_images(args.image, cfg.vision.image_size, tok_path.parent / "preprocessor_config.json") \
+        if args.image else None
+    eos = _eos_id(ckpt, tok)
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt.path))
+    padded = next(int(v.global_shape[0]) for k, v in meta.items() if k.endswith("embedding.word_embeddings.weight"))
+    with one_process(cfg.train.seed):
+        model = build_model(cfg, padded, image_token)
+        load_model_weights([model], ckpt, "--checkpoint")
+        model.eval()
+        new = generate(model, prompt, args.max_new_tokens, hf_vocab_size(ckpt, padded), images=images, eos_id=eos,
+                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(tok.decode(new, skip_special_tokens=True))
+    if args.ids:
+        print(json.dumps({"prompt_ids": prompt, "new_ids": new}))
+
+
+def _eos_id(ckpt, tok):
+    text = ckpt.provenance.get("text_config") or {}
+    eos = text.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None:
+        eos = tok.token_to_id("<eos>")
+    return eos
+
+
+if __name__ == "__main__":
+    run_cli(main)
