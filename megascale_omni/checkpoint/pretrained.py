@@ -99,14 +99,14 @@ def load_model_weights(modules: Sequence[torch.nn.Module], ckpt: ModelCheckpoint
         module.load_state_dict(loaded[key])
 
 
-def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> Optional[Path]:
+def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> dict:
     """``checkpoint.pretrained`` into this rank's freshly built chunks (every
     rank, before the optimizer copies the parameters). Rank 0 verifies the
-    checkpoint once; every rank then loads its shards. Returns the directory
-    loaded, or None when not configured."""
+    checkpoint once; every rank then loads its shards. Returns the
+    checkpoint's provenance record (``{}`` when not configured or none)."""
     source = cfg.checkpoint.pretrained
     if not source:
-        return None
+        return {}
     field = "checkpoint.pretrained"
     payload: list = [None]
     if dist.get_rank() == 0:
@@ -131,7 +131,7 @@ def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> Optio
     load_model_weights(modules, ckpt, field)
     origin = ckpt.provenance.get("source") or f"step {ckpt.info.step} of a training run"
     logger.info("loaded pretrained weights from %s (%s)", ckpt.path, origin)
-    return ckpt.path
+    return ckpt.provenance
 
 
 def save_model_checkpoint(module: torch.nn.Module, cfg: JobConfig, root: Path, provenance: dict) -> Path:

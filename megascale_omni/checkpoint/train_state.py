@@ -64,6 +64,10 @@ class TrainState:
         self.dims = dims
         #: Committed optimizer steps; also the data position.
         self.step = 0
+        #: Where the initial weights came from (``checkpoint.pretrained``'s
+        #: import record: HF configs, image token); carried into every
+        #: checkpoint so an export of the trained model knows it.
+        self.provenance: dict = {}
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -119,11 +123,14 @@ class TrainState:
             state["rng"] = rng_object()
         state["config"] = to_dict(self.cfg)
         state["layout"] = self.layout()
+        if self.provenance:
+            state["pretrained"] = self.provenance
         return state
 
     def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
         self._restore(loaded)
+        self.provenance = loaded.get("pretrained") or self.provenance
         restore_adam_step(self.optimizer)
         if "rng" in loaded:
             restore_rng(loaded["rng"])

@@ -77,11 +77,12 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.is_loss_rank = is_loss_rank()
         self.task = family.build_task(cfg, self.platform, self.dims)
-        chunks = self._build_model()
+        chunks, provenance = self._build_model()
         optimizer, scheduler = build_optimizer(
             chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision)
         )
         self.state = TrainState(chunks, optimizer, scheduler, self.task, cfg, self.dims)
+        self.state.provenance = provenance
         if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
             logger.info(
                 "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
@@ -105,22 +106,23 @@ class Trainer:
             replica_info=self.membership.describe if self.membership.enabled else None,
         )
 
-    def _build_model(self) -> list:
+    def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
         under any layout (then overwritten by ``checkpoint.pretrained`` when
-        set), wrapped in megatron DDP (every rank)."""
+        set), wrapped in megatron DDP (every rank). Also returns the
+        pretrained weights' provenance record."""
         chunks = self.task.build_model()
         n = init_layout_invariant(
             chunks, seed=self.cfg.train.seed, std=self.cfg.model.init_method_std, num_layers=self.cfg.model.num_layers
         )
-        load_pretrained(chunks, self.cfg)
+        provenance = load_pretrained(chunks, self.cfg)
         total = sum(p.numel() for c in chunks for p in c.parameters())
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         logger.info(
             "initialised %d parameter tensors (layout-invariant); parameters on this rank: %d, trainable %d",
             n, total, trainable,
         )
-        return wrap_ddp(chunks, chunks[0].config, self.cfg.parallel)
+        return wrap_ddp(chunks, chunks[0].config, self.cfg.parallel), provenance
 
     @property
     def step(self) -> int:

@@ -1,13 +1,14 @@
 """Training from imported Hugging Face weights (``checkpoint.pretrained``).
 
-A tiny ``LlavaForConditionalGeneration`` (CLIP tower, feature layer -2, Llama
-decoder with GQA) is built with the shapes dataset's vocabulary and image
+A tiny ``LlavaForConditionalGeneration`` (CLIP tower, feature layer -2, Qwen2
+decoder: GQA, QKV bias, tied embeddings, so PP2 ties them across stages) is built with the shapes dataset's vocabulary and image
 token, imported with tools/hf_import.py and trained with the job config plus
 the ``model.yaml`` the import wrote:
 - TP2 and PP2 match TP1 per step within 1e-6 relative (step 1 is the loss of
   the imported weights on the first batch, before any update);
 - stage 1 (projector only) lowers the loss while the LM and ViT stay
-  bit-identical to the imported weights.
+  bit-identical to the imported weights, and its checkpoint exports to a
+  ``transformers`` model whose logits match ours within 1e-4.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def imported(tmp_path_factory, llava_dataset):
 
     tok = TextTokenizer.from_path(llava_dataset / "tokenizer.json")
     root = tmp_path_factory.mktemp("pretrained")
-    hf_models.llava(root / "hf", vocab=tok.vocab_size, image_token=tok.image_token_id, seed=5)
+    hf_models.llava(root / "hf", text="qwen2", vocab=tok.vocab_size, image_token=tok.image_token_id, seed=5)
     r = run([sys.executable, str(REPO / "tools/hf_import.py"), "--llava", str(root / "hf"), "--out",
              str(root / "imported"), "--seq-length", "256"], timeout=240)
     assert r.returncode == 0, r.output
@@ -85,3 +86,26 @@ def test_stage1_from_imported_llava_trains_the_projector_only(tmp_path_factory, 
     frozen = [k for k in before if not k.startswith("vision_projection.")]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("vision_projection."))
+
+    # The trained model exports (the import record travels in its checkpoints) and HF agrees with us.
+    import transformers
+
+    hf_models.tool_main("hf_export.py", "--checkpoint", out / "checkpoints", "--out", out / "hf")
+    reloaded = transformers.LlavaForConditionalGeneration.from_pretrained(str(out / "hf")).eval()
+    image_token = reloaded.config.image_token_index
+    tokens = torch.randint(5, reloaded.config.text_config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(3))
+    tokens[0, 4:20] = image_token
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = reloaded(input_ids=tokens, pixel_values=pixels).logits
+    ours = hf_models.our_logits(out / "checkpoints", tokens, pixels, image_token)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_pretrained_weights_with_another_architecture_exit_2(tmp_path, llava_dataset, imported):
+    # The job config alone (without the import's model.yaml) describes another model.
+    r = run([sys.executable, "pretrain_llava.py", "--config", "examples/llava/tiny_cpu.yaml",
+             f"data.path={llava_dataset}", f"checkpoint.pretrained={imported}", f"logging.output_dir={tmp_path}"],
+            timeout=240)
+    assert r.returncode == 2, r.output
+    assert "checkpoint.pretrained" in r.stderr and "the model differs" in r.stderr and "Traceback" not in r.stderr

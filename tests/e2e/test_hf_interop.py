@@ -14,7 +14,6 @@ mapping that swaps or drops them cannot pass. Claims checked here:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from tests import hf_models
+from tests.hf_models import our_logits, tool_main
 from tests.launcher import REPO, run
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,31 +37,9 @@ def tool(name: str, *args, timeout: float = 240):
     return run([sys.executable, str(TOOLS / name), *map(str, args)], timeout=timeout)
 
 
-def tool_main(name: str, *args) -> None:
-    """Run a tool's ``main`` in this process: the same code without the
-    interpreter and import start-up of a subprocess (~10 s each here)."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name[:-3]}", TOOLS / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main([str(a) for a in args])
-
-
 def imported(src: Path, out: Path, *flags) -> Path:
     tool_main("hf_import.py", *flags, src, "--out", out)
     return out
-
-
-def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: int = -1) -> torch.Tensor:
-    from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
-    from megascale_omni.models.generation import logits
-    from megascale_omni.models.standalone import build_model, one_process
-
-    ckpt = open_model_checkpoint(ckpt_dir, "test")
-    m = ckpt.cfg.model
-    with one_process():
-        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token)
-        load_model_weights([model], ckpt, "test")
-        return logits(model, tokens, images)[..., : m.vocab_size]
 
 
 def llava_inputs(image_token: int, vocab: int = hf_models.VOCAB, seed: int = 0):
