@@ -86,10 +86,10 @@ def init_layout_invariant(
     for chunk in chunks:
         norm_ptrs = _norm_param_storage(chunk)
         zero_ptrs = _zero_init_storage(chunk)
-        sharded, factories = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
+        sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
         # Factories (e.g. SwiGLU's fc1, [gate; up] sharded as two halves per
         # TP rank) build sharded views of the local tensor.
-        built = [factory.build() for factory in _iter_factories(factories)]
+        built = [factory.build() for factory in _iter_factories(sharded)]
         for sh in _iter_sharded([sharded, built]):
             if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
                 continue

@@ -60,3 +60,16 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
     ref = _train(tmp_path_factory, "tied-base", 1, tied)
     got = _train(tmp_path_factory, "tied-tp2-pp2", 4, tied + ["parallel.tp=2", "parallel.pp=2"])
     assert_same_training(ref, got, "tied tp2-pp2", RTOL, GRAD_RTOL, counters=("loss_tokens",))
+
+
+def test_llama_architecture_under_pp2(tmp_path_factory):
+    """A Llama/Qwen-style decoder from scratch (SwiGLU, RMSNorm, GQA, no
+    biases but QKV's, RoPE base). Its fused [gate; up] fc1 is checkpointed
+    through a megatron factory, which the layout-invariant init must follow:
+    megatron's own init draws layers in stage order, so PP2 would differ."""
+    llama = ["model.activation=swiglu", "model.normalization=RMSNorm", "model.norm_epsilon=1e-6",
+             "model.add_bias_linear=false", "model.add_qkv_bias=true", "model.num_query_groups=2",
+             "model.position_embedding_type=rope", "model.rotary_base=500000", "model.ffn_hidden_size=96"]
+    ref = _train(tmp_path_factory, "llama-base", 1, llama)
+    got = _train(tmp_path_factory, "llama-pp2", 2, llama + ["parallel.pp=2"])
+    assert_same_training(ref, got, "llama pp2", RTOL, GRAD_RTOL, counters=("loss_tokens",))

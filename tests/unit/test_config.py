@@ -125,3 +125,25 @@ def test_checkpoint_dirs_follow_the_output_dir_placeholder():
     moved = from_dict(JobConfig, apply_overrides(raw, ["logging.output_dir=runs/b"]))
     assert moved.checkpoint.dir == "runs/b/checkpoints"
     assert from_dict(JobConfig, apply_overrides(raw, ["checkpoint.dir=/ckpt"])).checkpoint.dir == "/ckpt"
+
+
+@pytest.mark.parametrize("section,overrides,fragment", [
+    ("vision", {"num_layers": 3, "feature_layer": -4}, "vision.feature_layer=-4"),
+    ("vision", {"model_type": "siglip", "class_token": True}, "vision.class_token=True"),
+    ("model", {"rotary_base": 5e5}, "model.position_embedding_type='learned_absolute'"),
+    ("model", {"norm_epsilon": 0.0}, "model.norm_epsilon=0.0"),
+])
+def test_architecture_options_are_checked(section, overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        from_dict(JobConfig, {section: overrides})
+    assert fragment in str(e.value)
+
+
+def test_several_config_files_merge_field_by_field(tmp_path):
+    from megascale_omni.config import load_job_config
+
+    (tmp_path / "job.yaml").write_text("model: {num_layers: 6, hidden_size: 128}\ntrain: {steps: 7}\n")
+    (tmp_path / "arch.yaml").write_text("model: {hidden_size: 64, activation: swiglu}\n")
+    cfg = load_job_config(["--config", str(tmp_path / "job.yaml"), "--config", str(tmp_path / "arch.yaml"),
+                           "model.num_layers=2"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.activation, cfg.train.steps) == (2, 64, "swiglu", 7)
