@@ -173,7 +173,7 @@ def weights_from_hf(
     """Megatron state (names prefixed ``out``) from HF tensors fetched by
     ``get(name)``; ``body`` prefixes the decoder (``model.``), ``head`` names
     the untied output matrix (None when tied)."""
-    heads, groups, h = m.num_attention_heads, m.query_groups, m.hidden_size
+    heads, groups = m.num_attention_heads, m.query_groups
     state = {f"{out}embedding.word_embeddings.weight": _pad_rows(get(f"{body}embed_tokens.weight"), padded_vocab)}
     for i in range(m.num_layers):
         hf, ours = f"{body}layers.{i}.", f"{out}decoder.layers.{i}."

@@ -89,8 +89,8 @@ def init_layout_invariant(
         sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
         # Factories (e.g. SwiGLU's fc1, [gate; up] sharded as two halves per
         # TP rank) build sharded views of the local tensor.
-        built = [factory.build() for factory in _iter_factories(sharded)]
-        for sh in _iter_sharded([sharded, built]):
+        built = [factory.build() for factory in _iter_of(sharded, ShardedTensorFactory)]
+        for sh in _iter_of([sharded, built], ShardedTensor):
             if sh.data is None or not sh.data.is_floating_point() or sh.key.endswith("_extra_state"):
                 continue
             # Leading "prepend" axes index stacked layers: each layer is drawn
@@ -112,23 +112,13 @@ def init_layout_invariant(
     return count
 
 
-def _iter_factories(tree) -> Iterable[ShardedTensorFactory]:
-    if isinstance(tree, ShardedTensorFactory):
+def _iter_of(tree, kind: type) -> Iterable:
+    """Every ``kind`` instance in a nested dict/list state (depth first)."""
+    if isinstance(tree, kind):
         yield tree
     elif isinstance(tree, dict):
         for v in tree.values():
-            yield from _iter_factories(v)
+            yield from _iter_of(v, kind)
     elif isinstance(tree, (list, tuple)):
         for v in tree:
-            yield from _iter_factories(v)
-
-
-def _iter_sharded(tree) -> Iterable[ShardedTensor]:
-    if isinstance(tree, ShardedTensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _iter_sharded(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _iter_sharded(v)
+            yield from _iter_of(v, kind)

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.activations import quick_gelu
 from megatron.core.enums import ModelType
+from megatron.core.models.vision import vit_layer_specs
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.models.vision import vit_layer_specs
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import MLPSubmodules

@@ -16,25 +16,16 @@ from typing import Optional, Sequence
 import torch
 from megatron.core import dist_checkpointing
 
-from megascale_omni.checkpoint import layout
-from megascale_omni.config import ConfigError, JobConfig, ParallelConfig, from_dict
+from megascale_omni.checkpoint.pretrained import ModelCheckpoint, open_model_checkpoint
+from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.dit.ema import EMA_PREFIX, chunk_param_names, mirror_sharded
+from megascale_omni.models.standalone import single_process_config
 
 
 @dataclasses.dataclass
-class DitCheckpoint:
+class DitCheckpoint(ModelCheckpoint):
     """A verified DiT checkpoint: where it is and what it says about itself."""
-
-    info: layout.CheckpointInfo
-    #: The training job's config (``parallel`` as it was saved).
-    cfg: JobConfig
-    #: The non-tensor part of the checkpoint (config, task state, step, ...).
-    common: dict
-
-    @property
-    def path(self) -> Path:
-        return self.info.path
 
     @property
     def has_ema(self) -> bool:
@@ -42,7 +33,7 @@ class DitCheckpoint:
 
     def single_process_config(self) -> JobConfig:
         """The job config with a one-process layout (tp1/pp1, no DP)."""
-        return dataclasses.replace(self.cfg, parallel=ParallelConfig())
+        return single_process_config(self.cfg)
 
     def tokenizer(self) -> Optional[TextTokenizer]:
         """The training tokenizer (learned text encoder), or None (precomputed text)."""
@@ -63,17 +54,8 @@ def open_dit_checkpoint(path: str | Path, field: str = "checkpoint", checksums: 
     checkpoint is not a DiT's, CheckpointError when it is broken or
     incomplete. Needs no process group.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(field, str(path), "does not exist; pass a checkpoint root (checkpoint.dir of the "
-                          "training run) or one of its step_NNNNNNNN directories")
-    info = layout.resolve(path, checksums)
-    common = dist_checkpointing.load_common_state_dict(str(info.path))
-    family = common.get("config", {}).get("model", {}).get("family")
-    if family != "dit":
-        raise ConfigError(field, str(info.path), f"is a checkpoint of a {family!r} model, not of a DiT "
-                          "(model.family: dit); point it at a pretrain_dit.py run's checkpoints")
-    return DitCheckpoint(info, from_dict(JobConfig, common["config"]), common)
+    ckpt = open_model_checkpoint(path, field, family="dit", checksums=checksums)
+    return DitCheckpoint(ckpt.info, ckpt.cfg, ckpt.common)
 
 
 @torch.no_grad()

@@ -64,10 +64,11 @@ def test_pretrained_llava_under_tp2_and_pp2_matches_one_process(tmp_path_factory
 def test_stage1_from_imported_llava_trains_the_projector_only(tmp_path_factory, llava_dataset, imported, baseline):
     steps = 30
     records, out = _train(tmp_path_factory, llava_dataset, imported, "stage1", 1, [
-        "model.freeze=true", "vision.freeze=true", "train.lr=5e-3", f"checkpoint.dir={{output_dir}}/checkpoints",
+        "model.freeze=true", "vision.freeze=true", "train.lr=5e-3", "checkpoint.dir={output_dir}/checkpoints",
     ], steps=steps)
     assert records[0]["loss"] == pytest.approx(baseline[0]["loss"], rel=1e-6)  # same weights, same first batch
     first, last = (sum(r["loss"] for r in part) / 5 for part in (records[:5], records[-5:]))
+    print(f"\nstage 1: mean loss of steps 1-5 {first:.4f}, of steps {steps - 4}-{steps} {last:.4f}")
     assert last < first - 0.05, f"stage 1 did not learn: mean loss {first:.3f} -> {last:.3f}"
 
     from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint

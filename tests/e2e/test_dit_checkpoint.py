@@ -186,7 +186,7 @@ def test_sample_tool_rejects_bad_checkpoints(tmp_path, straight):
 
     gpt = copy("gpt")
     _rewrite_common(gpt, lambda c: c["config"]["model"].update(family="gpt"))
-    fails(gpt, 2, "--checkpoint", "'gpt' model, not of a DiT")
+    fails(gpt, 2, "--checkpoint", "holds a 'gpt' model but this run trains 'dit'")
 
     no_ema = copy("no-ema")
     _rewrite_common(no_ema, lambda c: c["task"].pop("ema"))

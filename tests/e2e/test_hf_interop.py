@@ -282,3 +282,14 @@ def test_tools_refuse_an_existing_output_and_a_missing_or_foreign_checkpoint(hf_
     r = tool("generate.py", "--checkpoint", src, "--prompt", "x")  # an HF directory, not a checkpoint
     assert r.returncode == 4 and "Traceback" not in r.stderr and "no complete checkpoint" in r.stderr, r.output
 
+
+
+def test_weights_of_another_family_are_refused(hf_dir):
+    ours = hf_dir / "llama-ours"
+    if not ours.exists():
+        pytest.skip("built by the logits tests")
+    from megascale_omni.checkpoint.pretrained import open_model_checkpoint
+    from megascale_omni.config import ConfigError
+
+    with pytest.raises(ConfigError, match="holds a 'gpt' model but this run trains 'llava'"):
+        open_model_checkpoint(ours, "checkpoint.pretrained", family="llava")
