@@ -16,15 +16,19 @@ INSTALL_REQUIRES = [
     "tensorboard==2.21.0",
     "tqdm==4.70.1",
     "psutil==7.2.2",
+    "prometheus-client==0.26.0",
 ]
 
 # Offline DiT latent tools only (tools/make_dit_latents.py, tools/sample_dit.py --vae);
 # training and the CPU demo never import them. The test extra includes them so
 # CI exercises the latent tool end to end.
 LATENTS = ["diffusers==0.42.1", "transformers==5.23.0"]
+# tools/report.py only (PNG plots of a run); training never imports it.
+REPORT = ["matplotlib==3.11.2"]
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", *LATENTS],
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", *LATENTS, *REPORT],
     "latents": LATENTS,
+    "report": REPORT,
     # Chosen automatically on CUDA hosts; never imported by a CPU run.
     "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
 }

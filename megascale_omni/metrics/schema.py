@@ -1,0 +1,60 @@
+"""The step record: every field a training step reports, its unit and meaning.
+
+One record per committed optimizer step, written by the loss-owning rank of
+each replica group to ``metrics.jsonl`` (one flat JSON object per line),
+TensorBoard, the Prometheus endpoint and the control socket's ``metrics``.
+Exporters and ``tools/report.py`` read field names from here, never from the
+Trainer. Fields that do not apply (e.g. memory on a host without the
+counter) are absent, never zero-filled.
+"""
+
+from __future__ import annotations
+
+#: name -> (unit, meaning). Times are seconds of wall clock on the reporting
+#: rank; the breakdown fields sum to ``step_s`` (``other_s`` is the remainder).
+STEP_FIELDS: dict[str, tuple[str, str]] = {
+    "step": ("", "committed optimizer steps so far (1 for the first step)"),
+    "loss": ("", "token-mean loss over the global batch"),
+    "lr": ("", "learning rate this step applied"),
+    "grad_norm": ("", "global gradient norm before clipping"),
+    "skipped": ("bool", "the optimizer skipped the update (inf/nan gradients)"),
+    "loss_tokens": ("tokens", "tokens that carried loss in the global batch"),
+    "tokens": ("tokens", "tokens in the global batch"),
+    "samples": ("samples", "samples in the global batch"),
+    "images": ("images", "images in the global batch (LLaVA, DiT)"),
+    "microbatches": ("", "micro-batches this rank ran"),
+    # time
+    "step_s": ("s", "wall time of the step"),
+    "data_s": ("s", "waiting for this rank's micro-batches"),
+    "compute_s": ("s", "forward and backward compute (fwd/bwd minus the waits below)"),
+    "pipeline_wait_s": ("s", "blocked in pipeline send/receive (measured bubble + transfer)"),
+    "bubble_analytic": ("fraction", "1F1B bubble share (pp-1)/(m+pp-1) of the pipeline schedule"),
+    "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings)"),
+    "cross_replica_s": ("s", "gradient and loss reduction across replica groups (elastic)"),
+    "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
+    "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
+    "control_s": ("s", "control-socket exchange at the step boundary"),
+    "other_s": ("s", "step_s minus every component above"),
+    "fwd_bwd_s": ("s", "compute_s + pipeline_wait_s + grad_sync_s + cross_replica_s"),
+    # throughput and efficiency
+    "tokens_per_s": ("tokens/s", "tokens / step_s"),
+    "samples_per_s": ("samples/s", "samples / step_s"),
+    "images_per_s": ("images/s", "images / step_s"),
+    "model_tflop": ("TFLOP", "model FLOPs of the step (forward + backward, no recompute), whole job"),
+    "tflops_per_gpu": ("TFLOP/s", "model_tflop / step_s / devices"),
+    "mfu": ("fraction", "tflops_per_gpu / logging.peak_tflops"),
+    # memory (this rank)
+    "mem_allocated_gib": ("GiB", "device memory held by tensors at the end of the step"),
+    "mem_reserved_gib": ("GiB", "device memory held by the caching allocator"),
+    "mem_peak_gib": ("GiB", "peak tensor memory during the step"),
+    "mem_fragmentation": ("fraction", "1 - allocated / reserved: cached blocks not holding tensors"),
+    "rss_gib": ("GiB", "resident host memory of the process"),
+    # stragglers (replica group)
+    "step_s_median": ("s", "median step_s over the replica group's ranks"),
+    "step_s_max": ("s", "slowest rank's step_s"),
+    "slowest_rank": ("", "rank with the largest step_s"),
+    "stragglers": ("", "ranks flagged slow (list)"),
+    # elastic
+    "participants": ("", "replica groups in the quorum"),
+    "healed": ("bool", "this group received state from a peer this step"),
+}
