@@ -25,6 +25,12 @@ class LoggingConfig:
     log_interval: int = 1
     #: Write TensorBoard event files under ``output_dir/tensorboard``.
     tensorboard: bool = True
+    #: Peak TFLOP/s of one device for MFU; 0 = the dense bf16 peak of a known
+    #: CUDA device (H100/H200/A100/...), and no MFU where unknown (e.g. CPU).
+    peak_tflops: float = 0.0
+    #: CUDA only: cap this process's caching allocator at this fraction of
+    #: device memory (``torch.cuda.set_per_process_memory_fraction``); 0 = no cap.
+    memory_fraction_cap: float = 0.0
     #: Python logging level.
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Show a progress bar on the logging rank.
@@ -32,6 +38,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         require_positive("logging", "log_interval", self.log_interval)
+        require_positive("logging", "peak_tflops", self.peak_tflops, allow_zero=True)
+        if not 0.0 <= self.memory_fraction_cap <= 1.0:
+            raise ConfigError("logging.memory_fraction_cap", self.memory_fraction_cap, "must be in [0, 1] (0 = no cap)")
 
 
 #: Stands for ``logging.output_dir`` in ``checkpoint.dir``/``checkpoint.local_dir``.

@@ -41,8 +41,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "samples_per_s": ("samples/s", "samples / step_s"),
     "images_per_s": ("images/s", "images / step_s"),
     "model_tflop": ("TFLOP", "model FLOPs of the step (forward + backward, no recompute), whole job"),
-    "tflops_per_gpu": ("TFLOP/s", "model_tflop / step_s / devices"),
-    "mfu": ("fraction", "tflops_per_gpu / logging.peak_tflops"),
+    "tflops_per_device": ("TFLOP/s", "model_tflop / step_s / devices (all replica groups)"),
+    "mfu": ("fraction", "tflops_per_device / peak TFLOP/s of one device (logging.peak_tflops)"),
     # memory (this rank)
     "mem_allocated_gib": ("GiB", "device memory held by tensors at the end of the step"),
     "mem_reserved_gib": ("GiB", "device memory held by the caching allocator"),

@@ -154,6 +154,13 @@ class ElasticReplica:
         every grad buffer and of the token count, then ``1 / global tokens``.
         """
         finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        self.reduce_grads_across_replicas(model, num_tokens, pg_collection)
+
+    def reduce_grads_across_replicas(self, model: Sequence[Any], num_tokens: Optional[torch.Tensor],
+                                     pg_collection: Any = None) -> None:
+        """The cross-replica half of :meth:`finalize_model_grads`: sum the
+        token count and every grad buffer over the participants, then scale
+        by ``1 / global tokens`` (every rank, after the inner-replica sync)."""
         assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
         if pg_collection is not None:
             pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp

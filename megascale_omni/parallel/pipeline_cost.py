@@ -218,7 +218,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
     out_params = vocab * h // tp + 2 * h
     return {
         EMBEDDING: ComponentCost(
-            flops=3.0 * tokens * h,  # gather + add; negligible next to matmuls
+            flops=3.0 * tokens * h / tp,  # gather + add (vocab-parallel); negligible next to matmuls
             params=emb_params,
             trainable_params=emb_params if lm_trainable else 0,
             activation_bytes=tokens * h * nbytes,
@@ -230,8 +230,9 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu",
         ),
         OUTPUT: ComponentCost(
-            # Output projection (3 passes) + softmax/cross-entropy (~5 ops per logit).
-            flops=(3.0 * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
+            # Output projection (forward, input grad, weight grad if it trains)
+            # + softmax/cross-entropy (~5 ops per logit).
+            flops=(_passes(lm_trainable, lm_trainable or head_trains) * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
             params=out_params,
             trainable_params=out_params if lm_trainable else 0,
             # Final-norm input, output-layer input, fp32 logits and their softmax.

@@ -68,6 +68,10 @@ class Task(ABC):
         ranks, for throughput reporting."""
 
     # ------------------------------------------------------ optional hooks
+    def images_of(self, step: int) -> Optional[int]:
+        """Images in global batch ``step`` (None: a text-only family)."""
+        return None
+
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
         """Dataset ids in ``microbatches(step, dp_rank, dp_size)``, for the
         elastic sample ledger. Families that support elastic jobs implement it."""

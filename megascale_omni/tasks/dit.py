@@ -164,6 +164,9 @@ class DitTask(Task):
         packages = self.plan.global_batch(step)
         return sum(len(p.sample_ids) for p in packages), sum(p.real_tokens for p in packages)
 
+    def images_of(self, step: int) -> int:
+        return sum(len(p.sample_ids) for p in self.plan.global_batch(step))
+
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         packages = self.plan.global_batch(step)
         parts = split_packages(packages, dp_size)

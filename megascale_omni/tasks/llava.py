@@ -75,7 +75,7 @@ class LlavaTask(Task):
         self.bad_samples = BadSampleAccount(cfg, dims)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
-        self.train_ids, lengths, costs = self._scan(self.train_reader)
+        self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
@@ -92,9 +92,10 @@ class LlavaTask(Task):
         )
 
     # ----------------------------------------------------------------- setup
-    def _scan_split(self, reader: ShardedSampleReader) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Bad-sample count, then ids, lengths and costs of every readable sample (metadata only)."""
-        ids, lengths, costs = [], [], []
+    def _scan_split(self, reader: ShardedSampleReader) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Bad-sample count, then ids, lengths, costs and image counts of
+        every readable sample (metadata only)."""
+        ids, lengths, costs, images = [], [], [], []
         patches = self.cfg.vision.tokens_per_image
         bad = 0
         for i in range(len(reader)):
@@ -112,14 +113,15 @@ class LlavaTask(Task):
             ids.append(i)
             lengths.append(n)
             costs.append(sample_cost(n, int(meta["num_images"]), patches))
-        return bad, np.asarray(ids), np.asarray(lengths), np.asarray(costs)
+            images.append(int(meta["num_images"]))
+        return bad, np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images)
 
-    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ids, lengths and costs of the usable samples of the training split;
-        the rest are excluded and counted."""
-        bad, ids, lengths, costs = self._scan_split(reader)
+    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Ids, lengths, costs and image counts of the usable samples of the
+        training split; the rest are excluded and counted."""
+        bad, ids, lengths, costs, images = self._scan_split(reader)
         self.bad_samples.exclude(bad, len(reader), str(reader.root))
-        return ids, lengths, costs
+        return ids, lengths, costs, images
 
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
@@ -128,6 +130,9 @@ class LlavaTask(Task):
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         packs = self.plan.global_batch(step)
         return sum(p.num_samples for p in packs), sum(p.num_tokens for p in packs)
+
+    def images_of(self, step: int) -> int:
+        return int(sum(self.train_images[sid] for p in self.plan.global_batch(step) for sid in p.sample_ids))
 
     def _share(self, step: int, dp_rank: int, dp_size: int) -> list[Pack]:
         """DP rank ``dp_rank``'s packed rows of global batch ``step``: whole
@@ -219,7 +224,7 @@ class LlavaTask(Task):
 
     def _eval_pass(self, chunks: Sequence[torch.nn.Module], shuffled: bool):
         if not hasattr(self, "_val"):
-            bad, ids, lengths, _ = self._scan_split(self.val_reader)
+            bad, ids, lengths, _, _ = self._scan_split(self.val_reader)
             check_bad_fraction(bad, len(self.val_reader), self.cfg.data.max_bad_sample_fraction,
                                f"scanning {self.val_reader.root}")
             packs = pack_samples(lengths, self.seq_length)

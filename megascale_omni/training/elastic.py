@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
 
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import ElasticConfig
+from megascale_omni.metrics.breakdown import PHASES
 from megascale_omni.parallel.elastic import ElasticReplica, Participation, import_torchft
 from megascale_omni.training.ledger import SampleLedger
 
@@ -115,11 +117,19 @@ class ElasticMembership:
     def cross_replica(self) -> Optional[ElasticReplica]:
         return self.replica
 
+    def _finalize_model_grads(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+        """``ElasticReplica.finalize_model_grads`` with its two halves timed
+        as ``grad_sync`` and ``cross_replica`` (metrics/breakdown.py)."""
+        with PHASES.phase("grad_sync"):
+            finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        with PHASES.phase("cross_replica"):
+            self.replica.reduce_grads_across_replicas(model, num_tokens, pg_collection)
+
     def _start(self) -> None:
         """Create the torchft manager and hook the cross-replica gradient sum (every rank)."""
         self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state)
         for chunk in self.state.chunks:
-            chunk.config.finalize_model_grads_func = self.replica.finalize_model_grads
+            chunk.config.finalize_model_grads_func = self._finalize_model_grads
         writes_ledger = (
             bool(self.cfg.ledger_dir)
             and mpu.is_pipeline_first_stage(ignore_virtual=True)

@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import ParallelConfig, TrainConfig
+from megascale_omni.metrics.breakdown import timed
 
 
 def wrap_ddp(
@@ -41,7 +42,7 @@ def wrap_ddp(
                 disable_bucketing=i > 0,
             )
         )
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = timed("grad_sync", finalize_model_grads)
     return wrapped
 
 

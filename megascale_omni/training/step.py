@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megascale_omni.metrics.breakdown import PHASES
 from megascale_omni.parallel.schedules import CrossReplica, reduce_reported_loss, run_forward_backward
 
 
@@ -31,6 +32,11 @@ class StepStats:
     #: Seconds in the optimizer step (including grad-norm collectives).
     optimizer_s: float
     num_microbatches: int
+    #: Parts of ``fwd_bwd_s``: blocked in pipeline p2p, DP gradient sync,
+    #: cross-replica reductions and commit (see metrics/breakdown.py).
+    pipeline_wait_s: float = 0.0
+    grad_sync_s: float = 0.0
+    cross_replica_s: float = 0.0
 
 
 @dataclass
@@ -62,10 +68,11 @@ def train_step(
     ``progress.optimizer_started`` turns True just before parameters start
     changing: a failure before that leaves the pre-step state intact.
     """
+    PHASES.reset()
+    t0 = time.perf_counter()
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    t0 = time.perf_counter()
     if microbatches:
         reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
     else:
@@ -76,9 +83,11 @@ def train_step(
     committed = True
     if cross_replica is not None:
         # Before the commit decision: a failure here must abandon the step.
-        loss, count = reduce_reported_loss(reports, cross_replica)
-        committed = cross_replica.should_commit()
+        with PHASES.phase("cross_replica"):
+            loss, count = reduce_reported_loss(reports, cross_replica)
+            committed = cross_replica.should_commit()
     t1 = time.perf_counter()
+    phases = PHASES.read()
     lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
     update_successful, grad_norm = False, None
     if committed:
@@ -100,4 +109,7 @@ def train_step(
         fwd_bwd_s=t1 - t0,
         optimizer_s=t2 - t1,
         num_microbatches=len(microbatches),
+        pipeline_wait_s=phases["pipeline_wait"],
+        grad_sync_s=phases["grad_sync"],
+        cross_replica_s=phases["cross_replica"],
     )

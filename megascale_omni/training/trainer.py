@@ -20,12 +20,17 @@ import sys
 import time
 from typing import Any, Optional, Protocol
 
+import torch
+
 from megascale_omni.checkpoint.manager import Checkpointer
 from megascale_omni.checkpoint.pretrained import load_pretrained
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
+from megascale_omni.metrics.breakdown import install_pipeline_timer
+from megascale_omni.metrics.flops import device_peak_tflops, model_flops_per_step
+from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import (
     ParallelDims,
@@ -39,7 +44,7 @@ from megascale_omni.platform import init_distributed, init_platform, seed_everyt
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.elastic import build_membership
 from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
-from megascale_omni.training.step import StepProgress, StepStats, train_step
+from megascale_omni.training.step import StepProgress, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,11 @@ class FamilySpec(Protocol):
     (:class:`megascale_omni.tasks.registry.ModelFamily`)."""
 
     name: str
+    #: ``"module:function"`` of the family's pipeline cost model, or None.
+    cost_model: Optional[str]
+
+    def cost_model_fn(self, cfg: JobConfig) -> Any:
+        """The cost model function (model FLOPs per step come from it)."""
 
     def plan_pipeline(self, cfg: JobConfig, cuda: bool, world_size: int) -> Any:
         """The pipeline plan (or None), before any process group exists."""
@@ -72,6 +82,9 @@ class Trainer:
         if self.platform.cpu_patches:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
+        install_pipeline_timer()
+        if cfg.logging.memory_fraction_cap:
+            torch.cuda.set_per_process_memory_fraction(cfg.logging.memory_fraction_cap, self.platform.device)
         self.dims = ParallelDims.from_config(cfg.parallel, world_size)
         initialize_parallel(self.dims, cfg.train.seed)
         seed_everything(cfg.train.seed)
@@ -88,6 +101,9 @@ class Trainer:
                 "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
                 self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),
             )
+        self.recorder = self._build_recorder(family, world_size)
+        #: Time spent at the last step boundary, reported with the next step.
+        self._boundary = {"control_s": 0.0, "checkpoint_s": 0.0}
         # Services, each always present and disabled when not configured.
         self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
         if self.is_loss_rank:
@@ -105,6 +121,18 @@ class Trainer:
             checkpoint=self._control_checkpoint if self.checkpointer.enabled else None,
             replica_info=self.membership.describe if self.membership.enabled else None,
         )
+
+    def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
+        """The step recorder, with model FLOPs per step from the family's cost model."""
+        cfg = self.cfg
+        flops = (model_flops_per_step(cfg, family.cost_model_fn(cfg), world_size)
+                 if family.cost_model is not None else None)
+        name = torch.cuda.get_device_name(self.platform.device) if self.platform.is_cuda else None
+        peak = device_peak_tflops(cfg.logging.peak_tflops, name)
+        if flops is not None and self.is_loss_rank:
+            logger.info("model FLOPs per step: %.3g TFLOP (cost model); MFU against %s", flops / 1e12,
+                        f"{peak:g} TFLOP/s per device" if peak else "no known peak (set logging.peak_tflops)")
+        return StepRecorder(self.platform.device, world_size, flops, peak, self.dims.pp, self.dims.num_model_chunks)
 
     def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
@@ -159,10 +187,16 @@ class Trainer:
                     if cfg.train.eval_interval and self.state.step % cfg.train.eval_interval == 0:
                         self._evaluate()
                     # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
-                    if not self.control.step_boundary(self.state.step, record):
+                    t0 = time.perf_counter()
+                    serving = self.control.step_boundary(self.state.step, record)
+                    t1 = time.perf_counter()
+                    stop = self.checkpointer.at_step_boundary(self.state)
+                    # Reported in the next step's record (its step_s starts here).
+                    self._boundary = {"control_s": t1 - t0, "checkpoint_s": time.perf_counter() - t1}
+                    if not serving:
                         drained = True
                         break
-                    if self.checkpointer.at_step_boundary(self.state):
+                    if stop:
                         stopped = True
                         break
                 if not (stopped or drained) and (not cfg.train.eval_interval or self.state.step % cfg.train.eval_interval):
@@ -192,6 +226,8 @@ class Trainer:
         t_quorum = time.perf_counter()
         mbs = self.membership.microbatches(share)
         t_data = time.perf_counter() - t_quorum
+        # Evaluation between steps is not step time.
+        boundary_s = self._boundary["control_s"] + self._boundary["checkpoint_s"]
         stats = train_step(
             self.state.chunks,
             self.state.optimizer,
@@ -203,41 +239,27 @@ class Trainer:
             progress,
             cross_replica=self.membership.cross_replica,
         )
-        step_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
         self.membership.end_step(share, stats.committed)
+        membership_s = (t_quorum - t0) + (time.perf_counter() - t_end)
         if not stats.committed:
             return None
         self.state.step += 1
         self.task.after_step(self.state.step)
-        record = self._record(stats, t_data, step_s)
-        self.membership.annotate(record, share)
+        extra: dict = self.task.data_stats()
+        self.membership.annotate(extra, share)
+        step_s = time.perf_counter() - t0 + boundary_s
+        timing = StepTiming(step_s, t_data, membership_s, **self._boundary)
+        self._boundary = {"control_s": 0.0, "checkpoint_s": 0.0}
+        samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
+        record = self.recorder.build(self.state.step, stats, timing, samples, tokens,
+                                     self.task.images_of(self.state.step - 1), extra)
         if self.is_loss_rank:
             self.history.append(record)
             self.sink.log(record, self.state.step)
             if self.state.step % self.cfg.logging.log_interval == 0 or self.state.step == self.cfg.train.steps:
-                logger.info(_format_line(record, self.cfg.train.steps))
+                logger.info(format_line(record, self.cfg.train.steps))
         return record
-
-    def _record(self, stats: StepStats, t_data: float, step_s: float) -> dict:
-        samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
-        return {
-            "step": self.state.step,
-            "loss": stats.loss,
-            "lr": stats.lr,
-            "grad_norm": stats.grad_norm,
-            "skipped": not stats.update_successful,
-            "loss_tokens": stats.num_loss_tokens,
-            "tokens": tokens,
-            "samples": samples,
-            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "samples_per_s": samples / step_s if step_s > 0 else 0.0,
-            "step_s": step_s,
-            "data_s": t_data,
-            "fwd_bwd_s": stats.fwd_bwd_s,
-            "optimizer_s": stats.optimizer_s,
-            "microbatches": stats.num_microbatches,
-            **self.task.data_stats(),
-        }
 
     def _evaluate(self) -> None:
         result = self.task.evaluate(self.state.chunks, self.state.step)
@@ -259,20 +281,6 @@ class Trainer:
         self.checkpointer.close()
         self.control.close()
         destroy_parallel()
-
-
-def _format_line(r: dict, total: int) -> str:
-    loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
-    gn = f"{r['grad_norm']:.3f}" if r["grad_norm"] is not None else "-"
-    skipped = " SKIPPED" if r["skipped"] else ""
-    if "participants" in r:
-        skipped += f" | replicas {r['participants']}" + (" (healed)" if r["healed"] else "")
-    return (
-        f"step {r['step']}/{total} | loss {loss} | lr {r['lr']:.2e} | grad_norm {gn} | "
-        f"tok/s {r['tokens_per_s']:.0f} | samples/s {r['samples_per_s']:.1f} | "
-        f"step {r['step_s']:.3f}s (data {r['data_s']:.3f} fwd/bwd {r['fwd_bwd_s']:.3f} opt {r['optimizer_s']:.3f})"
-        f"{skipped}"
-    )
 
 
 @contextlib.contextmanager
