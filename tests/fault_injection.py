@@ -1,12 +1,15 @@
-"""Run an entry point with a failure injected into one training step.
+"""Run an entry point with a failure or a slow rank injected.
 
     python -m tests.fault_injection --fail-at-step N TARGET [args ...]
+    python -m tests.fault_injection --slow-rank R --slow-from-step N --delay-s D TARGET [args ...]
 
 ``TARGET`` is a script (``pretrain_dit.py``) or a module
-(``megascale_omni.smoke``). Optimizer step ``N`` (1-based) raises
-:class:`InjectedFault` on every rank before any parameter changes, inside the
-Trainer's failure guard, so the failure-checkpoint path runs as it would for
-a real error. Test-only: production code carries no fault hooks.
+(``megascale_omni.smoke``). ``--fail-at-step``: optimizer step ``N``
+(1-based) raises :class:`InjectedFault` on every rank before any parameter
+changes, inside the Trainer's failure guard, so the failure-checkpoint path
+runs as it would for a real error. ``--slow-rank``: from step ``N`` on, rank
+``R`` sleeps ``D`` seconds while fetching its micro-batches (a data-starved
+rank). Test-only: production code carries no fault hooks.
 """
 
 from __future__ import annotations
@@ -33,12 +36,36 @@ def install(fail_at_step: int) -> None:
     Trainer._step = step_with_fault
 
 
+def install_slow_rank(rank: int, from_step: int, delay_s: float) -> None:
+    import os
+    import time
+
+    from megascale_omni.training.elastic import StaticMembership
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    original = StaticMembership.microbatches
+
+    def slow_microbatches(self, share):
+        if share.step + 1 >= from_step:
+            time.sleep(delay_s)
+        return original(self, share)
+
+    StaticMembership.microbatches = slow_microbatches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fail-at-step", type=int, required=True)
+    parser.add_argument("--fail-at-step", type=int, default=None)
+    parser.add_argument("--slow-rank", type=int, default=None)
+    parser.add_argument("--slow-from-step", type=int, default=1)
+    parser.add_argument("--delay-s", type=float, default=0.2)
     parser.add_argument("target")
     args, rest = parser.parse_known_args()
-    install(args.fail_at_step)
+    if args.fail_at_step is not None:
+        install(args.fail_at_step)
+    if args.slow_rank is not None:
+        install_slow_rank(args.slow_rank, args.slow_from_step, args.delay_s)
     sys.argv = [args.target, *rest]
     if args.target.endswith(".py"):
         runpy.run_path(args.target, run_name="__main__")

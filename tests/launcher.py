@@ -100,16 +100,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None) -> list[str]:
+def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None,
+                 inject: Sequence[str] = ()) -> list[str]:
     """``torchrun --nproc-per-node nproc <target> args`` on a free loopback port.
 
     ``target`` is a script path (``pretrain_llava.py``) or a module name
     (``megascale_omni.smoke``, run with ``-m``). ``fail_at_step``: step N
-    raises on every rank (see tests/fault_injection.py).
+    raises on every rank; ``inject``: other tests/fault_injection.py flags
+    (e.g. a slow rank).
     """
     entry = [target] if target.endswith(".py") else ["-m", target]
-    if fail_at_step is not None:
-        entry = ["-m", "tests.fault_injection", f"--fail-at-step={fail_at_step}", target]
+    flags = ([f"--fail-at-step={fail_at_step}"] if fail_at_step is not None else []) + list(inject)
+    if flags:
+        entry = ["-m", "tests.fault_injection", *flags, target]
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",

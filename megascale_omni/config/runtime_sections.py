@@ -31,6 +31,13 @@ class LoggingConfig:
     #: CUDA only: cap this process's caching allocator at this fraction of
     #: device memory (``torch.cuda.set_per_process_memory_fraction``); 0 = no cap.
     memory_fraction_cap: float = 0.0
+    #: Flag a rank whose busy time (data + compute, no waits) exceeds this
+    #: multiple of the other ranks' median ...
+    straggler_factor: float = 2.0
+    #: ... for this many consecutive steps ...
+    straggler_patience: int = 3
+    #: ... and the median by at least this many seconds.
+    straggler_min_excess_s: float = 0.01
     #: Python logging level.
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Show a progress bar on the logging rank.
@@ -39,6 +46,10 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         require_positive("logging", "log_interval", self.log_interval)
         require_positive("logging", "peak_tflops", self.peak_tflops, allow_zero=True)
+        require_positive("logging", "straggler_patience", self.straggler_patience)
+        require_positive("logging", "straggler_min_excess_s", self.straggler_min_excess_s, allow_zero=True)
+        if self.straggler_factor <= 1.0:
+            raise ConfigError("logging.straggler_factor", self.straggler_factor, "must be > 1 (e.g. 2.0)")
         if not 0.0 <= self.memory_fraction_cap <= 1.0:
             raise ConfigError("logging.memory_fraction_cap", self.memory_fraction_cap, "must be in [0, 1] (0 = no cap)")
 

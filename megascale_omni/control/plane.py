@@ -63,6 +63,7 @@ class ControlPlane:
         sends_metrics: bool,
         checkpoint: Optional[CheckpointFn] = None,
         replica_info: Optional[ReplicaInfoFn] = None,
+        straggler_info: Optional[ReplicaInfoFn] = None,
     ):
         self.cfg = cfg
         self.enabled = cfg.control.enabled
@@ -75,6 +76,8 @@ class ControlPlane:
         self.exchange_s = 0.0
         self._checkpoint = checkpoint
         self._replica_info = replica_info
+        #: The last straggler observation (same on every rank), for ``status``.
+        self._straggler_info = straggler_info
         #: Per exchange call, the commands rank 0 sent that have not come back yet.
         self._transit: collections.deque[list[Pending]] = collections.deque()
         self._server: Optional[ControlServer] = None
@@ -196,6 +199,8 @@ class ControlPlane:
             status["last_loss"] = loss_record["loss"]
         if self._replica_info is not None:
             status["replica"] = self._replica_info()
+        if self._straggler_info is not None and self._straggler_info() is not None:
+            status["stragglers"] = self._straggler_info()
         changed_config = any(op.kind == "config_set" for op in ops)
         status["total_steps"] = self.cfg.train.steps
         self.state.publish(record=loss_record, config=to_dict(self.cfg) if changed_config else None, **status)

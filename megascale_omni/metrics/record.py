@@ -108,6 +108,8 @@ def format_line(r: dict, total: int) -> str:
     if "participants" in r:
         flags += f" | replicas {r['participants']}" + (" (healed)" if r["healed"] else "")
     mfu = f" | mfu {r['mfu']:.1%}" if "mfu" in r else ""
+    if r.get("stragglers"):
+        flags += f" | STRAGGLERS {r['stragglers']}"
     mem = (f" | mem {r['mem_allocated_gib']:.1f}/{r['mem_reserved_gib']:.1f} GiB" if "mem_reserved_gib" in r
            else f" | rss {r['rss_gib']:.2f} GiB" if "rss_gib" in r else "")
     waits = r["pipeline_wait_s"] + r["grad_sync_s"] + r["cross_replica_s"]

@@ -49,10 +49,12 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "mem_peak_gib": ("GiB", "peak tensor memory during the step"),
     "mem_fragmentation": ("fraction", "1 - allocated / reserved: cached blocks not holding tensors"),
     "rss_gib": ("GiB", "resident host memory of the process"),
-    # stragglers (replica group)
-    "step_s_median": ("s", "median step_s over the replica group's ranks"),
-    "step_s_max": ("s", "slowest rank's step_s"),
-    "slowest_rank": ("", "rank with the largest step_s"),
+    # stragglers (replica group; busy = data_s + compute_s, the time a rank is not waiting for others)
+    "busy_s": ("s", "this rank's busy time"),
+    "busy_s_median": ("s", "median busy time over the replica group's ranks"),
+    "busy_s_max": ("s", "the slowest rank's busy time"),
+    "slowest_rank": ("", "rank with the largest busy time"),
+    "straggler_count": ("", "ranks flagged slow"),
     "stragglers": ("", "ranks flagged slow (list)"),
     # elastic
     "participants": ("", "replica groups in the quorum"),

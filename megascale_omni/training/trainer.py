@@ -31,6 +31,7 @@ from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import install_pipeline_timer
 from megascale_omni.metrics.flops import device_peak_tflops, model_flops_per_step
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
+from megascale_omni.metrics.stragglers import StragglerDetector
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import (
     ParallelDims,
@@ -104,6 +105,9 @@ class Trainer:
         self.recorder = self._build_recorder(family, world_size)
         #: Time spent at the last step boundary, reported with the next step.
         self._boundary = {"control_s": 0.0, "checkpoint_s": 0.0}
+        log = cfg.logging
+        self.stragglers = StragglerDetector(log.straggler_factor, log.straggler_patience, log.straggler_min_excess_s,
+                                            announce=self.is_loss_rank)
         # Services, each always present and disabled when not configured.
         self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
         if self.is_loss_rank:
@@ -120,6 +124,7 @@ class Trainer:
             cfg, self.dims.layout(), sends_metrics=self.is_loss_rank,
             checkpoint=self._control_checkpoint if self.checkpointer.enabled else None,
             replica_info=self.membership.describe if self.membership.enabled else None,
+            straggler_info=self.stragglers.describe,
         )
 
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
@@ -254,6 +259,7 @@ class Trainer:
         samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
         record = self.recorder.build(self.state.step, stats, timing, samples, tokens,
                                      self.task.images_of(self.state.step - 1), extra)
+        record.update(self.stragglers.observe(record["data_s"] + record["compute_s"], self.state.step))
         if self.is_loss_rank:
             self.history.append(record)
             self.sink.log(record, self.state.step)
