@@ -89,7 +89,7 @@ class Trainer:
                 self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),
             )
         # Services, each always present and disabled when not configured.
-        self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
+        self.sink = MetricSink.from_config(cfg.logging, enabled=self.is_loss_rank)
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
