@@ -40,7 +40,8 @@ def train_family(family: str, description: str = "") -> list[dict]:
 
 
 def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; a ConfigError becomes one stderr line and exit code 2,
+    """Run ``main``; a ConfigError becomes one stderr line (on rank 0, or on
+    the rank that raised it when it is ``rank_local``) and exit code 2,
     a DataQualityError one line and exit code 3, a CheckpointError one line
     and exit code 4 (no traceback)."""
     from megascale_omni.checkpoint.errors import CheckpointError
@@ -53,7 +54,7 @@ def run_cli(main: Callable[[], object]) -> None:
     try:
         main()
     except ConfigError as e:
-        if rank == "0":
+        if rank == "0" or e.rank_local:
             sys.stderr.write(f"{e}\n")
         sys.exit(2)
     except DataQualityError as e:

@@ -12,10 +12,13 @@ class ConfigError(ValueError):
     (see :func:`megascale_omni.config.cli.run_cli`).
     """
 
-    def __init__(self, field: str, value: Any, hint: str):
+    def __init__(self, field: str, value: Any, hint: str, *, rank_local: bool = False):
         self.field = field
         self.value = value
         self.hint = hint
+        #: Detected on the raising rank only (e.g. a port that rank failed to
+        #: bind), so entry points print it there instead of on rank 0 only.
+        self.rank_local = rank_local
         super().__init__(f"config error: {field}={value!r}: {hint}")
 
 

@@ -42,6 +42,13 @@ class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Show a progress bar on the logging rank.
     progress_bar: bool = True
+    #: Serve the step record as Prometheus gauges at ``http://<prometheus_host>:<port>/metrics``
+    #: from the loss-owning rank (one endpoint per replica group); 0 = off.
+    #: Several jobs or replica groups on one host need one port each.
+    prometheus_port: int = 0
+    #: Bind address of that endpoint; loopback by default. Anything else exposes
+    #: the metrics to the network (step numbers only: no secrets, no config).
+    prometheus_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         require_positive("logging", "log_interval", self.log_interval)
@@ -52,6 +59,12 @@ class LoggingConfig:
             raise ConfigError("logging.straggler_factor", self.straggler_factor, "must be > 1 (e.g. 2.0)")
         if not 0.0 <= self.memory_fraction_cap <= 1.0:
             raise ConfigError("logging.memory_fraction_cap", self.memory_fraction_cap, "must be in [0, 1] (0 = no cap)")
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(
+                "logging.prometheus_port", self.prometheus_port, "must be in [1, 65535], or 0 to turn the exporter off"
+            )
+        if not self.prometheus_host:
+            raise ConfigError("logging.prometheus_host", self.prometheus_host, "must be an address, e.g. 127.0.0.1")
 
 
 #: Stands for ``logging.output_dir`` in ``checkpoint.dir``/``checkpoint.local_dir``.

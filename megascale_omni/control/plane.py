@@ -159,7 +159,7 @@ class ControlPlane:
         if not self.serves or self._server is None:
             return
         if last_record is not None:
-            self.state.publish(record=last_record, last_loss=last_record["loss"])
+            self.state.publish(record=last_record, last_loss=last_record.get("loss"))
         for pending in [*self._transit_items(), *self.state.close()]:
             pending.post(error_reply(
                 pending.request_id, ErrorCode.UNAVAILABLE,
@@ -196,7 +196,7 @@ class ControlPlane:
         if self.draining:
             status["state"] = "draining"
         if loss_record is not None:
-            status["last_loss"] = loss_record["loss"]
+            status["last_loss"] = loss_record.get("loss")
         if self._replica_info is not None:
             status["replica"] = self._replica_info()
         if self._straggler_info is not None and self._straggler_info() is not None:

@@ -1,6 +1,6 @@
-"""Metric sinks: JSONL (always) and TensorBoard (optional).
+"""Metric sinks: JSONL (always), TensorBoard and Prometheus (optional).
 
-Only the loss-owning rank writes. Each record is one flat JSON object per
+Only the loss-owning rank writes (and serves). Each record is one flat JSON object per
 line, so ``jq``/pandas read it directly and tests compare numbers exactly.
 """
 
@@ -10,6 +10,9 @@ import json
 import logging
 import os
 from typing import Any, Mapping, Optional
+
+from megascale_omni.config.runtime_sections import LoggingConfig
+from megascale_omni.metrics.prometheus import PrometheusExporter
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +34,26 @@ class JsonlWriter:
 
 
 class MetricSink:
-    """Fan-out to JSONL and TensorBoard (loss-owning rank only; no-op elsewhere)."""
+    """Fan-out to JSONL, TensorBoard and the Prometheus endpoint (loss-owning
+    rank only; no-op elsewhere).
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool):
+    Every rank constructs one (``enabled`` only on the loss rank) and calls
+    :meth:`log` and :meth:`close`. ``prometheus_port`` 0 = no endpoint; a port
+    that cannot be bound raises ConfigError before anything else is opened.
+    """
+
+    def __init__(
+        self, output_dir: str, enabled: bool, tensorboard: bool, prometheus_port: int = 0,
+        prometheus_host: str = "127.0.0.1",
+    ):
         self.enabled = enabled
         self._jsonl: Optional[JsonlWriter] = None
         self._tb = None
+        self.prometheus: Optional[PrometheusExporter] = None
         if not enabled:
             return
+        if prometheus_port:
+            self.prometheus = PrometheusExporter(prometheus_host, prometheus_port)
         self._jsonl = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
         if tensorboard:
             try:
@@ -47,6 +62,14 @@ class MetricSink:
                 self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
             except ImportError:  # tensorboard is a pinned dependency; only a broken env lands here
                 logger.warning("tensorboard is not importable; writing JSONL metrics only")
+
+    @classmethod
+    def from_config(cls, logging_cfg: LoggingConfig, enabled: bool) -> "MetricSink":
+        """The sink ``logging_cfg`` describes (every rank; ``enabled`` on the loss rank)."""
+        return cls(
+            logging_cfg.output_dir, enabled=enabled, tensorboard=logging_cfg.tensorboard,
+            prometheus_port=logging_cfg.prometheus_port, prometheus_host=logging_cfg.prometheus_host,
+        )
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
         if not self.enabled:
@@ -57,9 +80,17 @@ class MetricSink:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(key.replace(".", "/"), value, step)
+        if self.prometheus is not None:
+            self.prometheus.observe(record)
 
     def close(self) -> None:
+        """Flush and close the writers, stop the Prometheus server (idempotent)."""
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None

@@ -109,7 +109,7 @@ class Trainer:
         self.stragglers = StragglerDetector(log.straggler_factor, log.straggler_patience, log.straggler_min_excess_s,
                                             announce=self.is_loss_rank)
         # Services, each always present and disabled when not configured.
-        self.sink = MetricSink(cfg.logging.output_dir, enabled=self.is_loss_rank, tensorboard=cfg.logging.tensorboard)
+        self.sink = MetricSink.from_config(cfg.logging, enabled=self.is_loss_rank)
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []

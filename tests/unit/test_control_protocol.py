@@ -11,7 +11,15 @@ from megascale_omni.config import ConfigError, JobConfig, control_socket_path, f
 from megascale_omni.control.cli import build_parser, format_result, request_of
 from megascale_omni.control.client import parse_target
 from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op, check_args, check_config_set, set_field
-from megascale_omni.control.exchange import MAX_OPS, SIZE, decode_ops, decode_record, encode_ops, encode_record
+from megascale_omni.control.exchange import (
+    MAX_OPS,
+    METRIC_FIELDS,
+    SIZE,
+    decode_ops,
+    decode_record,
+    encode_ops,
+    encode_record,
+)
 from megascale_omni.control.protocol import (
     MAX_MESSAGE_BYTES,
     ErrorCode,
@@ -20,6 +28,7 @@ from megascale_omni.control.protocol import (
     encode,
     parse_request,
 )
+from megascale_omni.metrics.schema import STEP_FIELDS
 
 
 def _line(obj) -> bytes:
@@ -156,12 +165,32 @@ def test_boundary_vector_round_trip_is_exact():
     ]
     out = decode_record(values)
     assert out["step"] == 12 and type(out["step"]) is int
-    assert out["loss"] == record["loss"] and out["skipped"] is True and out["grad_norm"] is None
+    assert out["loss"] == record["loss"] and out["skipped"] is True
+    # None and absent fields come back absent (as in metrics.jsonl), never as 0.
+    assert "grad_norm" not in out and "mfu" not in out
     assert out["tokens_per_s"] == float("inf") and "extra" not in out
     assert decode_record([0.0] * SIZE) is None
     with pytest.raises(AssertionError):
         encode_ops([0.0] * SIZE, [Op("pause")] * (MAX_OPS + 1))
     assert len(MUTABLE_FIELD_NAMES) == 4
+
+
+
+def test_boundary_vector_carries_every_scalar_schema_field_with_its_type():
+    assert METRIC_FIELDS == tuple(f for f in STEP_FIELDS if f != "stragglers")
+    # A full record as the loss rank logs it: ints, floats, bools, NaN, a list.
+    record = {name: 0.1 * (i + 1) for i, name in enumerate(STEP_FIELDS)}
+    record.update(step=7, tokens=2**40 + 1, slowest_rank=3, skipped=False, healed=True, loss=float("nan"),
+                  stragglers=[1, 3])
+    values = [0.0] * SIZE
+    encode_record(values, record)
+    out = decode_record(values)
+    assert list(out) == list(METRIC_FIELDS)
+    for name in METRIC_FIELDS:
+        if name == "loss":
+            assert math.isnan(out[name])
+            continue
+        assert out[name] == record[name] and type(out[name]) is type(record[name]), name
 
 
 def test_parse_target():
