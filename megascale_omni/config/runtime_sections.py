@@ -21,7 +21,8 @@ class LoggingConfig:
 
     #: Run directory for JSONL metrics, TensorBoard events and checkpoints by default.
     output_dir: str = "runs/default"
-    #: Log one line every N steps.
+    #: Log one line (and write TensorBoard scalars) every N steps; JSONL and
+    #: Prometheus get every step.
     log_interval: int = 1
     #: Write TensorBoard event files under ``output_dir/tensorboard``.
     tensorboard: bool = True

@@ -19,6 +19,7 @@ compute. The clock is per process and used by the training thread only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable, Iterator
 
@@ -91,14 +92,19 @@ def analytic_bubble(pp: int, vpp: int, microbatches: int) -> float:
     return (pp - 1) / (max(vpp, 1) * microbatches + pp - 1)
 
 
+@functools.lru_cache(maxsize=1)
+def _this_process():
+    import psutil
+
+    return psutil.Process()
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """This rank's memory at the end of a step, GiB. On CUDA: allocated,
     reserved, the step's peak (the peak counter is reset for the next step)
     and fragmentation ``1 - allocated / reserved``; always: process RSS."""
-    import psutil
-
     gib = float(1 << 30)
-    stats = {"rss_gib": psutil.Process().memory_info().rss / gib}
+    stats = {"rss_gib": _this_process().memory_info().rss / gib}
     if device.type == "cuda":
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)

@@ -18,22 +18,25 @@ from megascale_omni.metrics.flops import throughput_fields
 
 #: Breakdown fields, in the order they happen within a step.
 BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
-             "checkpoint_s", "control_s")
+             "metrics_s", "checkpoint_s", "control_s")
 
 
 @dataclass
 class StepTiming:
     """The Trainer's measurements of one step, seconds.
 
-    ``step_s`` runs from the end of the previous step's record to this one's,
-    so it includes the previous step boundary's ``checkpoint_s`` and
-    ``control_s`` (evaluation is reported separately and excluded).
+    ``step_s`` runs from the end of the previous step's training work to the
+    end of this one's, so it includes what happened in between: building and
+    exporting the previous record (``metrics_s``) and the step boundary's
+    ``checkpoint_s`` and ``control_s`` (evaluation is reported separately
+    and excluded).
     """
 
     step_s: float
     data_s: float
     #: Quorum and commit bookkeeping of an elastic step (counted as cross-replica).
     membership_s: float
+    metrics_s: float
     checkpoint_s: float
     control_s: float
 
@@ -69,6 +72,7 @@ class StepRecorder:
             "grad_sync_s": stats.grad_sync_s,
             "cross_replica_s": stats.cross_replica_s + timing.membership_s,
             "optimizer_s": stats.optimizer_s,
+            "metrics_s": timing.metrics_s,
             "checkpoint_s": timing.checkpoint_s,
             "control_s": timing.control_s,
         }

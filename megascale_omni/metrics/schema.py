@@ -32,6 +32,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings)"),
     "cross_replica_s": ("s", "gradient and loss reduction across replica groups (elastic)"),
     "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
+    "metrics_s": ("s", "building, gathering (stragglers) and exporting the previous step's record"),
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
     "control_s": ("s", "control-socket exchange at the step boundary"),
     "other_s": ("s", "step_s minus every component above"),
@@ -49,7 +50,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "mem_peak_gib": ("GiB", "peak tensor memory during the step"),
     "mem_fragmentation": ("fraction", "1 - allocated / reserved: cached blocks not holding tensors"),
     "rss_gib": ("GiB", "resident host memory of the process"),
-    # stragglers (replica group; busy = data_s + compute_s, the time a rank is not waiting for others)
+    # stragglers (replica group; busy = data_s + compute_s, the time a rank is not waiting for others;
+    # gathered in the background, so all but busy_s describe the previous step)
     "busy_s": ("s", "this rank's busy time"),
     "busy_s_median": ("s", "median busy time over the replica group's ranks"),
     "busy_s_max": ("s", "the slowest rank's busy time"),

@@ -10,8 +10,10 @@ least ``min_excess_s``, so microsecond noise on tiny steps never counts) for
 ``patience`` consecutive steps is flagged; it is unflagged after one normal
 step.
 
-Each step costs one all-gather of one float per rank on a dedicated gloo
-group of the replica group.
+Each step starts one all-gather of one float per rank on a dedicated gloo
+group of the replica group, in the background: it is collected at the next
+step, so the straggler fields of a record describe the step before it, and
+no rank waits for the gather.
 """
 
 from __future__ import annotations
@@ -40,18 +42,36 @@ class StragglerDetector:
         self._slow_steps = [0] * self.world
         self.flagged: list[int] = []
         self._last: dict = {}
+        #: The gather in flight: (work, buffers, step).
+        self._pending: Optional[tuple] = None
 
     def observe(self, busy_s: float, step: int) -> dict:
-        """All-gather this rank's ``busy_s``; returns the record fields
-        ``busy_s`` (this rank), ``busy_s_median``, ``busy_s_max``,
-        ``slowest_rank``, ``stragglers`` and ``straggler_count``."""
-        times = torch.tensor([busy_s], dtype=torch.float64)
-        if self.group is not None:
-            gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
-            dist.all_gather(gathered, times, group=self.group)
-            busy = [float(t.item()) for t in gathered]
+        """Start gathering this rank's ``busy_s`` of ``step`` and evaluate the
+        previous step's gather (every rank, once per committed step).
+        Returns ``busy_s`` (this rank, this step) and, from the previous
+        step, ``busy_s_median``, ``busy_s_max``, ``slowest_rank``,
+        ``stragglers`` and ``straggler_count``."""
+        self.finish()
+        if self.group is None:
+            self._evaluate([busy_s], step)
         else:
-            busy = [busy_s]
+            buffers = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+            work = dist.all_gather(buffers, torch.tensor([busy_s], dtype=torch.float64), group=self.group,
+                                   async_op=True)
+            self._pending = (work, buffers, step)
+        return {"busy_s": busy_s, **self._last}
+
+    def finish(self) -> None:
+        """Wait for the gather in flight and evaluate it (every rank; also
+        before the process group goes away)."""
+        if self._pending is None:
+            return
+        work, buffers, step = self._pending
+        self._pending = None
+        work.wait()
+        self._evaluate([float(t.item()) for t in buffers], step)
+
+    def _evaluate(self, busy: list[float], step: int) -> None:
         before = set(self.flagged)
         for rank, t in enumerate(busy):
             others = busy[:rank] + busy[rank + 1:]
@@ -70,7 +90,6 @@ class StragglerDetector:
                 logger.info("straggler: rank %d is back to normal at step %d", rank, step)
         self._last = {"busy_s_median": median, "busy_s_max": busy[slowest], "slowest_rank": slowest,
                       "stragglers": list(self.flagged), "straggler_count": len(self.flagged)}
-        return {"busy_s": busy_s, **self._last}
 
     def describe(self) -> Optional[dict]:
         """The last observation, for the control socket's ``status`` (None before the first step)."""

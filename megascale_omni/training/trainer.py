@@ -103,8 +103,8 @@ class Trainer:
                 self.pipeline_plan.source, list(self.pipeline_plan.counts), format_plan_table([self.pipeline_plan]),
             )
         self.recorder = self._build_recorder(family, world_size)
-        #: Time spent at the last step boundary, reported with the next step.
-        self._boundary = {"control_s": 0.0, "checkpoint_s": 0.0}
+        #: Time spent after the last step (its record, the boundary), reported with the next step.
+        self._boundary = _idle_boundary()
         log = cfg.logging
         self.stragglers = StragglerDetector(log.straggler_factor, log.straggler_patience, log.straggler_min_excess_s,
                                             announce=self.is_loss_rank)
@@ -197,7 +197,7 @@ class Trainer:
                     t1 = time.perf_counter()
                     stop = self.checkpointer.at_step_boundary(self.state)
                     # Reported in the next step's record (its step_s starts here).
-                    self._boundary = {"control_s": t1 - t0, "checkpoint_s": time.perf_counter() - t1}
+                    self._boundary.update(control_s=t1 - t0, checkpoint_s=time.perf_counter() - t1)
                     if not serving:
                         drained = True
                         break
@@ -207,6 +207,8 @@ class Trainer:
                 if not (stopped or drained) and (not cfg.train.eval_interval or self.state.step % cfg.train.eval_interval):
                     self._evaluate()
                 self.checkpointer.finish(self.state, save=cfg.checkpoint.save_at_end and not stopped)
+            # The last background gather (not on failure: a dead peer would never answer).
+            self.stragglers.finish()
         finally:
             self.membership.leave()
             bar.close()
@@ -232,7 +234,7 @@ class Trainer:
         mbs = self.membership.microbatches(share)
         t_data = time.perf_counter() - t_quorum
         # Evaluation between steps is not step time.
-        boundary_s = self._boundary["control_s"] + self._boundary["checkpoint_s"]
+        boundary_s = sum(self._boundary.values())
         stats = train_step(
             self.state.chunks,
             self.state.optimizer,
@@ -253,9 +255,10 @@ class Trainer:
         self.task.after_step(self.state.step)
         extra: dict = self.task.data_stats()
         self.membership.annotate(extra, share)
-        step_s = time.perf_counter() - t0 + boundary_s
+        t_record = time.perf_counter()
+        step_s = t_record - t0 + boundary_s
         timing = StepTiming(step_s, t_data, membership_s, **self._boundary)
-        self._boundary = {"control_s": 0.0, "checkpoint_s": 0.0}
+        self._boundary = _idle_boundary()
         samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
         record = self.recorder.build(self.state.step, stats, timing, samples, tokens,
                                      self.task.images_of(self.state.step - 1), extra)
@@ -265,6 +268,7 @@ class Trainer:
             self.sink.log(record, self.state.step)
             if self.state.step % self.cfg.logging.log_interval == 0 or self.state.step == self.cfg.train.steps:
                 logger.info(format_line(record, self.cfg.train.steps))
+        self._boundary["metrics_s"] = time.perf_counter() - t_record
         return record
 
     def _evaluate(self) -> None:
@@ -287,6 +291,10 @@ class Trainer:
         self.checkpointer.close()
         self.control.close()
         destroy_parallel()
+
+
+def _idle_boundary() -> dict[str, float]:
+    return {"metrics_s": 0.0, "control_s": 0.0, "checkpoint_s": 0.0}
 
 
 @contextlib.contextmanager

@@ -48,22 +48,23 @@ def test_pp2_breakdown_accounts_for_the_step_time(tmp_path):
 def test_a_planted_slow_rank_is_flagged_and_nothing_before_it(tmp_path):
     """DP2, 505 steps; from step 501 rank 1 takes 0.4 s longer to get its data
     (tests/fault_injection.py). No rank may be flagged in the 500 normal steps;
-    rank 1 must be flagged within 5 steps of the delay. The detector runs at
-    factor 3 for 5 steps: on a loaded 2-core machine a descheduled rank can
-    be 3x slower for several steps, which is a real (if external) straggler."""
+    rank 1 must be flagged within 5 steps of the delay (4 slow steps, seen one
+    step later: the gather runs in the background). The detector runs at
+    factor 3: on a loaded 2-core machine a descheduled rank can be 3x slower
+    for several steps, which is a real (if external) straggler."""
     steps, slow_from = 505, 501
     cmd = torchrun_cmd(2, "megascale_omni.smoke", [
         "--config", "examples/gpt/tiny.yaml", f"train.steps={steps}", f"logging.output_dir={tmp_path}",
         "logging.tensorboard=false", "logging.log_interval=50", "logging.straggler_factor=3",
-        "logging.straggler_patience=5",
+        "logging.straggler_patience=4",
     ], inject=["--slow-rank=1", f"--slow-from-step={slow_from}", "--delay-s=0.4"])
     res = run(cmd, timeout=280)
     assert res.returncode == 0, res.output[-3000:]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     normal = [r for r in records if r["step"] < slow_from]
-    assert all(r["straggler_count"] == 0 for r in normal), [r["step"] for r in normal if r["straggler_count"]]
-    flagged = [r["step"] for r in records if r["stragglers"] == [1]]
+    assert all(r.get("straggler_count", 0) == 0 for r in normal), [r["step"] for r in normal if r.get("straggler_count")]
+    flagged = [r["step"] for r in records if r.get("stragglers") == [1]]
     assert flagged and flagged[0] < slow_from + 5, flagged
     assert records[-1]["slowest_rank"] == 1 and records[-1]["busy_s_max"] > 0.4
     assert "straggler: rank 1 was busy" in res.output
