@@ -1,0 +1,190 @@
+"""tools/report.py: plots and summary of a run directory, from synthetic
+records with every schema field, from today's field set, from a real short
+run, and refusals of bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from megascale_omni.metrics.schema import STEP_FIELDS
+from tests.launcher import run, train_and_read
+
+pytestmark = pytest.mark.timeout(240)
+
+ALL_PLOTS = {"loss.png", "throughput.png", "step_time.png", "memory.png", "timeline.png"}
+TODAY = ("step", "loss", "lr", "grad_norm", "skipped", "loss_tokens", "tokens", "samples", "tokens_per_s",
+         "samples_per_s", "step_s", "data_s", "fwd_bwd_s", "optimizer_s", "microbatches")
+STEPS = 40
+
+
+def _report(run_dir: Path, *extra: str):
+    return run([sys.executable, "tools/report.py", str(run_dir), *extra], timeout=200)
+
+
+def _fmt(v: float) -> str:
+    """The summary's number format (tools/reportlib.fmt)."""
+    return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
+
+
+def _step_record(step: int) -> dict:
+    """A record with every schema field; the breakdown sums to step_s; 2 replica groups until step 25, then 1."""
+    step_s = 0.5 + 0.01 * (step % 7)
+    parts = {"data_s": 0.02, "compute_s": 0.3, "pipeline_wait_s": 0.05, "grad_sync_s": 0.04,
+             "cross_replica_s": 0.03, "optimizer_s": 0.03, "checkpoint_s": 0.0, "control_s": 0.001}
+    parts["other_s"] = step_s - sum(parts.values())
+    rec = {key: 1.0 for key in STEP_FIELDS}  # any field added to the schema later still appears
+    rec.update(parts, step=step, loss=5.0 / step + 1.0, lr=1e-3, grad_norm=1.5, skipped=step == 17,
+               loss_tokens=1000, tokens=1024, samples=8, images=8, microbatches=4, step_s=step_s,
+               fwd_bwd_s=0.42, bubble_analytic=0.2, tokens_per_s=1024 / step_s, samples_per_s=8 / step_s,
+               images_per_s=8 / step_s, model_tflop=2.0, tflops_per_gpu=2.0 / step_s / 4,
+               mfu=0.3 + 0.001 * step, mem_allocated_gib=10.0, mem_reserved_gib=12.0,
+               mem_peak_gib=11.0 + 0.01 * step, mem_fragmentation=1 / 6, rss_gib=3.0,
+               step_s_median=step_s, step_s_max=step_s * 1.1, slowest_rank=1,
+               stragglers=[1] if step % 10 == 0 else [], participants=2 if step < 25 else 1,
+               healed=step == 3)
+    return rec
+
+
+def _write(run_dir: Path, records: list[dict], checkpoints: list[dict] | None = None, junk: tuple = ()) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in records] + list(junk)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if checkpoints is not None:
+        (run_dir / "checkpoints.jsonl").write_text("".join(json.dumps(c) + "\n" for c in checkpoints))
+
+
+def _assert_pngs(report: Path, names: set[str]) -> None:
+    assert {p.name for p in report.glob("*.png")} == names
+    for name in names:
+        path = report / name
+        assert path.stat().st_size > 10_000, name
+        with Image.open(path) as im:
+            assert im.format == "PNG" and im.size[0] >= 600 and im.size[1] >= 300, (name, im.size)
+            im.verify()
+
+
+def test_every_schema_field(tmp_path):
+    """All plots, and the summary's numbers equal the ones computed here."""
+    records = [_step_record(s) for s in range(1, STEPS + 1)]
+    evals = [{"step": s, "eval/loss": 5.0 / s + 1.2} for s in (20, 40)]
+    ckpts = [{"step": s, "reason": "interval", "blocking_s": b, "total_s": 2 * b, "bytes": 1000}
+             for s, b in ((10, 0.1), (20, 0.2), (30, 0.3), (40, 0.4))]
+    _write(tmp_path, records[:20] + evals[:1] + records[20:] + evals[1:], ckpts)
+    res = _report(tmp_path, "--smooth", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = tmp_path / "report"
+    _assert_pngs(report, ALL_PLOTS)
+    summary = (report / "summary.md").read_text()
+    step_s = np.array([r["step_s"] for r in records])
+    assert f"| median step time | {_fmt(float(np.median(step_s)))} s |" in summary
+    assert f"| p90 step time | {_fmt(float(np.percentile(step_s, 90)))} s |" in summary
+    assert f"| first loss | {_fmt(6.0)} (step 1) |" in summary
+    assert f"| min loss | {_fmt(5.0 / STEPS + 1.0)} (step {STEPS}) |" in summary
+    assert f"| median tokens/s | {_fmt(float(np.median(1024 / step_s)))} |" in summary
+    assert f"| median MFU | {_fmt(float(np.median([r['mfu'] for r in records])))} |" in summary
+    assert f"| max mem_peak_gib | {_fmt(11.0 + 0.01 * STEPS)} GiB (step {STEPS}) |" in summary
+    assert "| checkpoints | 4 (steps 10, 20, 30, 40; 4 interval) |" in summary
+    assert "| median checkpoint blocking time | 0.25 s |" in summary
+    assert "| membership changes | 1 (step 25: 2 -> 1 participants) |" in summary
+    assert "| skipped steps | 1 (steps 17) |" in summary
+    assert "| steps with stragglers flagged | 4; most often slowest: rank 1 |" in summary
+    assert f"| last evaluation (step 40) | eval/loss {_fmt(5.0 / 40 + 1.2)} |" in summary
+    compute_share = float(np.median(0.3 / step_s))
+    assert f"| compute_s | {100 * compute_share:.1f}% |" in summary
+    assert "fwd_bwd_s |" not in summary  # the fine split replaces the coarse one
+    for name in ALL_PLOTS:
+        assert f"[{name}]({name})" in summary
+    assert "memory.png: " not in summary and "no MFU axis" not in summary
+
+
+def test_todays_fields_only(tmp_path):
+    """No breakdown/memory/MFU fields and no checkpoints.jsonl: the plots that can be
+    made are, and the summary lists what is missing."""
+    records = [{k: v for k, v in _step_record(s).items() if k in TODAY} for s in range(1, 13)]
+    _write(tmp_path, records)
+    res = _report(tmp_path, "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_pngs(tmp_path / "out", ALL_PLOTS - {"memory.png"})
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "memory.png: no memory fields" in summary
+    assert "MFU: no mfu" in summary and "no MFU axis" in summary
+    assert "membership: no participants" in summary
+    assert "| checkpoints | 0 (no checkpoints.jsonl) |" in summary
+    assert "| fwd_bwd_s |" in summary and "| other (step_s - the rest) |" in summary
+    step_s = np.array([r["step_s"] for r in records])
+    assert f"| median step time | {_fmt(float(np.median(step_s)))} s |" in summary
+    # a second report replaces the first one
+    res = _report(tmp_path, "--out", str(tmp_path / "out"), "--smooth", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "moving average over 3 steps" in (tmp_path / "out" / "summary.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "out"]  # no temporary left
+
+
+def test_real_short_run(tmp_path):
+    """A 12-step tiny GPT run with evaluation and checkpoints, then its report."""
+    out = tmp_path / "run"
+    train_and_read("megascale_omni.smoke", 1,
+                   ["--config", "examples/gpt/tiny.yaml", "train.steps=12", "train.eval_interval=6",
+                    f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=5", "logging.progress_bar=false"],
+                   out, steps=12, timeout=200)
+    res = _report(out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "report: 12 steps, 4 plots, 0 malformed line(s) skipped" in res.stdout
+    _assert_pngs(out / "report", ALL_PLOTS - {"memory.png"})
+    summary = (out / "report" / "summary.md").read_text()
+    assert "| steps recorded | 12 (1 to 12) |" in summary
+    assert "| checkpoints | 3 (steps 5, 10, 12; 1 end, 2 interval) |" in summary
+    assert "| last evaluation (step 12) | eval/loss " in summary
+
+
+@pytest.mark.parametrize("case", ["no-dir", "no-metrics", "empty", "only-junk", "eval-only", "bad-smooth",
+                                  "out-not-a-report"])
+def test_bad_input_exits_2_with_one_line(tmp_path, case):
+    run_dir = tmp_path / "run"
+    extra: list[str] = []
+    if case != "no-dir":
+        run_dir.mkdir()
+    if case == "empty":
+        (run_dir / "metrics.jsonl").write_text("")
+    if case == "only-junk":
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": \n[1, 2]\nnot json\n')
+    if case == "eval-only":
+        _write(run_dir, [{"step": 6, "eval/loss": 4.5}])
+    if case in ("bad-smooth", "out-not-a-report"):
+        _write(run_dir, [_step_record(1)])
+    if case == "bad-smooth":
+        extra = ["--smooth", "0"]
+    if case == "out-not-a-report":
+        extra = ["--out", str(run_dir)]  # holds metrics.jsonl: never replaced
+    res = _report(run_dir, *extra)
+    assert res.returncode == 2, (res.returncode, res.output[-3000:])
+    assert "Traceback" not in res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), res.stderr
+    if case == "only-junk":
+        assert "3 malformed line(s) skipped" in lines[0]
+    assert not (run_dir / "report").exists()
+    if case == "out-not-a-report":
+        assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_malformed_lines_and_resumed_steps(tmp_path):
+    """Malformed lines are skipped and counted; steps recorded again after a resume
+    (metrics.jsonl is appended to) count once, the later record winning."""
+    records = [{k: v for k, v in _step_record(s).items() if k in TODAY} for s in (1, 2, 3, 4, 5, 4, 5)]
+    records[-1]["loss"] = 0.5
+    _write(tmp_path, records, junk=('{"step": 6, "loss": 1.', "[]", "\x00\x01garbage"))
+    res = _report(tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "report: 5 steps, 4 plots, 3 malformed line(s) skipped" in res.stdout
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert "3 malformed line(s) skipped" in summary
+    assert "| steps recorded | 5 (1 to 5); 2 earlier record(s) of re-run steps replaced by the later ones " \
+           "(1 resume(s)) |" in summary
+    assert "| last loss | 0.5 (step 5) |" in summary

@@ -1,0 +1,612 @@
+"""Loading, statistics, plots and the summary page of ``tools/report.py``.
+
+Input contract: ``<run>/metrics.jsonl`` as the Trainer writes it (one flat
+JSON object per line; a *step record* has an integer ``step`` and a ``loss``
+key, an *evaluation record* an integer ``step`` and ``eval/...`` keys) and,
+if present, ``<run>/checkpoints.jsonl`` (one object per committed save with
+an integer ``step`` and ``blocking_s``, ``total_s``, ``reason`` ...). Field
+names, units and meanings come from
+:data:`megascale_omni.metrics.schema.STEP_FIELDS`. A field a run does not
+have is absent, never zero: its plot or series is left out and the summary
+says so. Lines that are not JSON objects are skipped and counted.
+
+matplotlib (Agg backend) is imported only inside :func:`write_plots`, so
+loading and validating a run needs neither matplotlib nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from megascale_omni.config import ConfigError
+from megascale_omni.metrics.schema import STEP_FIELDS
+
+#: Throughput series, one panel each (MFU goes on the first panel's right axis).
+RATES = ("tokens_per_s", "samples_per_s", "images_per_s", "tflops_per_gpu")
+#: The schema's step-time breakdown, in stacking order; they sum to step_s.
+FINE_BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
+                  "checkpoint_s", "control_s", "other_s")
+#: Today's coarser split; fwd_bwd_s covers compute + pipeline wait + gradient sync.
+COARSE_BREAKDOWN = ("data_s", "fwd_bwd_s", "optimizer_s")
+#: Name of the computed component step_s minus the others (when other_s is absent).
+REMAINDER = "remainder"
+MEMORY_GIB = ("mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "rss_gib")
+#: Most bars drawn in the step-time plot; longer runs are shown as means over equal bins of steps.
+MAX_BARS = 600
+
+
+@dataclass
+class Run:
+    """One run directory's records, ready for statistics and plots.
+
+    ``steps`` holds one record per step number, ascending; when a step was
+    recorded more than once (a resumed run appends to metrics.jsonl), the
+    last record wins and ``superseded`` counts the earlier ones.
+    """
+
+    path: Path  # absolute
+    steps: list[dict]
+    evals: list[dict]
+    checkpoints: list[dict]
+    checkpoint_log: bool
+    malformed: dict[str, int]
+    ignored: int = 0
+    superseded: int = 0
+    resumes: int = 0
+    _cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def step_numbers(self) -> np.ndarray:
+        return np.array([r["step"] for r in self.steps], dtype=float)
+
+    def values(self, key: str) -> np.ndarray:
+        """``key`` per step as floats; NaN where absent, not a number (bool included) or not finite."""
+        if key not in self._cache:
+            self._cache[key] = np.array([_number(r.get(key)) for r in self.steps], dtype=float)
+        return self._cache[key]
+
+    def has(self, key: str) -> bool:
+        """True when at least one step record has a finite number for ``key``."""
+        return bool(np.isfinite(self.values(key)).any())
+
+
+def _number(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    v = float(v)
+    return v if math.isfinite(v) else math.nan
+
+
+def _is_step_number(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """The JSON objects of ``path``, one per non-blank line, and the number of
+    lines that were not a JSON object (skipped). Raises ConfigError if the
+    file cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ConfigError("RUN_DIR", str(path), f"cannot read: {e.strerror or e}") from None
+    objects, malformed = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            malformed += 1
+            continue
+        if isinstance(obj, dict):
+            objects.append(obj)
+        else:
+            malformed += 1
+    return objects, malformed
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read ``run_dir``'s metrics.jsonl (required) and checkpoints.jsonl (optional).
+
+    Raises ConfigError (one line, exit 2 under run_cli) for a missing
+    directory, a missing metrics.jsonl, or one without a single valid step
+    record.
+    """
+    if not run_dir.is_dir():
+        raise ConfigError("RUN_DIR", str(run_dir), "no such directory")
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError("RUN_DIR", str(run_dir), "has no metrics.jsonl (logging.output_dir of a training run)")
+    objects, malformed = read_jsonl(metrics)
+    by_step: dict[int, dict] = {}
+    evals, ignored, superseded, resumes, last = [], 0, 0, 0, None
+    for obj in objects:
+        if not _is_step_number(obj.get("step")):
+            ignored += 1
+        elif "loss" in obj:
+            if last is not None and obj["step"] <= last:
+                resumes += 1
+            last = obj["step"]
+            superseded += obj["step"] in by_step
+            by_step[obj["step"]] = obj
+        elif any(k.startswith("eval/") for k in obj):
+            evals.append(obj)
+        else:
+            ignored += 1
+    if not by_step:
+        skipped = f"; {malformed} malformed line(s) skipped" if malformed else ""
+        raise ConfigError("RUN_DIR", str(run_dir),
+                          f"metrics.jsonl has no valid step record ({len(objects)} JSON object(s){skipped})")
+    checkpoints, ckpt_malformed = [], 0
+    ckpt_log = run_dir / "checkpoints.jsonl"
+    if ckpt_log.is_file():
+        objs, ckpt_malformed = read_jsonl(ckpt_log)
+        checkpoints = sorted((o for o in objs if _is_step_number(o.get("step"))), key=lambda o: o["step"])
+        ckpt_malformed += len(objs) - len(checkpoints)
+    return Run(
+        path=run_dir.resolve(), steps=[by_step[s] for s in sorted(by_step)],
+        evals=sorted(evals, key=lambda r: r["step"]),
+        checkpoints=checkpoints, checkpoint_log=ckpt_log.is_file(),
+        malformed={"metrics.jsonl": malformed, "checkpoints.jsonl": ckpt_malformed},
+        ignored=ignored, superseded=superseded, resumes=resumes,
+    )
+
+
+# ------------------------------------------------------------------ statistics
+def fmt(v: Optional[float]) -> str:
+    """A number for the summary: 4 significant digits, whole numbers from 10^4 on; '-' for None."""
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
+
+
+def median(a: np.ndarray) -> Optional[float]:
+    """Median of the finite values, None if there are none."""
+    a = a[np.isfinite(a)]
+    return float(np.median(a)) if a.size else None
+
+
+def percentile(a: np.ndarray, q: float) -> Optional[float]:
+    """``q``-th percentile of the finite values (numpy's linear interpolation), None if there are none."""
+    a = a[np.isfinite(a)]
+    return float(np.percentile(a, q)) if a.size else None
+
+
+def unit(key: str) -> str:
+    return STEP_FIELDS.get(key, ("", ""))[0]
+
+
+def label(key: str) -> str:
+    """Axis/legend label: the field name with its schema unit, e.g. ``tokens_per_s (tokens/s)``."""
+    u = unit(key)
+    return f"{key} ({u})" if u and u != "bool" else key
+
+
+def breakdown(run: Run) -> tuple[dict[str, np.ndarray], str]:
+    """Components of step_s per step in stacking order, and a sentence saying which split was used.
+
+    The schema's fine split (compute_s, pipeline_wait_s, ...) when the run
+    has any of its fields beyond data_s / optimizer_s, else data_s /
+    fwd_bwd_s / optimizer_s. Without other_s a ``remainder`` component
+    (step_s minus the others, floored at 0) completes the stack.
+    """
+    fine = [k for k in FINE_BREAKDOWN if run.has(k)]
+    if set(fine) - {"data_s", "optimizer_s"}:
+        parts, how = {k: run.values(k) for k in fine}, "the schema's breakdown fields present"
+    else:
+        parts = {k: run.values(k) for k in COARSE_BREAKDOWN if run.has(k)}
+        how = ("data_s / fwd_bwd_s / optimizer_s (the run has no compute_s / pipeline_wait_s / grad_sync_s / "
+               "cross_replica_s / checkpoint_s / control_s / other_s)")
+    if "other_s" not in parts and run.has("step_s"):
+        summed = np.nansum(np.vstack(list(parts.values())), axis=0) if parts else 0.0
+        parts[REMAINDER] = np.maximum(run.values("step_s") - summed, 0.0)
+        how += "; remainder = step_s minus those, floored at 0"
+    return parts, how
+
+
+def membership_changes(run: Run) -> list[tuple[int, float, float]]:
+    """(step, participants before, participants after) wherever ``participants`` changes between recorded steps."""
+    changes, prev = [], None
+    for step, p in zip(run.step_numbers, run.values("participants")):
+        if not math.isfinite(p):
+            continue
+        if prev is not None and p != prev:
+            changes.append((int(step), prev, p))
+        prev = p
+    return changes
+
+
+def wall_time(run: Run) -> np.ndarray:
+    """Cumulative step_s at the end of each recorded step (missing step_s counts as 0)."""
+    return np.cumsum(np.nan_to_num(run.values("step_s"), nan=0.0))
+
+
+def time_at_steps(run: Run, steps: list[int]) -> list[Optional[float]]:
+    """Wall time (cumulative step_s) at the end of each of ``steps``: the last recorded step <= it;
+    0 before the first recorded step, None after the last."""
+    numbers, t = run.step_numbers, wall_time(run)
+    out = []
+    for s in steps:
+        if s > numbers[-1]:
+            out.append(None)
+            continue
+        i = int(np.searchsorted(numbers, s, side="right")) - 1
+        out.append(float(t[i]) if i >= 0 else 0.0)
+    return out
+
+
+def moving_average(a: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last ``window`` steps of the finite values (NaN where the window has none)."""
+    ok = np.isfinite(a)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(ok, a, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    lo = np.maximum(np.arange(1, a.size + 1) - window, 0)
+    hi = np.arange(1, a.size + 1)
+    n = counts[hi] - counts[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, (sums[hi] - sums[lo]) / np.maximum(n, 1), np.nan)
+
+
+# ------------------------------------------------------------------ plots
+PlotFn = Callable[..., Optional[object]]
+
+
+def write_plots(run: Run, out: Path, smooth: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """Write every plot the run's fields allow into ``out`` as PNG.
+
+    Returns ``(written, notes)``: (file name, what it shows) per plot, and
+    one sentence per plot or series left out for lack of data.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    notes: list[str] = []
+    written = []
+    plots: list[tuple[str, str, PlotFn]] = [
+        ("loss.png", "training loss per step" + (f", moving average over {smooth} steps" if smooth > 1 else "")
+         + (", eval/loss" if any("eval/loss" in r for r in run.evals) else ""), _plot_loss),
+        ("throughput.png", "throughput per step (and MFU)", _plot_throughput),
+        ("step_time.png", "stacked step-time breakdown per step, step_s as a line", _plot_step_time),
+        ("memory.png", "memory per step", _plot_memory),
+        ("timeline.png", "loss and step time over wall time, checkpoints and membership changes marked",
+         _plot_timeline),
+    ]
+    for name, what, fn in plots:
+        fig = fn(plt, run, notes, smooth=smooth)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append((name, what))
+    return written, notes
+
+
+def _title(ax, text: str, run: Run) -> None:
+    ax.set_title(f"{text} - {run.path.name}")
+
+
+def _plot_loss(plt, run: Run, notes: list[str], smooth: int):
+    loss = run.values("loss")
+    if not np.isfinite(loss).any():
+        notes.append("loss.png: no finite loss value in any step record")
+        return None
+    x = run.step_numbers
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(x, loss, lw=1, alpha=0.35 if smooth > 1 else 1.0, color="C0", label="loss")
+    if smooth > 1:
+        ax.plot(x, moving_average(loss, smooth), lw=1.8, color="C0", label=f"loss, mean of last {smooth} steps")
+    ev = [(r["step"], _number(r.get("eval/loss"))) for r in run.evals]
+    ev = [(s, v) for s, v in ev if math.isfinite(v)]
+    if ev:
+        ax.plot(*zip(*ev), "o-", color="C3", ms=4, label="eval/loss (held-out)")
+    else:
+        notes.append("loss.png: no eval/loss records, training loss only")
+    skipped = [s for s, r in zip(x, run.steps) if r.get("skipped") is True]
+    for i, s in enumerate(skipped):
+        ax.axvline(s, color="red", ls=":", lw=0.8, label="skipped step" if i == 0 else None)
+    ax.set_xlabel(label("step"))
+    ax.set_ylabel(label("loss"))
+    _title(ax, "Loss", run)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def _plot_throughput(plt, run: Run, notes: list[str], **_):
+    rates = [k for k in RATES if run.has(k)]
+    missing = [k for k in RATES if k not in rates]
+    if not rates:
+        notes.append(f"throughput.png: none of {', '.join(RATES)} in the step records")
+        return None
+    if missing:
+        notes.append(f"throughput.png: no {', '.join(missing)} series (absent from the step records)")
+    x = run.step_numbers
+    fig, axes = plt.subplots(len(rates), 1, figsize=(9, 1.2 + 2.6 * len(rates)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for i, (ax, key) in enumerate(zip(axes, rates)):
+        ax.plot(x, run.values(key), lw=1, color=f"C{i}", label=key)
+        ax.set_ylabel(label(key))
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if i == 0 and run.has("mfu"):
+            twin = ax.twinx()
+            twin.plot(x, run.values("mfu"), lw=1, color="C5", ls="--", label="mfu")
+            twin.set_ylabel(label("mfu"))
+            h2, l2 = twin.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, loc="best")
+    if not run.has("mfu"):
+        notes.append("throughput.png: no MFU axis (mfu absent)")
+    _title(axes[0], "Throughput", run)
+    axes[-1].set_xlabel(label("step"))
+    return fig
+
+
+def _binned(x: np.ndarray, series: list[np.ndarray], max_points: int) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """(x, series) unchanged when short enough, else means over equal bins of consecutive steps
+    (NaN-aware: a bin with no value stays NaN); also returns the bin width in steps."""
+    width = max(1, math.ceil(x.size / max_points))
+    if width == 1:
+        return x, series, 1
+    edges = list(range(0, x.size, width))
+
+    def bin_mean(a):
+        out = np.full(len(edges), np.nan)
+        for j, lo in enumerate(edges):
+            chunk = a[lo:lo + width]
+            if np.isfinite(chunk).any():
+                out[j] = np.nanmean(chunk)
+        return out
+
+    return bin_mean(x), [bin_mean(a) for a in series], width
+
+
+def _plot_step_time(plt, run: Run, notes: list[str], **_):
+    if not run.has("step_s"):
+        notes.append("step_time.png: no step_s in the step records")
+        return None
+    parts, how = breakdown(run)
+    lines = [k for k in ("step_s", "step_s_median", "step_s_max") if run.has(k)]
+    x, ys, width = _binned(run.step_numbers, [*parts.values(), *(run.values(k) for k in lines)], MAX_BARS)
+    bars, curves = ys[:len(parts)], ys[len(parts):]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    bottom = np.zeros_like(x)
+    for i, (name, h) in enumerate(zip(parts, bars)):
+        lab = "other (step_s - the rest)" if name == REMAINDER else name
+        ax.bar(x, h, bottom=bottom, width=0.9 if width == 1 else width, color=f"C{i}", lw=0, label=lab)
+        bottom = bottom + np.nan_to_num(h, nan=0.0)
+    styles = {"step_s": ("black", "-"), "step_s_median": ("dimgray", ":"), "step_s_max": ("red", "--")}
+    for key, y in zip(lines, curves):
+        color, ls = styles[key]
+        ax.plot(x, y, color=color, ls=ls, lw=1.3,
+                label={"step_s_median": "step_s, replica-group median", "step_s_max": "step_s, slowest rank"}
+                .get(key, key))
+    if "step_s_max" not in lines:
+        notes.append("step_time.png: no straggler lines (step_s_median / step_s_max absent)")
+    ax.set_xlabel(label("step") + (f", means over {width}-step bins" if width > 1 else ""))
+    top = max([float(np.nanmax(bottom)), *(float(np.nanmax(y)) for y in curves if np.isfinite(y).any())])
+    ax.set_ylim(0, 1.35 * top if top > 0 else 1.0)  # headroom for the legend
+    ax.set_ylabel(f"time per step ({unit('step_s')})")
+    _title(ax, "Step time breakdown", run)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=2, loc="upper right")
+    return fig
+
+
+def _plot_memory(plt, run: Run, notes: list[str], **_):
+    gib = [k for k in MEMORY_GIB if run.has(k)]
+    frag = run.has("mem_fragmentation")
+    if not gib and not frag:
+        notes.append(f"memory.png: no memory fields ({', '.join(MEMORY_GIB)}, mem_fragmentation) in the step records")
+        return None
+    x = run.step_numbers
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, key in enumerate(gib):
+        ax.plot(x, run.values(key), lw=1.2, color=f"C{i}", label=key)
+    ax.set_ylabel(f"memory ({unit('mem_allocated_gib')})")
+    handles, labels = ax.get_legend_handles_labels()
+    if frag:
+        twin = ax.twinx()
+        twin.plot(x, run.values("mem_fragmentation"), lw=1, ls="--", color="C7",
+                  label="mem_fragmentation")
+        twin.set_ylabel(label("mem_fragmentation"))
+        h2, l2 = twin.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize=8)
+    ax.set_xlabel(label("step"))
+    ax.grid(alpha=0.3)
+    _title(ax, "Memory", run)
+    return fig
+
+
+def _time_unit(total_s: float) -> tuple[str, float]:
+    if total_s >= 3 * 3600:
+        return "h", 3600.0
+    if total_s >= 3 * 60:
+        return "min", 60.0
+    return "s", 1.0
+
+
+def _plot_timeline(plt, run: Run, notes: list[str], **_):
+    if not run.has("step_s"):
+        notes.append("timeline.png: no step_s, so no wall-time axis")
+        return None
+    t = wall_time(run)
+    name, scale = _time_unit(float(t[-1]))
+    missing = int(np.isnan(run.values("step_s")).sum())
+    if missing:
+        notes.append(f"timeline.png: {missing} step(s) without step_s count as 0 s on the wall-time axis")
+    panels = [k for k in ("loss", "step_s") if run.has(k)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.5 + 2.8 * len(panels)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, key in zip(axes, panels):
+        ax.plot(t / scale, run.values(key), lw=1, color="C0", label=key)
+        ax.set_ylabel(label(key))
+        ax.grid(alpha=0.3)
+    ckpt_steps = [c["step"] for c in run.checkpoints]
+    ckpt_t = time_at_steps(run, ckpt_steps)
+    placed = [(c, tc) for c, tc in zip(run.checkpoints, ckpt_t) if tc is not None]
+    if len(placed) < len(run.checkpoints):
+        notes.append(f"timeline.png: {len(run.checkpoints) - len(placed)} checkpoint(s) after the last recorded "
+                     "step not marked")
+    for i, (c, tc) in enumerate(placed):
+        for ax in axes:
+            ax.axvline(tc / scale, color="green", ls="--", lw=0.9, alpha=0.7,
+                       label="checkpoint" if i == 0 and ax is axes[0] else None)
+    blocking = [(tc / scale, _number(c.get("blocking_s"))) for c, tc in placed]
+    blocking = [(a, b) for a, b in blocking if math.isfinite(b)]
+    if blocking and "step_s" in panels:
+        axes[-1].plot(*zip(*blocking), "D", color="green", ms=5, label="checkpoint blocking_s (s)")
+    changes = membership_changes(run)
+    change_t = time_at_steps(run, [s for s, _, _ in changes])
+    for i, ((step, before, after), tc) in enumerate(zip(changes, change_t)):
+        for ax in axes:
+            ax.axvline(tc / scale, color="purple", lw=1.2,
+                       label="participants change" if i == 0 and ax is axes[0] else None)
+        axes[0].annotate(f"{before:g}->{after:g}", (tc / scale, 1.0), xycoords=("data", "axes fraction"),
+                         xytext=(2, -12), textcoords="offset points", color="purple", fontsize=8)
+    if not run.checkpoints:
+        notes.append("timeline.png: no checkpoints to mark (" +
+                     ("checkpoints.jsonl is empty)" if run.checkpoint_log else "no checkpoints.jsonl)"))
+    if not run.has("participants"):
+        notes.append("timeline.png: no membership changes to mark (participants absent: not an elastic run)")
+    for ax in axes:
+        ax.legend(fontsize=8, loc="best")
+    axes[-1].set_xlabel(f"wall time inside steps, cumulative step_s ({name})")
+    _title(axes[0], "Timeline", run)
+    return fig
+
+
+# ------------------------------------------------------------------ summary
+def summary_markdown(run: Run, plots: list[tuple[str, str]], notes: list[str]) -> str:
+    """The one-page summary (markdown) of ``run``: headline numbers, step-time shares,
+    checkpoints, membership, what the run lacks and the plots written."""
+    steps = run.step_numbers.astype(int)
+    rows: list[tuple[str, str]] = []
+    lacks: list[str] = []
+
+    def row(name: str, value: str) -> None:
+        rows.append((name, value))
+
+    step_note = f"{len(steps)} ({steps[0]} to {steps[-1]})"
+    if run.superseded:
+        step_note += (f"; {run.superseded} earlier record(s) of re-run steps replaced by the later ones "
+                      f"({run.resumes} resume(s))")
+    row("steps recorded", step_note)
+    loss = run.values("loss")
+    if np.isfinite(loss).any():
+        ok = np.flatnonzero(np.isfinite(loss))
+        first, last, low = ok[0], ok[-1], ok[np.argmin(loss[ok])]
+        row("first loss", f"{fmt(loss[first])} (step {steps[first]})")
+        row("last loss", f"{fmt(loss[last])} (step {steps[last]})")
+        row("min loss", f"{fmt(loss[low])} (step {steps[low]})")
+    else:
+        lacks.append("loss: no finite value")
+    if run.evals:
+        ev = run.evals[-1]
+        vals = ", ".join(f"{k} {fmt(_number(v))}" for k, v in sorted(ev.items())
+                         if k.startswith("eval/") and math.isfinite(_number(v)))
+        row(f"last evaluation (step {ev['step']})", vals or "-")
+    else:
+        lacks.append("evaluation: no eval/* records")
+    skipped = [int(s) for s, r in zip(steps, run.steps) if r.get("skipped") is True]
+    row("skipped steps", f"{len(skipped)}" + (f" (steps {_list(skipped)})" if skipped else ""))
+    step_s = run.values("step_s")
+    if run.has("step_s"):
+        row("median step time", f"{fmt(median(step_s))} s")
+        row("p90 step time", f"{fmt(percentile(step_s, 90))} s")
+        row("total time in steps", f"{fmt(float(np.nansum(step_s)))} s")
+    else:
+        lacks.append("step time: no step_s")
+    for key, name in (("tokens_per_s", "median tokens/s"), ("samples_per_s", "median samples/s"),
+                      ("images_per_s", "median images/s"), ("tflops_per_gpu", "median model TFLOP/s per GPU"),
+                      ("mfu", "median MFU")):
+        if run.has(key):
+            row(name, fmt(median(run.values(key))))
+        else:
+            lacks.append(f"{name[len('median '):]}: no {key}")
+    mem = [k for k in ("mem_peak_gib", "mem_reserved_gib", "mem_allocated_gib", "rss_gib") if run.has(k)]
+    for key in mem:
+        v = run.values(key)
+        i = int(np.nanargmax(v))
+        row(f"max {key}", f"{fmt(v[i])} GiB (step {steps[i]})")
+    if run.has("mem_fragmentation"):
+        row("median mem_fragmentation", fmt(median(run.values("mem_fragmentation"))))
+    if not mem:
+        lacks.append("memory: no mem_allocated_gib / mem_reserved_gib / mem_peak_gib / rss_gib")
+    if run.has("step_s_max") and run.has("step_s_median"):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = run.values("step_s_max") / run.values("step_s_median")
+        row("median slowest-rank / median-rank step time", fmt(median(ratio)))
+    flagged = sum(1 for r in run.steps if isinstance(r.get("stragglers"), list) and r["stragglers"])
+    if any("stragglers" in r for r in run.steps):
+        ranks = Counter(r["slowest_rank"] for r in run.steps if _is_step_number(r.get("slowest_rank")))
+        row("steps with stragglers flagged", f"{flagged}" + (
+            f"; most often slowest: rank {ranks.most_common(1)[0][0]}" if ranks else ""))
+    else:
+        lacks.append("stragglers: no step_s_median / step_s_max / stragglers")
+    if run.checkpoints:
+        blocking = np.array([_number(c.get("blocking_s")) for c in run.checkpoints])
+        total = np.array([_number(c.get("total_s")) for c in run.checkpoints])
+        reasons = Counter(str(c.get("reason", "?")) for c in run.checkpoints)
+        row("checkpoints", f"{len(run.checkpoints)} (steps {_list([c['step'] for c in run.checkpoints])}; "
+            + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) + ")")
+        row("median checkpoint blocking time", f"{fmt(median(blocking))} s")
+        if np.isfinite(total).any():
+            row("median checkpoint total time", f"{fmt(median(total))} s")
+    else:
+        row("checkpoints", "0" + ("" if run.checkpoint_log else " (no checkpoints.jsonl)"))
+    if run.has("participants"):
+        changes = membership_changes(run)
+        text = "; ".join(f"step {s}: {a:g} -> {b:g} participants" for s, a, b in changes)
+        row("membership changes", f"{len(changes)}" + (f" ({text})" if changes else ""))
+        row("steps that healed from a peer", f"{sum(1 for r in run.steps if r.get('healed') is True)}")
+    else:
+        lacks.append("membership: no participants (not an elastic run)")
+
+    lines = [f"# Run report: {run.path.name}", "", f"Run directory: `{run.path}`", ""]
+    sources = [f"`metrics.jsonl`: {len(run.steps)} step records, {len(run.evals)} evaluation records"]
+    if run.malformed["metrics.jsonl"]:
+        sources.append(f"{run.malformed['metrics.jsonl']} malformed line(s) skipped")
+    if run.ignored:
+        sources.append(f"{run.ignored} other record(s) ignored")
+    text = "; ".join(sources)
+    if run.checkpoint_log:
+        text += f". `checkpoints.jsonl`: {len(run.checkpoints)} record(s)"
+        if run.malformed["checkpoints.jsonl"]:
+            text += f"; {run.malformed['checkpoints.jsonl']} malformed line(s) skipped"
+    lines += [text + ".", "", "| quantity | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+
+    parts, how = breakdown(run)
+    if parts:
+        lines += ["", "## Step time breakdown", "",
+                  f"Median over steps of each component's share of step_s; components: {how}.", "",
+                  "| component | median share of step_s | median (s) |", "|---|---|---|"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for name, v in parts.items():
+                share = median(np.where(step_s > 0, v / step_s, np.nan))
+                shown = "other (step_s - the rest)" if name == REMAINDER else name
+                pct = f"{100 * share:.1f}%" if share is not None else "-"
+                lines.append(f"| {shown} | {pct} | {fmt(median(v))} |")
+    lines += ["", "## Not in this run", "", "Fields absent from every record:", ""]
+    lines += [f"- {x}" for x in lacks] or ["- none"]
+    lines += ["", "Plots and series left out:", ""]
+    lines += [f"- {x}" for x in notes] or ["- none"]
+    lines += ["", "## Plots", ""] + [f"- [{name}]({name}): {what}" for name, what in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _list(values: list[int], limit: int = 20) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")
