@@ -29,7 +29,7 @@ from megascale_omni.config import ConfigError
 from megascale_omni.metrics.schema import STEP_FIELDS
 
 #: Throughput series, one panel each (MFU goes on the first panel's right axis).
-RATES = ("tokens_per_s", "samples_per_s", "images_per_s", "tflops_per_gpu")
+RATES = ("tokens_per_s", "samples_per_s", "images_per_s", "tflops_per_device")
 #: The schema's step-time breakdown, in stacking order; they sum to step_s.
 FINE_BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
                   "checkpoint_s", "control_s", "other_s")
@@ -376,7 +376,7 @@ def _plot_step_time(plt, run: Run, notes: list[str], **_):
         notes.append("step_time.png: no step_s in the step records")
         return None
     parts, how = breakdown(run)
-    lines = [k for k in ("step_s", "step_s_median", "step_s_max") if run.has(k)]
+    lines = [k for k in ("step_s", "busy_s_median", "busy_s_max") if run.has(k)]
     x, ys, width = _binned(run.step_numbers, [*parts.values(), *(run.values(k) for k in lines)], MAX_BARS)
     bars, curves = ys[:len(parts)], ys[len(parts):]
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -385,14 +385,14 @@ def _plot_step_time(plt, run: Run, notes: list[str], **_):
         lab = "other (step_s - the rest)" if name == REMAINDER else name
         ax.bar(x, h, bottom=bottom, width=0.9 if width == 1 else width, color=f"C{i}", lw=0, label=lab)
         bottom = bottom + np.nan_to_num(h, nan=0.0)
-    styles = {"step_s": ("black", "-"), "step_s_median": ("dimgray", ":"), "step_s_max": ("red", "--")}
+    styles = {"step_s": ("black", "-"), "busy_s_median": ("dimgray", ":"), "busy_s_max": ("red", "--")}
     for key, y in zip(lines, curves):
         color, ls = styles[key]
         ax.plot(x, y, color=color, ls=ls, lw=1.3,
-                label={"step_s_median": "step_s, replica-group median", "step_s_max": "step_s, slowest rank"}
+                label={"busy_s_median": "busy time, replica-group median", "busy_s_max": "busy time, slowest rank"}
                 .get(key, key))
-    if "step_s_max" not in lines:
-        notes.append("step_time.png: no straggler lines (step_s_median / step_s_max absent)")
+    if "busy_s_max" not in lines:
+        notes.append("step_time.png: no straggler lines (busy_s_median / busy_s_max absent)")
     ax.set_xlabel(label("step") + (f", means over {width}-step bins" if width > 1 else ""))
     top = max([float(np.nanmax(bottom)), *(float(np.nanmax(y)) for y in curves if np.isfinite(y).any())])
     ax.set_ylim(0, 1.35 * top if top > 0 else 1.0)  # headroom for the legend
@@ -529,7 +529,7 @@ def summary_markdown(run: Run, plots: list[tuple[str, str]], notes: list[str]) -
     else:
         lacks.append("step time: no step_s")
     for key, name in (("tokens_per_s", "median tokens/s"), ("samples_per_s", "median samples/s"),
-                      ("images_per_s", "median images/s"), ("tflops_per_gpu", "median model TFLOP/s per GPU"),
+                      ("images_per_s", "median images/s"), ("tflops_per_device", "median model TFLOP/s per device"),
                       ("mfu", "median MFU")):
         if run.has(key):
             row(name, fmt(median(run.values(key))))
@@ -544,17 +544,17 @@ def summary_markdown(run: Run, plots: list[tuple[str, str]], notes: list[str]) -
         row("median mem_fragmentation", fmt(median(run.values("mem_fragmentation"))))
     if not mem:
         lacks.append("memory: no mem_allocated_gib / mem_reserved_gib / mem_peak_gib / rss_gib")
-    if run.has("step_s_max") and run.has("step_s_median"):
+    if run.has("busy_s_max") and run.has("busy_s_median"):
         with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = run.values("step_s_max") / run.values("step_s_median")
-        row("median slowest-rank / median-rank step time", fmt(median(ratio)))
+            ratio = run.values("busy_s_max") / run.values("busy_s_median")
+        row("median slowest-rank / median-rank busy time", fmt(median(ratio)))
     flagged = sum(1 for r in run.steps if isinstance(r.get("stragglers"), list) and r["stragglers"])
     if any("stragglers" in r for r in run.steps):
         ranks = Counter(r["slowest_rank"] for r in run.steps if _is_step_number(r.get("slowest_rank")))
         row("steps with stragglers flagged", f"{flagged}" + (
             f"; most often slowest: rank {ranks.most_common(1)[0][0]}" if ranks else ""))
     else:
-        lacks.append("stragglers: no step_s_median / step_s_max / stragglers")
+        lacks.append("stragglers: no busy_s_median / busy_s_max / stragglers")
     if run.checkpoints:
         blocking = np.array([_number(c.get("blocking_s")) for c in run.checkpoints])
         total = np.array([_number(c.get("total_s")) for c in run.checkpoints])

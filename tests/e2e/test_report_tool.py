@@ -42,10 +42,10 @@ def _step_record(step: int) -> dict:
     rec.update(parts, step=step, loss=5.0 / step + 1.0, lr=1e-3, grad_norm=1.5, skipped=step == 17,
                loss_tokens=1000, tokens=1024, samples=8, images=8, microbatches=4, step_s=step_s,
                fwd_bwd_s=0.42, bubble_analytic=0.2, tokens_per_s=1024 / step_s, samples_per_s=8 / step_s,
-               images_per_s=8 / step_s, model_tflop=2.0, tflops_per_gpu=2.0 / step_s / 4,
+               images_per_s=8 / step_s, model_tflop=2.0, tflops_per_device=2.0 / step_s / 4,
                mfu=0.3 + 0.001 * step, mem_allocated_gib=10.0, mem_reserved_gib=12.0,
                mem_peak_gib=11.0 + 0.01 * step, mem_fragmentation=1 / 6, rss_gib=3.0,
-               step_s_median=step_s, step_s_max=step_s * 1.1, slowest_rank=1,
+               busy_s_median=step_s, busy_s_max=step_s * 1.1, slowest_rank=1,
                stragglers=[1] if step % 10 == 0 else [], participants=2 if step < 25 else 1,
                healed=step == 3)
     return rec
