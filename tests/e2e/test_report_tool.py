@@ -135,8 +135,8 @@ def test_real_short_run(tmp_path):
                    out, steps=12, timeout=200)
     res = _report(out)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "report: 12 steps, 4 plots, 0 malformed line(s) skipped" in res.stdout
-    _assert_pngs(out / "report", ALL_PLOTS - {"memory.png"})
+    assert "report: 12 steps, 5 plots, 0 malformed line(s) skipped" in res.stdout
+    _assert_pngs(out / "report", ALL_PLOTS)  # memory: the process RSS
     summary = (out / "report" / "summary.md").read_text()
     assert "| steps recorded | 12 (1 to 12) |" in summary
     assert "| checkpoints | 3 (steps 5, 10, 12; 1 end, 2 interval) |" in summary
