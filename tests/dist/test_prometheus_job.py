@@ -98,6 +98,9 @@ def test_prometheus_control_socket_and_jsonl_report_the_same_step_record(tmp_pat
         scrape(port)
 
 
+# slow: the other rank only stops after torchrun's SIGTERM grace period (~30 s);
+# tests/unit/test_prometheus.py covers the taken port in one process.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_taken_port_stops_the_job_with_one_line_from_the_loss_rank(tmp_path):
     with socket.socket() as taken:
