@@ -233,7 +233,8 @@ class Trainer:
         t_quorum = time.perf_counter()
         mbs = self.membership.microbatches(share)
         t_data = time.perf_counter() - t_quorum
-        # Evaluation between steps is not step time.
+        # What ran since the previous step (its record, the boundary; not
+        # evaluation) counts toward this one.
         boundary_s = sum(self._boundary.values())
         stats = train_step(
             self.state.chunks,
