@@ -55,6 +55,10 @@ EXPECTED = {
         r"^mode\s+max/mean predicted\s+max/mean measured\s+step wall s$",
         r"^measured slowest stage: uniform / auto = [\d.]+x",
     ],
+    "metrics_overhead": [
+        r"^\| layout \| steps \| median step \| median metrics \| metrics / step \(median\) \| \(p90\) \|$",
+        *(rf"^\| {layout} \| 7 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \| [\d.]+% \|$" for layout in ("DP2", "PP2")),
+    ],
     "elastic_join": [
         r'^  "pinned_cpus": \{',  # --pin from the documented command
         r'^  "standby_join": \{',
@@ -71,10 +75,11 @@ TIMEOUT_S = {
     "checkpoint_async": 420,
     "control_overhead": 420,
     "pipeline_partition": 600,
+    "metrics_overhead": 300,
     "elastic_join": 1200,
 }
 #: Benchmarks that start several torchrun jobs.
-DIST = {"control_overhead", "pipeline_partition", "elastic_join"}
+DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join"}
 #: Too long for `make test` even at quick sizes (7 torchrun launches plus a
 #: lighthouse: a few minutes); `make test-all` runs it.
 SLOW = {"elastic_join"}
