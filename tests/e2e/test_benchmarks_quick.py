@@ -80,9 +80,10 @@ TIMEOUT_S = {
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join"}
-#: Too long for `make test` even at quick sizes (7 torchrun launches plus a
-#: lighthouse: a few minutes); `make test-all` runs it.
-SLOW = {"elastic_join"}
+#: Too long for `make test` even at quick sizes (several torchrun launches
+#: each: elastic_join 7 plus a lighthouse); `make test-all` runs them. The
+#: single-process benchmarks stay in `make test`.
+SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead"}
 
 
 def documented_commands() -> dict[str, list[str]]:

@@ -69,7 +69,8 @@ def _assert_same(reference: dict, got: dict, rel: float = 0.0) -> None:
         assert abs(got[step] - loss) <= rel * abs(loss), (step, got[step], loss)
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+# pp2 runs in make test-all (~55 s on 2 cores); dp2-distopt in make test.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2" else n for n in sorted(LAYOUTS)])
 def test_failure_save_then_resume_reproduces_losses(tmp_path, straight, name):
     """A step that raises saves the state before it; the restart continues
     with bit-identical losses (data order included: plans are step-indexed)."""
@@ -147,9 +148,10 @@ def test_sigusr1_saves_and_training_continues(tmp_path):
             "checkpoint.save_at_end=false"]
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
     _wait_for_step(out, 3, proc)
-    # Only the workers: SIGUSR1 would terminate the torchrun agent itself.
-    for pid in _worker_pids(proc.pid):
-        os.kill(pid, signal.SIGUSR1)
+    # One worker is enough (every rank votes on the flags); signalling each
+    # worker separately can straddle a step boundary and save twice. Never
+    # the torchrun agent: SIGUSR1 would terminate it.
+    os.kill(_worker_pids(proc.pid)[0], signal.SIGUSR1)
     res = finish(proc, timeout=200)
     assert res.returncode == 0, res.stderr[-3000:]
     saves = [c for c in layout.scan_tier(ckpt, "persistent") if c.complete]

@@ -22,7 +22,9 @@ from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
 from tests.launcher import finish, read_metrics, spawn
 
-pytestmark = pytest.mark.timeout(600)
+# slow (make test-all): about 5 minutes of the 2-core CI budget; the layout,
+# resume and HF-equivalence tests pin the numerics in make test.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 STEPS = 400
 COMMON = [f"train.steps={STEPS}", "train.global_batch_size=4", "train.eval_interval=0",
