@@ -27,6 +27,8 @@ def _saved_steps(run_dir) -> list[int]:
 
 
 @pytest.mark.timeout(1200)
+# slow (make test-all): ~2 min on 2 cores
+@pytest.mark.slow
 def test_one_writer_then_resume_after_every_group_died(tmp_path):
     ckpt = tmp_path / "ckpt"
     job = Job(tmp_path, timeout=1200)

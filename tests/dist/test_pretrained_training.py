@@ -103,6 +103,8 @@ def test_stage1_from_imported_llava_trains_the_projector_only(tmp_path_factory, 
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
+# slow (make test-all): ~40 s; the architecture check is the resume one
+@pytest.mark.slow
 def test_pretrained_weights_with_another_architecture_exit_2(tmp_path, llava_dataset, imported):
     # The job config alone (without the import's model.yaml) describes another model.
     r = run([sys.executable, "pretrain_llava.py", "--config", "examples/llava/tiny_cpu.yaml",

@@ -69,8 +69,9 @@ def _assert_same(reference: dict, got: dict, rel: float = 0.0) -> None:
         assert abs(got[step] - loss) <= rel * abs(loss), (step, got[step], loss)
 
 
-# pp2 runs in make test-all (~55 s on 2 cores); dp2-distopt in make test.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2" else n for n in sorted(LAYOUTS)])
+# make test-all (~55 s each on 2 cores); make test resumes after SIGTERM.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_failure_save_then_resume_reproduces_losses(tmp_path, straight, name):
     """A step that raises saves the state before it; the restart continues
     with bit-identical losses (data order included: plans are step-indexed)."""
@@ -165,6 +166,8 @@ def _worker_pids(agent_pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(agent_pid).children(recursive=True)]
 
 
+# slow (make test-all): ~75 s; GPT and DiT TP2 resumes stay in make test
+@pytest.mark.slow
 def test_llava_tp2_resume_reproduces_losses(tmp_path):
     """The LLaVA task (ViT + projector + LM, packed data, skip counters)
     resumes bit-identically under TP2 as well."""

@@ -158,6 +158,8 @@ def _rewrite_common(step_dir: Path, edit) -> None:
     layout.write_commit(step_dir, STEPS, {"reason": "test"})
 
 
+# slow (make test-all): ~65 s of tool start-ups on 2 cores
+@pytest.mark.slow
 def test_sample_tool_rejects_bad_checkpoints(tmp_path, straight):
     ref_dir, _ = straight
     src = ref_dir / "checkpoints" / layout.step_dir_name(STEPS)
