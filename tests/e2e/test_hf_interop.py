@@ -42,6 +42,22 @@ def imported(src: Path, out: Path, *flags) -> Path:
     return out
 
 
+def ensure_imported(hf_dir: Path, name: str) -> Path:
+    """``hf_dir/<name>`` (a tiny HF model) and ``hf_dir/<name>-ours`` (its
+    import), built here unless an earlier test of this module already did:
+    every test runs on its own, none is skipped for ordering."""
+    src, ours = hf_dir / name, hf_dir / f"{name}-ours"
+    if not src.exists():
+        if name.startswith("llava-"):
+            _, text, tower = name.split("-")
+            hf_models.llava(src, text=text, tower=tower, feature_layer=-2 if tower == "clip" else -1)
+        else:
+            hf_models.causal_lm(name, src)
+    if not ours.exists():
+        imported(src, ours, "--llava" if name.startswith("llava-") else "--llm")
+    return ours
+
+
 def llava_inputs(image_token: int, vocab: int = hf_models.VOCAB, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(6, vocab, (2, 40), generator=g)
@@ -123,9 +139,7 @@ def test_import_then_export_reproduces_every_tensor_bit_exactly(hf_dir, name, fl
     import transformers
 
     src = hf_dir / name
-    if not src.exists():
-        pytest.skip(f"{name} is built by the logits tests")
-    ours = hf_dir / f"{name}-ours"
+    ours = ensure_imported(hf_dir, name)
     out = hf_dir / f"{name}-exported"
     if flag == "--llava":
         r = tool("hf_export.py", "--checkpoint", ours, "--out", out)
@@ -199,9 +213,7 @@ def test_generate_tool_reproduces_transformers_greedy_generation(hf_dir, llava_w
 
 
 def test_generate_samples_reproducibly_with_a_seed(hf_dir, capsys):
-    ours = hf_dir / "llama-ours"
-    if not ours.exists():
-        pytest.skip("built by the logits tests")
+    ours = ensure_imported(hf_dir, "llama")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(100)}, unk_token="t0"))
@@ -285,9 +297,7 @@ def test_tools_refuse_an_existing_output_and_a_missing_or_foreign_checkpoint(hf_
 
 
 def test_weights_of_another_family_are_refused(hf_dir):
-    ours = hf_dir / "llama-ours"
-    if not ours.exists():
-        pytest.skip("built by the logits tests")
+    ours = ensure_imported(hf_dir, "llama")
     from megascale_omni.checkpoint.pretrained import open_model_checkpoint
     from megascale_omni.config import ConfigError
 
