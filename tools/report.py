@@ -11,6 +11,12 @@ from ``megascale_omni.metrics.schema.STEP_FIELDS``; absent fields are left
 out and listed in the summary. ``--smooth N`` adds a moving average over N
 steps to the loss plot (1, the default, draws the raw curve only).
 
+A job directory (no metrics.jsonl of its own, one sub-directory per replica
+group that has one, as an elastic job writes them) gets one report per
+group in ``OUT/<group>/`` plus ``job.png`` and ``job.md``: the job's step
+time and throughput, each group's busy time, the slowest and straggling
+groups and membership changes (``tools/reportjob.py``).
+
 Malformed lines are skipped and counted. Exit code 2 with one line for a
 missing run directory, no metrics.jsonl, no valid step record, or an
 ``--out`` that holds files other than a previous report. The report is
@@ -46,28 +52,60 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _is_report_file(p: Path) -> bool:
+    return p.is_file() and p.suffix in REPORT_SUFFIXES
+
+
 def check_out(out: Path) -> None:
-    """Raise ConfigError unless ``out`` is absent or a directory holding only report files."""
+    """Raise ConfigError unless ``out`` is absent or a directory holding only
+    report files (and, from a job report, directories of report files)."""
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", str(out), "exists and is not a directory")
     if out.is_dir():
-        foreign = [p.name for p in out.iterdir() if not (p.is_file() and p.suffix in REPORT_SUFFIXES)]
+        foreign = [p.name for p in out.iterdir()
+                   if not (_is_report_file(p) or p.is_dir() and all(map(_is_report_file, p.iterdir())))]
         if foreign:
             raise ConfigError("--out", str(out), f"holds files that are not a report ({', '.join(sorted(foreign)[:3])}"
                               "); choose another --out")
 
 
-def write_report(run, out: Path, smooth: int) -> tuple[list, list]:
-    """Build the plots and summary.md in a temporary directory beside ``out``, then
-    put it in place of ``out`` (a previous report is replaced). Returns write_plots' result."""
+def _write_run(run, out: Path, smooth: int) -> int:
+    """Plots and summary.md of one run into the existing directory ``out``; returns the plots written."""
     import reportlib
+    import reportsummary
+
+    plots, notes = reportlib.write_plots(run, out, smooth)
+    (out / "summary.md").write_text(reportsummary.summary_markdown(run, plots, notes), encoding="utf-8")
+    return len(plots)
+
+
+def _write_job(job, out: Path, smooth: int) -> int:
+    """Every group's report in ``out/<group>/``, then job.png and job.md; returns the plots written."""
+    import reportjob
+
+    plots = 0
+    for name, run in job.runs.items():
+        (out / name).mkdir()
+        plots += _write_run(run, out / name, smooth)
+    plotted = reportjob.write_job_plot(job, out)
+    (out / "job.md").write_text(reportjob.job_markdown(job, plotted), encoding="utf-8")
+    return plots + plotted
+
+
+def write_report(run_or_job, out: Path, smooth: int) -> int:
+    """Build the report (a run's, or a job's when given a reportjob.Job) in a
+    temporary directory beside ``out``, then put it in place of ``out`` (a
+    previous report is replaced). Returns the number of plots written."""
+    import reportjob
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     old = None
     try:
-        plots, notes = reportlib.write_plots(run, tmp, smooth)
-        (tmp / "summary.md").write_text(reportlib.summary_markdown(run, plots, notes), encoding="utf-8")
+        if isinstance(run_or_job, reportjob.Job):
+            plots = _write_job(run_or_job, tmp, smooth)
+        else:
+            plots = _write_run(run_or_job, tmp, smooth)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a report is meant to be read
         if out.exists():
             old = out.parent / f"{tmp.name}.old"
@@ -77,16 +115,20 @@ def write_report(run, out: Path, smooth: int) -> tuple[list, list]:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    return plots, notes
+    return plots
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.smooth < 1:
         raise ConfigError("--smooth", args.smooth, "must be >= 1 (1 = no smoothing)")
+    import reportjob
     import reportlib
 
-    run = reportlib.load_run(args.run_dir)
+    job = None
+    if not (args.run_dir / "metrics.jsonl").exists() and reportjob.group_dirs(args.run_dir):
+        job = reportjob.load_job(args.run_dir)
+    run = job or reportlib.load_run(args.run_dir)
     out = args.out if args.out is not None else args.run_dir / "report"
     check_out(out)
     try:
@@ -94,12 +136,14 @@ def main(argv=None) -> None:
     except ImportError:
         raise ConfigError("matplotlib", None, "not installed; pip install -e '.[report]'") from None
     try:
-        plots, _ = write_report(run, out, args.smooth)
+        plots = write_report(run, out, args.smooth)
     except OSError as e:
         raise ConfigError("--out", str(out), f"cannot write: {e.strerror or e}") from None
-    skipped = run.malformed["metrics.jsonl"] + run.malformed["checkpoints.jsonl"]
-    print(f"report: {len(run.steps)} steps, {len(plots)} plots, {skipped} malformed line(s) skipped -> "
-          f"{out / 'summary.md'}")
+    runs = job.runs.values() if job else [run]
+    skipped = sum(r.malformed["metrics.jsonl"] + r.malformed["checkpoints.jsonl"] for r in runs)
+    what = f"{len(job.runs)} replica groups, {len(job.steps)} job steps" if job else f"{len(run.steps)} steps"
+    print(f"report: {what}, {plots} plots, {skipped} malformed line(s) skipped -> "
+          f"{out / ('job.md' if job else 'summary.md')}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from megascale_omni.control.client import ControlClient, ControlError, endpoint_of_run, parse_target
+from megascale_omni.control.client import ControlClient, endpoint_of_run, parse_target
 from megascale_omni.control.protocol import ProtocolError
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_CONNECTION = 1, 2, 3

@@ -7,12 +7,20 @@ zeros. Adding zeros is exact, so after the all-reduce every rank holds rank
 0's ops bit for bit (and applies them identically), and rank 0 holds the
 loss rank's step record even when it owns no loss (PP > 1).
 
+It also gives every rank every rank's own numbers (:data:`RANK_FIELDS`:
+busy time, waits, memory), for the replica group's aggregate and straggler
+detection (:mod:`megascale_omni.metrics.replica_group`): each rank writes
+its row, the others send zeros there. Riding on this all-reduce instead of a
+collective of their own halves the per-step collectives of the metrics.
+
 Layout: the op count, 3 slots per op (:data:`MAX_OPS`), then two slots per
 field of :data:`METRIC_FIELDS`: a type tag (0 absent, 1 float, 2 int, 3
 bool) and the value. The tag brings every field back with the type the loss
 rank logged (ints exact up to 2**53, NaN and inf as they were), and an absent
-(or None) field comes back absent, never as 0. 1 + 3*8 + 2*len(METRIC_FIELDS)
-float64 slots: about 100, under 1 KiB.
+(or None) field comes back absent, never as 0. Then the step the rank rows
+describe (rank 0 writes it; 0: no rows, e.g. a pause poll) and one row of
+``len(RANK_FIELDS)`` slots per rank. :data:`SIZE` + 1 + 7 * world_size
+float64 slots: about 100 + 7 per rank (29 KiB for 512 ranks).
 
 Pipelined: the all-reduce started at boundary *s* runs in the background
 (``async_op``) during step *s+1* and is read at boundary *s+1*, so the
@@ -20,19 +28,22 @@ boundary is not a synchronisation point of its own (on a busy host a
 blocking one cost milliseconds of scheduling per step, see BENCHMARKS.md).
 Commands therefore apply one boundary after rank 0 took them: still at the
 same step on every rank. With one rank nothing is in flight and there is no lag.
+:meth:`BoundaryExchange.complete` may finish the all-reduce earlier (when
+the next step's record is built, so its straggler fields are one step old,
+not two); the next call then returns what it received.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op
-from megascale_omni.metrics.schema import STEP_FIELDS
+from megascale_omni.metrics.schema import RANK_FIELDS, STEP_FIELDS
 from megascale_omni.metrics.values import scalar_value
 
 #: Ops carried per boundary; more wait for the next boundary (or pause poll).
@@ -48,7 +59,35 @@ METRIC_FIELDS: tuple[str, ...] = tuple(name for name in STEP_FIELDS if name not 
 _ABSENT, _FLOAT, _INT, _BOOL = 0, 1, 2, 3
 _OPS_AT = 1
 _METRICS_AT = _OPS_AT + 3 * MAX_OPS
+#: Slots before the rank rows (independent of the world size).
 SIZE = _METRICS_AT + 2 * len(METRIC_FIELDS)
+_ROWS_STEP_AT = SIZE
+_ROWS_AT = SIZE + 1
+
+
+def vector_size(world_size: int) -> int:
+    """float64 slots of the boundary vector of a replica group of ``world_size`` ranks."""
+    return _ROWS_AT + world_size * len(RANK_FIELDS)
+
+
+class RankRows(NamedTuple):
+    """Every rank's :data:`RANK_FIELDS` of one step (NaN where a rank had none)."""
+
+    step: int
+    #: ``rows[rank][i]`` is rank ``rank``'s value of ``RANK_FIELDS[i]``.
+    rows: list[list[float]]
+
+
+class Received(NamedTuple):
+    """What one boundary brings back: rank 0's ops, the loss rank's record
+    (None if none was sent) and every rank's row (None if none were sent)."""
+
+    ops: list[Op]
+    record: Optional[dict]
+    rank_rows: Optional[RankRows]
+
+
+_NOTHING = Received([], None, None)
 
 
 class BoundaryExchange:
@@ -59,47 +98,65 @@ class BoundaryExchange:
     nothing else; with ``world_size == 1`` no collective runs at all.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, sends_ops: bool, sends_metrics: bool):
+    def __init__(self, group: Optional[dist.ProcessGroup], world_size: int, rank: int, sends_ops: bool,
+                 sends_metrics: bool):
         self.group = group
         self.world_size = world_size
+        self.rank = rank
         self.sends_ops = sends_ops
         self.sends_metrics = sends_metrics
         #: Calls between sending ops and getting them back (0 or 1).
         self.lag = 0 if world_size == 1 else 1
         self._inflight: Optional[tuple[Any, torch.Tensor]] = None
+        #: What an early :meth:`complete` received, returned by the next call.
+        self._completed: Received = _NOTHING
 
-    def __call__(self, ops: Sequence[Op], record: Optional[dict]) -> tuple[list[Op], Optional[dict]]:
-        """Send ``ops`` (rank 0) and ``record`` (loss rank); return what was
-        sent ``lag`` calls ago: (rank 0's ops, the loss rank's record or None)."""
-        values = [0.0] * SIZE
+    def __call__(self, ops: Sequence[Op], record: Optional[dict], step: int = 0,
+                 rank_row: Optional[Sequence[float]] = None) -> Received:
+        """Send ``ops`` (rank 0), ``record`` (loss rank) and this rank's
+        ``rank_row`` of ``step`` (every rank, or none of them); return what
+        was sent ``lag`` calls ago."""
+        values = [0.0] * vector_size(self.world_size)
         if self.sends_ops:
             encode_ops(values, ops)
         if self.sends_metrics and record is not None:
             encode_record(values, record)
+        if rank_row is not None:
+            encode_rank_row(values, self.rank, step, rank_row)
         if self.world_size == 1:
-            return decode_ops(values), decode_record(values)
+            return decode(values, self.world_size)
         buf = torch.tensor(values, dtype=torch.float64)
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        previous, self._inflight = self._inflight, (work, buf)
-        return self._finish(previous)
+        self.complete()
+        received, self._completed = self._completed, _NOTHING
+        self._inflight = (work, buf)
+        return received
 
-    def flush(self, timeout_s: float) -> tuple[list[Op], Optional[dict]]:
-        """Wait for the all-reduce still in flight (every rank, once, at the
-        end) and return its contents."""
-        previous, self._inflight = self._inflight, None
-        return self._finish(previous, timeout_s)
-
-    @staticmethod
-    def _finish(inflight, timeout_s: Optional[float] = None) -> tuple[list[Op], Optional[dict]]:
+    def complete(self, timeout_s: Optional[float] = None) -> Optional[RankRows]:
+        """Wait for the all-reduce in flight, if any (every rank, at the same
+        point); its contents come back from the next call. Returns its rank
+        rows (None when nothing was in flight or it carried none)."""
+        inflight, self._inflight = self._inflight, None
         if inflight is None:
-            return [], None
+            return None
         work, buf = inflight
         if timeout_s is None:
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        values = buf.tolist()
-        return decode_ops(values), decode_record(values)
+        self._completed = decode(buf.tolist(), self.world_size)
+        return self._completed.rank_rows
+
+    def flush(self, timeout_s: float) -> Received:
+        """Wait for the all-reduce still in flight (every rank, once, at the
+        end) and return what has not been returned yet."""
+        self.complete(timeout_s)
+        received, self._completed = self._completed, _NOTHING
+        return received
+
+
+def decode(values: Sequence[float], world_size: int) -> Received:
+    return Received(decode_ops(values), decode_record(values), decode_rank_rows(values, world_size))
 
 
 def encode_ops(values: list[float], ops: Sequence[Op]) -> None:
@@ -156,3 +213,22 @@ def decode_record(values: Sequence[float]) -> Optional[dict]:
         else:
             record[name] = value
     return record or None
+
+
+def encode_rank_row(values: list[float], rank: int, step: int, row: Sequence[float]) -> None:
+    """Write ``rank``'s row of ``step`` (one float per :data:`RANK_FIELDS`; NaN = absent)."""
+    assert len(row) == len(RANK_FIELDS), f"a rank row has {len(RANK_FIELDS)} values"
+    if rank == 0:
+        values[_ROWS_STEP_AT] = float(step)
+    at = _ROWS_AT + rank * len(RANK_FIELDS)
+    values[at:at + len(row)] = [float(v) for v in row]
+
+
+def decode_rank_rows(values: Sequence[float], world_size: int) -> Optional[RankRows]:
+    """Every rank's row, or None when the vector carries none (step slot 0)."""
+    step = int(values[_ROWS_STEP_AT])
+    if step <= 0:
+        return None
+    n = len(RANK_FIELDS)
+    rows = [list(values[_ROWS_AT + r * n:_ROWS_AT + (r + 1) * n]) for r in range(world_size)]
+    return RankRows(step, rows)

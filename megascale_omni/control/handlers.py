@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 from megascale_omni.control.commands import (
     MUTABLE_FIELDS,
+    Op,
     check_args,
     check_config_set,
-    Op,
 )
 from megascale_omni.control.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, ok_reply
 from megascale_omni.control.state import ControlState, Pending, Post

@@ -8,6 +8,11 @@ pipelined, so it overlaps the next step) gives every rank rank 0's queued
 commands, so all ranks pause, resume, drain, checkpoint and change config at
 the same step.
 
+The same all-reduce carries every rank's own numbers to every rank (see
+:data:`~megascale_omni.metrics.schema.RANK_FIELDS`), so it runs even when
+the socket is disabled (``control.enabled: false``: no server, no commands);
+:meth:`ControlPlane.rank_rows` hands them to the metrics.
+
 Elasticity plugs in through two callables, both called by the training
 thread only (torchft's Manager is not thread-safe): ``replica_info()``
 returns ``{"replica_id": ..., "participants": ..., ...}`` for ``status``,
@@ -30,7 +35,7 @@ import torch.distributed as dist
 
 from megascale_omni.config import ConfigError, JobConfig, control_socket_path, load_control_token, to_dict
 from megascale_omni.control.commands import Op, get_field, set_field
-from megascale_omni.control.exchange import MAX_OPS, BoundaryExchange
+from megascale_omni.control.exchange import MAX_OPS, BoundaryExchange, RankRows
 from megascale_omni.control.handlers import RequestHandler
 from megascale_omni.control.protocol import PROTOCOL_VERSION, ErrorCode, error_reply, ok_reply
 from megascale_omni.control.server import ControlServer
@@ -82,15 +87,18 @@ class ControlPlane:
         self._transit: collections.deque[list[Pending]] = collections.deque()
         self._server: Optional[ControlServer] = None
         self._endpoint_file: Optional[str] = None
-        if not self.enabled:
-            return
+        #: Rank rows received and not yet taken by :meth:`rank_rows`.
+        self._rank_rows: Optional[RankRows] = None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.serves = rank == 0
+        self.serves = self.enabled and rank == 0
         # A gloo group of our own (collective): CPU tensors work on NCCL jobs
         # too, and our background all-reduce never shares a queue with training's.
         group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self._exchange = BoundaryExchange(group, world_size, sends_ops=self.serves, sends_metrics=sends_metrics)
+        self._exchange = BoundaryExchange(group, world_size, rank, sends_ops=self.serves,
+                                          sends_metrics=self.enabled and sends_metrics)
+        if not self.enabled:
+            return
         started = time.time()
         self.state = ControlState(
             {
@@ -104,17 +112,20 @@ class ControlPlane:
         self._agree_on_start(error, world_size, group)
 
     # ------------------------------------------------------------ training side
-    def step_boundary(self, step: int, record: Optional[dict]) -> bool:
+    def step_boundary(self, step: int, record: Optional[dict], rank_row: Optional[list[float]] = None) -> bool:
         """Apply queued commands (every rank, same ``step`` everywhere).
 
         ``record`` is the step record of the step just finished (meaningful
-        on the loss rank; ignored elsewhere), None before the first step.
-        Blocks here while paused. Returns False once drained: stop training.
+        on the loss rank; ignored elsewhere), None before the first step;
+        ``rank_row`` this rank's :data:`~megascale_omni.metrics.schema.RANK_FIELDS`
+        of that step (every rank or none). Blocks here while paused. Returns
+        False once drained: stop training.
         """
         if not self.enabled:
+            self._keep_rows(self._exchange([], None, step, rank_row).rank_rows)
             return True
         t0 = time.perf_counter()
-        self._exchange_and_apply(step, record)
+        self._exchange_and_apply(step, record, rank_row)
         self.exchange_s += time.perf_counter() - t0
         self.boundaries += 1
         self._hold(step, lambda: self.paused)
@@ -146,16 +157,28 @@ class ControlPlane:
             # per round: far below the collective timeout, however long the hold.
             self._exchange_and_apply(step, None)
 
+    def rank_rows(self) -> Optional[RankRows]:
+        """Every rank's row of the latest step whose exchange has completed,
+        once (None when no new one): completes the exchange in flight first
+        (every rank, at the same point of the step)."""
+        self._keep_rows(self._exchange.complete())
+        rows, self._rank_rows = self._rank_rows, None
+        return rows
+
+    def _keep_rows(self, rows: Optional[RankRows]) -> None:
+        if rows is not None:
+            self._rank_rows = rows
+
     def close(self) -> None:
         """Finish the exchange in flight, stop the server, answer commands
         that were never applied (every rank)."""
-        if not self.enabled:
-            return
         try:
-            _, last_record = self._exchange.flush(timeout_s=FLUSH_TIMEOUT_S)
+            last_record = self._exchange.flush(timeout_s=FLUSH_TIMEOUT_S).record
         except RuntimeError as e:  # a peer died; we are shutting down anyway
             logger.warning("control: last boundary exchange did not complete: %s", e)
             last_record = None
+        if not self.enabled:
+            return
         if not self.serves or self._server is None:
             return
         if last_record is not None:
@@ -176,9 +199,10 @@ class ControlPlane:
                 self.boundaries, 1e6 * self.exchange_s / self.boundaries,
             )
 
-    def _exchange_and_apply(self, step: int, record: Optional[dict]) -> None:
+    def _exchange_and_apply(self, step: int, record: Optional[dict], rank_row: Optional[list[float]] = None) -> None:
         sent: list[Pending] = self.state.take(MAX_OPS) if self.serves else []
-        ops, loss_record = self._exchange([p.op for p in sent], record)
+        ops, loss_record, rows = self._exchange([p.op for p in sent], record, step, rank_row)
+        self._keep_rows(rows)
         # The ops that came back are the ones sent ``lag`` calls ago.
         self._transit.append(sent)
         taken = self._transit.popleft() if len(self._transit) > self._exchange.lag else []

@@ -15,6 +15,11 @@ The loss-owning rank of each replica group (the rank whose
   record; a job that stopped stepping shows a growing
   ``time() - megascale_last_step_timestamp_seconds``.
 
+Every series carries the exporter's constant labels: an elastic replica
+group's ``replica_group`` (its ``elastic.replica_id``), so the job's view
+is one query over the groups' endpoints, e.g.
+``max(megascale_step_s)`` or ``topk(1, megascale_busy_s_max)``.
+
 Each exporter has a registry of its own (not prometheus_client's global one),
 so several exporters in one process do not collide. The HTTP server runs on a
 daemon thread; a scrape reads one reference to the last record, so it never
@@ -70,7 +75,9 @@ class StepRecordCollector(Collector):
     """Serves the last step record (thread-safe: :meth:`observe` from the
     training thread, :meth:`collect` from the HTTP server's threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: Optional[Mapping[str, str]] = None) -> None:
+        self._label_names = list(labels or {})
+        self._label_values = [str(v) for v in (labels or {}).values()]
         # Replaced whole on every step, never mutated: a scrape sees one record.
         self._snapshot: tuple[dict[str, float], int, Optional[float]] = ({}, 0, None)
 
@@ -84,12 +91,16 @@ class StepRecordCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fields, steps, at = self._snapshot
         for name, value in fields.items():
-            yield GaugeMetricFamily(PREFIX + name, _help(name), value=value)
-        yield CounterMetricFamily(PREFIX + "steps", "step records logged by this process", value=steps)
+            yield self._one(GaugeMetricFamily(PREFIX + name, _help(name), labels=self._label_names), value)
+        yield self._one(CounterMetricFamily(PREFIX + "steps", "step records logged by this process",
+                                            labels=self._label_names), steps)
         if at is not None:
-            yield GaugeMetricFamily(
-                PREFIX + "last_step_timestamp_seconds", "Unix time of the last step record [s]", value=at
-            )
+            yield self._one(GaugeMetricFamily(PREFIX + "last_step_timestamp_seconds",
+                                              "Unix time of the last step record [s]", labels=self._label_names), at)
+
+    def _one(self, family, value: float) -> Metric:
+        family.add_metric(self._label_values, value)
+        return family
 
 
 class PrometheusExporter:
@@ -100,10 +111,10 @@ class PrometheusExporter:
     when the address cannot be bound, e.g. the port is taken.
     """
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, labels: Optional[Mapping[str, str]] = None):
         self.host = host
         self.registry = CollectorRegistry()
-        self.collector = StepRecordCollector()
+        self.collector = StepRecordCollector(labels)
         self.registry.register(self.collector)
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)

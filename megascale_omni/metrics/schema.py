@@ -32,7 +32,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings)"),
     "cross_replica_s": ("s", "gradient and loss reduction across replica groups (elastic)"),
     "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
-    "metrics_s": ("s", "building, gathering (stragglers) and exporting the previous step's record"),
+    "metrics_s": ("s", "building and exporting the previous step's record, collecting the group's rank rows"),
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
     "control_s": ("s", "control-socket exchange at the step boundary"),
     "other_s": ("s", "step_s minus every component above"),
@@ -50,15 +50,29 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "mem_peak_gib": ("GiB", "peak tensor memory during the step"),
     "mem_fragmentation": ("fraction", "1 - allocated / reserved: cached blocks not holding tensors"),
     "rss_gib": ("GiB", "resident host memory of the process"),
-    # stragglers (replica group; busy = data_s + compute_s, the time a rank is not waiting for others;
-    # gathered in the background, so all but busy_s describe the previous step)
-    "busy_s": ("s", "this rank's busy time"),
+    # replica group: every rank's RANK_FIELDS travel to every rank in the step-boundary exchange, which
+    # completes during the next step, so these describe step ``group_step``, the previous one.
+    # busy = data_s + compute_s: the time a rank is not waiting for others.
+    "busy_s": ("s", "this rank's busy time, this step"),
+    "group_step": ("", "the step the replica-group fields below describe"),
     "busy_s_median": ("s", "median busy time over the replica group's ranks"),
     "busy_s_max": ("s", "the slowest rank's busy time"),
     "slowest_rank": ("", "rank with the largest busy time"),
+    "data_s_max": ("s", "longest data wait of any rank"),
+    "compute_s_max": ("s", "longest compute of any rank"),
+    "pipeline_wait_s_max": ("s", "longest pipeline wait of any rank"),
+    "grad_sync_s_max": ("s", "longest gradient-sync wait of any rank"),
+    "mem_peak_gib_max": ("GiB", "largest peak tensor memory of any rank (device)"),
+    "rss_gib_max": ("GiB", "largest resident host memory of any rank (CPU)"),
     "straggler_count": ("", "ranks flagged slow"),
     "stragglers": ("", "ranks flagged slow (list)"),
     # elastic
     "participants": ("", "replica groups in the quorum"),
     "healed": ("bool", "this group received state from a peer this step"),
 }
+
+#: Fields of its own step record every rank contributes to the replica
+#: group's aggregate (:mod:`megascale_omni.metrics.replica_group`); absent
+#: ones (memory counters of the other platform) travel as NaN.
+RANK_FIELDS: tuple[str, ...] = ("busy_s", "data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "mem_peak_gib",
+                                "rss_gib")

@@ -45,6 +45,7 @@ class MetricSink:
     def __init__(
         self, output_dir: str, enabled: bool, tensorboard: bool, prometheus_port: int = 0,
         prometheus_host: str = "127.0.0.1", tensorboard_interval: int = 1,
+        prometheus_labels: Optional[Mapping[str, str]] = None,
     ):
         self.enabled = enabled
         #: TensorBoard gets every N-th step record (each scalar is a protobuf
@@ -56,7 +57,7 @@ class MetricSink:
         if not enabled:
             return
         if prometheus_port:
-            self.prometheus = PrometheusExporter(prometheus_host, prometheus_port)
+            self.prometheus = PrometheusExporter(prometheus_host, prometheus_port, prometheus_labels)
         self._jsonl = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
         if tensorboard:
             try:
@@ -67,12 +68,14 @@ class MetricSink:
                 logger.warning("tensorboard is not importable; writing JSONL metrics only")
 
     @classmethod
-    def from_config(cls, logging_cfg: LoggingConfig, enabled: bool) -> "MetricSink":
-        """The sink ``logging_cfg`` describes (every rank; ``enabled`` on the loss rank)."""
+    def from_config(cls, logging_cfg: LoggingConfig, enabled: bool,
+                    labels: Optional[Mapping[str, str]] = None) -> "MetricSink":
+        """The sink ``logging_cfg`` describes (every rank; ``enabled`` on the loss
+        rank); ``labels``: constant labels of the Prometheus series."""
         return cls(
             logging_cfg.output_dir, enabled=enabled, tensorboard=logging_cfg.tensorboard,
             prometheus_port=logging_cfg.prometheus_port, prometheus_host=logging_cfg.prometheus_host,
-            tensorboard_interval=logging_cfg.log_interval,
+            tensorboard_interval=logging_cfg.log_interval, prometheus_labels=labels,
         )
 
     def log(self, record: Mapping[str, Any], step: int) -> None:

@@ -103,7 +103,11 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
         # Projection input and the caption states (ctx) every block reads.
         activation_bytes=text_tokens * (text_dim + h) * nbytes,
     )
-    time_flops, time_params = _mlp(images, TIME_FEATURES, ffn, h, _passes(True, False), tp)
+    # The timestep features need no gradient, but the MLP's second linear
+    # does pass one back (the first linear's weights train).
+    time_in_flops, time_in_params = _linear(images, TIME_FEATURES, ffn, _passes(True, False), tp)
+    time_out_flops, time_out_params = _linear(images, ffn, h, _passes(True, True), tp)
+    time_flops, time_params = time_in_flops + time_out_flops, time_in_params + time_out_params
     pooled_flops, pooled_params = _mlp(images, h, ffn, h, _passes(True, True), tp)
     cond_params = time_params + pooled_params
     condition = ComponentCost(

@@ -31,7 +31,7 @@ from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import install_pipeline_timer
 from megascale_omni.metrics.flops import device_peak_tflops, model_flops_per_step
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
-from megascale_omni.metrics.stragglers import StragglerDetector
+from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
 from megascale_omni.models.init import init_layout_invariant
 from megascale_omni.parallel import (
     ParallelDims,
@@ -106,10 +106,12 @@ class Trainer:
         #: Time spent after the last step (its record, the boundary), reported with the next step.
         self._boundary = _idle_boundary()
         log = cfg.logging
-        self.stragglers = StragglerDetector(log.straggler_factor, log.straggler_patience, log.straggler_min_excess_s,
-                                            announce=self.is_loss_rank)
+        self.group_metrics = ReplicaGroupMetrics(log.straggler_factor, log.straggler_patience,
+                                                 log.straggler_min_excess_s, announce=self.is_loss_rank)
         # Services, each always present and disabled when not configured.
-        self.sink = MetricSink.from_config(cfg.logging, enabled=self.is_loss_rank)
+        self.sink = MetricSink.from_config(cfg.logging, enabled=self.is_loss_rank,
+                                           labels={"replica_group": cfg.elastic.replica_id}
+                                           if cfg.elastic.enabled else None)
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
@@ -124,7 +126,7 @@ class Trainer:
             cfg, self.dims.layout(), sends_metrics=self.is_loss_rank,
             checkpoint=self._control_checkpoint if self.checkpointer.enabled else None,
             replica_info=self.membership.describe if self.membership.enabled else None,
-            straggler_info=self.stragglers.describe,
+            straggler_info=self.group_metrics.describe,
         )
 
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
@@ -193,7 +195,7 @@ class Trainer:
                         self._evaluate()
                     # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
                     t0 = time.perf_counter()
-                    serving = self.control.step_boundary(self.state.step, record)
+                    serving = self.control.step_boundary(self.state.step, record, rank_row(record))
                     t1 = time.perf_counter()
                     stop = self.checkpointer.at_step_boundary(self.state)
                     # Reported in the next step's record (its step_s starts here).
@@ -207,8 +209,6 @@ class Trainer:
                 if not (stopped or drained) and (not cfg.train.eval_interval or self.state.step % cfg.train.eval_interval):
                     self._evaluate()
                 self.checkpointer.finish(self.state, save=cfg.checkpoint.save_at_end and not stopped)
-            # The last background gather (not on failure: a dead peer would never answer).
-            self.stragglers.finish()
         finally:
             self.membership.leave()
             bar.close()
@@ -263,7 +263,10 @@ class Trainer:
         samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
         record = self.recorder.build(self.state.step, stats, timing, samples, tokens,
                                      self.task.images_of(self.state.step - 1), extra)
-        record.update(self.stragglers.observe(record["data_s"] + record["compute_s"], self.state.step))
+        record["busy_s"] = record["data_s"] + record["compute_s"]
+        # Every rank's numbers of the previous step (the boundary exchange, completed now).
+        rows = self.control.rank_rows()
+        record.update(self.group_metrics.observe(rows.step, rows.rows) if rows else self.group_metrics.observe(0, None))
         if self.is_loss_rank:
             self.history.append(record)
             self.sink.log(record, self.state.step)

@@ -126,6 +126,46 @@ def test_todays_fields_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "out"]  # no temporary left
 
 
+def test_job_directory_reports_every_group_and_the_job(tmp_path):
+    """An elastic job's directory (one run directory per replica group): a report
+    per group, job.png, and job.md naming the slow and straggling group."""
+    job = tmp_path / "job"
+    groups = {"r0": [], "r1": []}
+    for step in range(1, STEPS + 1):
+        for name in groups:
+            rec = _step_record(step)
+            # From step 11 r1 works 0.25 s longer before the cross-replica wait; r0 waits for it.
+            slow = name == "r1" and step > 10
+            rec["cross_replica_s"] = 0.02 if slow else (0.27 if step > 10 else 0.03)
+            groups[name].append(rec)
+    groups["r1"] = groups["r1"][:30]  # r1 leaves after step 30
+    for name, records in groups.items():
+        _write(job / name, records)
+    res = _report(job)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "2 replica groups, 40 job steps" in res.stdout
+    report = job / "report"
+    _assert_pngs(report, {"job.png"})
+    for name in groups:
+        _assert_pngs(report / name, ALL_PLOTS)
+        assert (report / name / "summary.md").is_file()
+    md = (report / "job.md").read_text()
+    assert "| replica-group changes | step 31: 2 -> 1 |" in md
+    # r1 busy 0.25 s more than r0 (at most 0.57 s vs 0.32 s: not 2x): slowest, never flagged.
+    assert "| r1 | 30 |" in md and "| 20 steps | 0 steps |" in md
+    assert "| steps with a straggling replica group | 0 |" in md
+    # A second report may replace this one: it holds only report files and directories of them.
+    sys.path.insert(0, "tools")
+    try:
+        import report as report_tool
+    finally:
+        sys.path.remove("tools")
+    report_tool.check_out(report)
+    (report / "r0" / "notes.txt").write_text("mine")
+    with pytest.raises(report_tool.ConfigError):
+        report_tool.check_out(report)
+
+
 def test_real_short_run(tmp_path):
     """A 12-step tiny GPT run with evaluation and checkpoints, then its report."""
     out = tmp_path / "run"

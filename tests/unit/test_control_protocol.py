@@ -16,9 +16,12 @@ from megascale_omni.control.exchange import (
     METRIC_FIELDS,
     SIZE,
     decode_ops,
+    decode_rank_rows,
     decode_record,
     encode_ops,
+    encode_rank_row,
     encode_record,
+    vector_size,
 )
 from megascale_omni.control.protocol import (
     MAX_MESSAGE_BYTES,
@@ -28,7 +31,7 @@ from megascale_omni.control.protocol import (
     encode,
     parse_request,
 )
-from megascale_omni.metrics.schema import STEP_FIELDS
+from megascale_omni.metrics.schema import RANK_FIELDS, STEP_FIELDS
 
 
 def _line(obj) -> bytes:
@@ -191,6 +194,24 @@ def test_boundary_vector_carries_every_scalar_schema_field_with_its_type():
             assert math.isnan(out[name])
             continue
         assert out[name] == record[name] and type(out[name]) is type(record[name]), name
+
+
+def test_rank_rows_sum_into_every_ranks_row():
+    """Each of 3 ranks writes its row, the SUM all-reduce is emulated by adding
+    the vectors: every row comes back exactly, NaN (absent) included."""
+    world, n = 3, len(RANK_FIELDS)
+    rows = [[r + 0.1 * i for i in range(n)] for r in range(world)]
+    rows[2][-1] = math.nan
+    total = [0.0] * vector_size(world)
+    for rank, row in enumerate(rows):
+        values = [0.0] * vector_size(world)
+        encode_rank_row(values, rank, 41, row)
+        total = [a + b for a, b in zip(total, values)]
+    assert vector_size(world) == SIZE + 1 + world * n
+    out = decode_rank_rows(total, world)
+    assert out.step == 41
+    assert out.rows[:2] == rows[:2] and out.rows[2][:-1] == rows[2][:-1] and math.isnan(out.rows[2][-1])
+    assert decode_rank_rows([0.0] * vector_size(world), world) is None  # a pause poll carries none
 
 
 def test_parse_target():

@@ -127,3 +127,18 @@ def test_a_rank_local_config_error_is_printed_by_the_rank_that_raised_it(monkeyp
         with pytest.raises(SystemExit) as e:
             run_cli(fails(rank_local))
         assert e.value.code == 2 and capsys.readouterr().err == printed
+
+
+def test_constant_labels_on_every_series():
+    """An elastic replica group's endpoint labels every series with its replica_group."""
+    exporter = PrometheusExporter("127.0.0.1", 0, labels={"replica_group": "r7"})
+    try:
+        exporter.observe(FIRST)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        exporter.close()
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    names = {s.name for s in samples}
+    assert {"megascale_loss", "megascale_step_s", "megascale_steps_total"} <= names
+    assert all(s.labels == {"replica_group": "r7"} for s in samples)
