@@ -6,7 +6,15 @@ import sys
 
 import pytest
 
-from megascale_omni.config import ConfigError, JobConfig, apply_overrides, from_dict, parse_job_config
+from megascale_omni.config import (
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    from_dict,
+    parse_job_config,
+    validate_platform,
+)
+from megascale_omni.entry import parse_for_family, run_cli
 from tests.launcher import run
 
 CONFIG = "examples/gpt/tiny.yaml"
@@ -52,11 +60,26 @@ CPU_ONLY_INVALID = {
 }
 
 
+def _in_process(overrides: list[str], world_size: int, capsys, cpu_checks: bool = False) -> str:
+    """The entry point's parse + validate (+ the platform check on this CPU host)
+    under run_cli, in this process: asserts exit 2 and returns stderr. The
+    subprocess cases below prove the same path from the command line."""
+
+    def main():
+        cfg, _ = parse_for_family("gpt", ["--config", CONFIG, *overrides], world_size=world_size)
+        if cpu_checks:
+            validate_platform(cfg, cuda=False)
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(main)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rejections")
-@pytest.mark.parametrize("name", list(CPU_ONLY_INVALID))
-def test_cuda_only_setting_exits_2_on_cpu(name):
-    overrides, fragments = CPU_ONLY_INVALID[name]
-    res = _cli(overrides, world_size=2 if "parallel.tp=2" in overrides else 1)
+def test_cuda_only_setting_exits_2_on_cpu_from_the_command_line():
+    overrides, fragments = CPU_ONLY_INVALID["bf16-on-cpu"]
+    res = _cli(overrides)
     assert res.returncode == 2, res.output
     assert "Traceback" not in res.output
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
@@ -65,14 +88,35 @@ def test_cuda_only_setting_exits_2_on_cpu(name):
         assert fragment in last, (fragment, last)
 
 
-@pytest.mark.parametrize("name", list(INVALID))
-def test_invalid_setting_exits_2_with_message(name):
-    overrides, world, fragments = INVALID[name]
+@pytest.mark.parametrize("name", list(CPU_ONLY_INVALID))
+def test_cuda_only_setting_is_a_config_error_on_cpu(name, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    overrides, fragments = CPU_ONLY_INVALID[name]
+    err = _in_process(overrides, 2 if "parallel.tp=2" in overrides else 1, capsys, cpu_checks=True)
+    assert err.startswith("config error: ") and err.count("\n") == 1
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_invalid_setting_exits_2_from_the_command_line():
+    overrides, world, fragments = INVALID["world-not-divisible"]
     res = _cli(overrides, world)
     assert res.returncode == 2, res.output
     assert "Traceback" not in res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("config error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_setting_exits_2_with_message(name, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    overrides, world, fragments = INVALID[name]
+    err = _in_process(overrides, world, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
     assert lines[0].startswith("config error: ")
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
