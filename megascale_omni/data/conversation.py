@@ -42,6 +42,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 #: How data marks an image's position in a user turn (LLaVA convention).
 IMAGE_MARKER = "<image>"
 
-_ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_ROLE_NAMES = MappingProxyType(
+    {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+)
 
 
 class ConversationError(ValueError):
