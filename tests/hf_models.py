@@ -112,3 +112,54 @@ def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: i
         model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token)
         load_model_weights([model], ckpt, "test")
         return logits(model, tokens, images)[..., : m.vocab_size]
+
+
+# ------------------------------------------------------------ chat tokenizers
+#: ChatML (Qwen2 style): a default system turn when none is given.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+#: Llama-3 style: BOS, header tokens, trimmed content, <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+    "+ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+                       "<|end_header_id|>", "<|eot_id|>", "<image>")
+_CHAT_CORPUS = [
+    "You are a helpful assistant.", "What is in the image?", "A red circle on the left.",
+    "Describe the picture in detail.", "There are two squares and a blue triangle.", "How many shapes are there?",
+    "Which one is bigger?", "Compare the two images.", "The first image is brighter than the second one.",
+    "user assistant system", "Thanks! Anything else?", "No, that is all.",
+]
+
+
+def chat_tokenizer(path: Path, template: str = CHATML_TEMPLATE):
+    """A tiny byte-level BPE ``PreTrainedTokenizerFast`` with ``template`` as its
+    chat template and ``<image>`` as a special token, saved to ``path``
+    (``tokenizer.json`` + ``tokenizer_config.json``). Returns the tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(CHAT_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_CHAT_CORPUS, trainer)
+    llama = template == LLAMA3_TEMPLATE
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>" if llama else None,
+        eos_token="<|eot_id|>" if llama else "<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<image>"],
+    )
+    tok.chat_template = template
+    tok.save_pretrained(str(path))
+    return tok

@@ -142,10 +142,33 @@ class DataConfig:
     default_num_val: int = 500
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.
     max_bad_sample_fraction: float = 0.01
+    #: How LLaVA conversations become tokens. ``words``: the word-level
+    #: tokenizer of the shapes demo (one token per word, ``<bos>`` user words,
+    #: answer words ``<eos>``). ``chat``: a Hugging Face tokenizer directory
+    #: (``tokenizer`` above, else the dataset directory) whose chat template
+    #: renders the turns in order; loss on the assistant tokens only.
+    format: Literal["words", "chat"] = "words"
+    #: ``chat`` format: vocabulary token used for image placeholders (each
+    #: ``<image>`` marker in a user turn becomes ``vision.tokens_per_image`` of them).
+    image_token: str = "<image>"
+    #: Image preprocessing: ``exact`` (images already ``vision.image_size``
+    #: square, scaled to [-1, 1]), ``resize_crop`` (CLIP: resize the short side,
+    #: centre crop) or ``pad_square`` (LLaVA-1.5: pad to a square with the mean
+    #: colour, then resize); both normalise with the tower's mean/std. Anyres
+    #: tiling exists as a module (``data.image_preprocess``) but is not offered
+    #: here: sample lengths are planned from metadata, which has no image sizes.
+    image_mode: Literal["exact", "resize_crop", "pad_square"] = "exact"
+    #: The tower's ``preprocessor_config.json`` (or its directory) for
+    #: ``image_mode`` other than ``exact``; ``null``: the tokenizer directory's
+    #: one when present (``tools/hf_import.py`` copies it there), else a plain
+    #: resize to ``vision.image_size`` with mean = std = 0.5.
+    image_processor: Optional[str] = None
 
     def __post_init__(self) -> None:
         require_positive("data", "default_num_train", self.default_num_train)
         require_positive("data", "default_num_val", self.default_num_val)
+        if not self.image_token.strip():
+            raise ConfigError("data.image_token", self.image_token, "must name a token of the tokenizer")
         if not 0.0 <= self.max_bad_sample_fraction <= 1.0:
             raise ConfigError("data.max_bad_sample_fraction", self.max_bad_sample_fraction, "must be in [0, 1]")
 

@@ -9,7 +9,9 @@ Contract
 * ``images``: list of ``np.uint8`` arrays of shape ``[H, W, 3]`` (RGB), in the
   order they are referenced in the user text.
 * ``conversation``: alternating turns ``{"role": "user"|"assistant", "text": str}``,
-  starting with a user turn and ending with an assistant turn.
+  starting with a user turn and ending with an assistant turn, optionally
+  after one leading ``{"role": "system", ...}`` turn (rendered by a chat
+  template in the ``chat`` data format; the word-level encoder ignores it).
 * The user turns together contain the literal word :data:`IMAGE_PLACEHOLDER`
   exactly ``len(images)`` times; the i-th occurrence stands for ``images[i]``.
 * ``image_dependent_words``: the answer words (whitespace-split words of the
@@ -90,15 +92,19 @@ class Sample:
             raise SampleValidationError(f"sample {self.id}: unknown kind {self.kind!r}")
         if not self.conversation:
             raise SampleValidationError(f"sample {self.id}: empty conversation")
+        system = 1 if isinstance(self.conversation[0], dict) and self.conversation[0].get("role") == "system" else 0
+        if system and len(self.conversation) == 1:
+            raise SampleValidationError(f"sample {self.id}: a system turn alone is not a conversation")
         for i, turn in enumerate(self.conversation):
             if not isinstance(turn, dict) or set(turn) != {"role", "text"}:
                 raise SampleValidationError(
                     f"sample {self.id}: turn {i} must be a dict with keys 'role' and 'text'"
                 )
-            if turn["role"] != _ROLES[i % 2]:
+            if i >= system and turn["role"] != _ROLES[(i - system) % 2]:
                 raise SampleValidationError(
                     f"sample {self.id}: turn {i} has role {turn['role']!r}, "
-                    f"expected {_ROLES[i % 2]!r} (turns alternate, user first)"
+                    f"expected {_ROLES[(i - system) % 2]!r} (turns alternate, user first, after an optional "
+                    f"system turn)"
                 )
         if self.conversation[-1]["role"] != "assistant":
             raise SampleValidationError(f"sample {self.id}: last turn must be the assistant's")

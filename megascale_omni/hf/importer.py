@@ -8,7 +8,8 @@ end (an interrupted import leaves no half-written output)::
 
     OUT/step_00000000/   model-only checkpoint (loads under any TP/PP/VPP)
     OUT/model.yaml       the model (and vision) sections + checkpoint.pretrained: OUT
-    OUT/tokenizer/       the HF tokenizer files and chat template, when present
+    OUT/tokenizer/       the HF tokenizer files and chat template, and the tower's
+                         preprocessor_config.json, when present
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "preprocessor_config.json", "processor_config.json")
+#: Image preprocessing files, taken from the tower when the LLM has none.
+PREPROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 #: Our names of the parts that an import without a projector initialises fresh.
 PROJECTOR_PREFIX = "vision_projection."
@@ -204,10 +207,25 @@ def _write_sections(path: Path, sections: dict, out: Path) -> None:
 
 
 def _copy_tokenizer(sources: list[Path], target: Path) -> None:
+    """The tokenizer files of the first source that has a tokenizer, and the
+    image preprocessor config of the first source that has one (an LLM +
+    tower import: the LLM's tokenizer and chat template, the tower's
+    ``preprocessor_config.json``)."""
+    copied: dict[str, Path] = {}
     for src in sources:
         files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
         if any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
-            target.mkdir()
-            for f in files:
-                shutil.copy2(f, target / f.name)
-            return
+            copied.update({f.name: f for f in files})
+            break
+    for src in sources:
+        found = [src / name for name in PREPROCESSOR_FILES if (src / name).is_file()]
+        if found:
+            for f in found:
+                copied.setdefault(f.name, f)
+            break
+    if copied:
+        target.mkdir()
+        for name, f in copied.items():
+            shutil.copy2(f, target / name)
+        logger.info("copied %s from %s to %s", ", ".join(sorted(copied)),
+                    ", ".join(sorted({str(f.parent) for f in copied.values()})), target)

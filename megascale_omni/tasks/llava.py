@@ -1,5 +1,9 @@
 """LLaVA task: shapes dataset (or any dataset in our shard format) + LLaVA model.
 
+Conversations are tokenised word by word (``data.format: words``, the shapes
+demo) or by the model's HF chat template (``chat``); images go through the
+tower's preprocessing (``data.image_mode``, :mod:`megascale_omni.data.image_preprocess`).
+
 Data position is the step: the global batch of step ``s`` is a pure function
 of (seed, s) through :class:`PackedEpochPlan`, split across DP ranks by
 estimated compute cost (ViT patches + LM tokens).
@@ -20,12 +24,13 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
 from megascale_omni.data.health import check_bad_fraction
+from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
-from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
@@ -50,11 +55,50 @@ def build_default_dataset(cfg: JobConfig) -> Path:
     return root
 
 
-def resolve_dataset(cfg: JobConfig) -> tuple[Path, TextTokenizer]:
-    """Dataset directory and tokenizer (every rank). Builds the embedded
-    default on first use; a missing explicit path is a ConfigError."""
-    root = resolve_dataset_root(cfg, build_default_dataset, "`python tools/make_shapes_dataset.py --out <dir>`")
-    return root, load_tokenizer(cfg, root)
+def resolve_dataset(cfg: JobConfig) -> Path:
+    """Dataset directory (every rank). Builds the embedded default on first
+    use; a missing explicit path is a ConfigError."""
+    return resolve_dataset_root(cfg, build_default_dataset, "`python tools/make_shapes_dataset.py --out <dir>`")
+
+
+def _tokenizer_dir(cfg: JobConfig, root: Path) -> Path:
+    """The directory of ``data.tokenizer`` (a file's parent), else the dataset's."""
+    if not cfg.data.tokenizer:
+        return root
+    path = Path(cfg.data.tokenizer)
+    return path if path.is_dir() else path.parent
+
+
+def build_encoder(cfg: JobConfig, root: Path) -> LlavaEncoder | ChatLlavaEncoder:
+    """The conversation encoder of ``data.format`` (every rank); its ``tok``
+    gives the vocabulary size, pad and image token ids."""
+    if cfg.data.format == "words":
+        return LlavaEncoder(load_tokenizer(cfg, root), cfg.vision.tokens_per_image)
+    path = _tokenizer_dir(cfg, root)
+    try:
+        return ChatLlavaEncoder.from_pretrained(path, cfg.data.image_token, cfg.vision.tokens_per_image,
+                                                cfg.model.seq_length)
+    except (OSError, ValueError) as err:
+        field = "data.image_token" if "image token" in str(err) else "data.tokenizer"
+        raise ConfigError(field, cfg.data.image_token if field == "data.image_token" else str(path),
+                          f"data.format=chat needs a Hugging Face tokenizer directory with a chat template: {err}"
+                          ) from None
+
+
+def build_image_preprocessor(cfg: JobConfig, root: Path) -> Optional[ImagePreprocessor]:
+    """The tower preprocessing of ``data.image_mode`` (None for ``exact``)."""
+    d = cfg.data
+    if d.image_mode == "exact":
+        return None
+    source = d.image_processor
+    if source is None and (_tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME).is_file():
+        source = str(_tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME)
+    try:
+        pre = ImagePreprocessor.from_config(d.image_mode, cfg.vision.image_size, source)
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.image_processor", source, f"cannot be used: {err}") from None
+    logger.info("images: %s with %s", d.image_mode, source or "mean = std = 0.5 (no preprocessor config)")
+    return pre
 
 
 class LlavaTask(Task):
@@ -63,7 +107,10 @@ class LlavaTask(Task):
     def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
         super().__init__(cfg, platform, dims)
         self.seq_length = cfg.model.seq_length
-        root, self.tokenizer = resolve_dataset(cfg)
+        root = resolve_dataset(cfg)
+        self.encoder = build_encoder(cfg, root)
+        self.tokenizer = self.encoder.tok
+        self.preprocess = build_image_preprocessor(cfg, root)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
             raise ConfigError(
@@ -71,7 +118,6 @@ class LlavaTask(Task):
                 f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
             )
         self.vocab_size = self.padded_vocab_size(vocab)
-        self.encoder = LlavaEncoder(self.tokenizer, cfg.vision.tokens_per_image)
         self.bad_samples = BadSampleAccount(cfg, dims)
         self.train_reader = ShardedSampleReader(root / "train")
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -79,7 +125,7 @@ class LlavaTask(Task):
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
-            counter=self.bad_samples.counter,
+            counter=self.bad_samples.counter, preprocess=self.preprocess,
         )
         packs0 = self.plan.epoch_packs(0)
         self.packing_efficiency = packing_efficiency(packs0, self.seq_length)
@@ -101,7 +147,7 @@ class LlavaTask(Task):
         for i in range(len(reader)):
             try:
                 meta = reader.read_metadata(i)
-                n = self.encoder.length_from_metadata(meta)
+                n, num_images = self.encoder.plan_from_metadata(meta)
             except (BadSampleError, KeyError, TypeError) as err:
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
@@ -112,8 +158,8 @@ class LlavaTask(Task):
                 continue
             ids.append(i)
             lengths.append(n)
-            costs.append(sample_cost(n, int(meta["num_images"]), patches))
-            images.append(int(meta["num_images"]))
+            costs.append(sample_cost(n, num_images, patches))
+            images.append(num_images)
         return bad, np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images)
 
     def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -230,7 +276,8 @@ class LlavaTask(Task):
             packs = pack_samples(lengths, self.seq_length)
             self._val = (ids, packs, _shuffled_image_sources(self.val_reader, ids))
             self.val_batcher = LlavaBatcher(
-                self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size
+                self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size,
+                preprocess=self.preprocess,
             )
         ids, packs, sources = self._val
         dp, rank = self.dims.dp, data_parallel_rank()

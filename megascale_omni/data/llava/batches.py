@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megascale_omni.data.health import SkipCounter
+from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
@@ -44,8 +45,9 @@ class EncodedSample:
     target_mask: list[float]
     #: 1 where the token is an image-dependent answer word (evaluation only).
     eval_mask: list[float]
-    #: ``[H, W, 3]`` uint8 images, in placeholder order.
-    images: list[np.ndarray]
+    #: ``[H, W, 3]`` uint8 images, in placeholder order (after
+    #: :class:`LlavaBatcher` preprocessing: float32 ``[n, 3, S, S]`` tensors).
+    images: list
 
 
 class LlavaEncoder:
@@ -66,6 +68,10 @@ class LlavaEncoder:
         user = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "user")
         answer = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "assistant")
         return len(self._prompt_ids(user)) + len(self.tok.encode(answer)) + 1
+
+    def plan_from_metadata(self, meta: Mapping) -> tuple[int, int]:
+        """(tokens, images) of the encoded sample from its JSON member alone."""
+        return self.length_from_metadata(meta), int(meta["num_images"])
 
     def encode(self, sample: Sample) -> EncodedSample:
         prompt = self._prompt_ids(sample.user_text)
@@ -102,12 +108,17 @@ class LlavaBatcher:
         pad_id: int,
         image_size: int,
         counter: Optional[SkipCounter] = None,
+        preprocess: Optional[ImagePreprocessor] = None,
     ):
         self.reader = reader
+        #: A :class:`LlavaEncoder` or anything with its ``encode`` (the chat format's encoder).
         self.encoder = encoder
         self.seq_length = seq_length
         self.pad_id = pad_id
         self.image_size = image_size
+        #: Tower preprocessing (``data.image_mode``); None: images must be
+        #: ``image_size`` square already and are scaled to [-1, 1].
+        self.preprocess = preprocess
         #: Where skipped samples are counted (shared with the task's job-wide account).
         self.counter = counter if counter is not None else SkipCounter()
 
@@ -119,18 +130,26 @@ class LlavaBatcher:
                 if donor.num_images != sample.num_images:
                     raise ValueError(f"image donor {image_source} has {donor.num_images} images")
                 sample.images = list(donor.images)
-            for img in sample.images:
+            for img in sample.images if self.preprocess is None else ():
                 if img.shape != (self.image_size, self.image_size, 3):
                     raise BadSampleError(
                         sample_id, self.reader.root, f"image shape {img.shape} != "
                         f"({self.image_size}, {self.image_size}, 3); re-run data preparation at this resolution",
                     )
             enc = self.encoder.encode(sample)
+            if self.preprocess is not None:
+                enc.images = [self._preprocess(sample_id, img) for img in enc.images]
         except BadSampleError as err:
             self.counter.record_skip(err)
             return None
         self.counter.seen += 1
         return enc
+
+    def _preprocess(self, sample_id: int, image: np.ndarray) -> torch.Tensor:
+        try:
+            return self.preprocess(image)
+        except ValueError as err:
+            raise BadSampleError(sample_id, self.reader.root, f"image preprocessing failed: {err}") from None
 
     def microbatch(
         self, packs: Sequence[Pack], id_map: Sequence[int], image_sources: Optional[Mapping[int, int]] = None
@@ -139,7 +158,8 @@ class LlavaBatcher:
 
         ``id_map`` maps a pack's sample ids to reader indices. Returns
         ``tokens, labels, loss_mask, eval_mask, position_ids: [b, s]``,
-        ``attention_mask: [b, 1, s, s]`` bool and ``images: [n, 3, H, W]``.
+        ``attention_mask: [b, 1, s, s]`` bool and ``images: [n, 3, H, W]``
+        float32 (``n`` counts tower inputs: anyres tiles each count).
         """
         rows, images = [], []
         for pack in packs:
@@ -161,5 +181,8 @@ class LlavaBatcher:
         keys = ("tokens", "labels", "loss_mask", "eval_mask", "position_ids")
         batch = {k: torch.stack([r[k] for r in rows]) for k in keys}
         batch["attention_mask"] = build_packed_causal_mask(torch.stack([r["segment_ids"] for r in rows]))
-        batch["images"] = images_to_tensor(images)
+        if self.preprocess is None or not images:
+            batch["images"] = images_to_tensor(images)
+        else:
+            batch["images"] = torch.cat(images)
         return batch

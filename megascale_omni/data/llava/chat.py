@@ -1,0 +1,91 @@
+"""The ``chat`` data format of the LLaVA task: :class:`ChatEncoder` behind the
+interface :class:`~megascale_omni.data.llava.batches.LlavaBatcher` and the
+task's plan use (``plan_from_metadata``, ``encode``).
+
+Token layout of one sample: whatever the model's chat template renders for
+its turns, in order, with each ``<image>`` marker replaced by
+``tokens_per_image`` image-token placeholders; ``target_mask`` is 1 on the
+assistant tokens (content + end-of-turn) of every kept turn. Samples longer
+than ``seq_length`` lose whole trailing rounds (and the images those
+reference); a sample whose first round alone is too long, or whose marker
+count differs from its image count, is a bad sample (excluded from the plan
+and counted).
+
+``eval_mask`` is all zeros: the image-dependent answer-word accuracy is a
+metric of the word-level shapes demo (answer word = token); held-out loss
+is still reported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from megascale_omni.data.conversation import ChatEncoder, ConversationError, EncodedConversation
+from megascale_omni.data.llava.batches import EncodedSample
+from megascale_omni.data.sample import Sample
+from megascale_omni.data.shards import BadSampleError
+
+
+class ChatTokenizerView:
+    """The ids the LLaVA task needs from a chat tokenizer (same names as
+    :class:`~megascale_omni.data.tokenizer.TextTokenizer`)."""
+
+    def __init__(self, chat: ChatEncoder):
+        self._chat = chat
+
+    @property
+    def vocab_size(self) -> int:
+        return self._chat.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self._chat.pad_id
+
+    @property
+    def image_token_id(self) -> int:
+        return self._chat.image_token_id
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` if it is one vocabulary entry, else None."""
+        tid = self._chat.tok.get_vocab().get(token)
+        return None if tid is None else int(tid)
+
+    def __repr__(self) -> str:
+        return f"ChatTokenizer(vocab_size={self.vocab_size}, pad={self.pad_id}, image={self.image_token_id})"
+
+
+class ChatLlavaEncoder:
+    """LLaVA samples -> :class:`EncodedSample` through the model's chat template."""
+
+    def __init__(self, chat: ChatEncoder, seq_length: int):
+        self.chat = chat
+        self.seq_length = seq_length
+        self.tok = ChatTokenizerView(chat)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, image_token: str, tokens_per_image: int,
+                        seq_length: int) -> "ChatLlavaEncoder":
+        return cls(ChatEncoder.from_pretrained(Path(path), image_token, tokens_per_image), seq_length)
+
+    def _encode(self, sample_id: int, conversation: Sequence[Mapping[str, Any]], num_images: int
+                ) -> EncodedConversation:
+        try:
+            return self.chat.encode(conversation, num_images, max_length=self.seq_length)
+        except ConversationError as err:
+            raise BadSampleError(sample_id, "<encoded>", str(err)) from None
+
+    def plan_from_metadata(self, meta: Mapping) -> tuple[int, int]:
+        """(tokens, images) of the encoded, possibly truncated sample from its
+        JSON member alone. Raises BadSampleError for a sample to exclude."""
+        enc = self._encode(int(meta["id"]), meta["conversation"], int(meta["num_images"]))
+        return len(enc.tokens), enc.num_images
+
+    def encode(self, sample: Sample) -> EncodedSample:
+        """Raises BadSampleError (see module docstring)."""
+        enc = self._encode(sample.id, sample.conversation, sample.num_images)
+        return EncodedSample(
+            sample.id, enc.tokens, [float(m) for m in enc.loss_mask], [0.0] * len(enc.tokens),
+            list(sample.images[: enc.num_images]),
+        )
