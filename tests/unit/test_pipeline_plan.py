@@ -11,10 +11,21 @@ import pytest
 
 from megascale_omni.config import ConfigError, load_job_config, validate_job
 from megascale_omni.parallel.pipeline_cost import (
-    EMBEDDING, LM_LAYER, OUTPUT, PROFILE_VERSION, PROJECTOR, VISION, llava_cost_model, lm_cost_model,
+    EMBEDDING,
+    LM_LAYER,
+    OUTPUT,
+    PROFILE_VERSION,
+    VISION,
+    llava_cost_model,
+    lm_cost_model,
 )
 from megascale_omni.parallel.pipeline_plan import (
-    GIB, format_plan_table, megatron_layout, plan_for, resolve_partition, smallest_fitting_pp,
+    GIB,
+    format_plan_table,
+    megatron_layout,
+    plan_for,
+    resolve_partition,
+    smallest_fitting_pp,
 )
 from megascale_omni.parallel.pipeline_plan import plan_pipeline as plan_with
 
@@ -198,7 +209,13 @@ def dit_config(*overrides: str, world_size: int = 2):
 
 def test_dit_cost_model_counts_a_block_and_finds_head_and_tail_cheap():
     from megascale_omni.parallel.pipeline_cost_dit import (
-        CONDITION, DIT_BLOCK, DIT_OUTPUT, PATCH_EMBEDDING, TEXT_EMBEDDING, dit_cost_model, dit_package,
+        CONDITION,
+        DIT_BLOCK,
+        DIT_OUTPUT,
+        PATCH_EMBEDDING,
+        TEXT_EMBEDDING,
+        dit_cost_model,
+        dit_package,
     )
 
     cfg = dit_config()
