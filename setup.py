@@ -45,6 +45,7 @@ setup(
         "console_scripts": [
             "omni-smoke=megascale_omni.smoke:cli",
             "omni-ctl=megascale_omni.control.cli:cli",
+            "omni-run=megascale_omni.launch:main",
         ]
     },
 )

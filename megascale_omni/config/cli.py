@@ -16,7 +16,7 @@ from typing import Sequence, TypeVar
 
 from megascale_omni.config.loader import apply_overrides, from_dict, load_yaml, merge_sections
 from megascale_omni.config.schema import JobConfig
-from megascale_omni.config.validate import validate_job
+from megascale_omni.config.validate import validate_job, validate_paths
 
 C = TypeVar("C")
 
@@ -36,6 +36,7 @@ def parse_job_config(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_job(cfg, world_size)  # type: ignore[arg-type]
+    validate_paths(cfg)  # type: ignore[arg-type]
     return cfg
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -23,20 +24,55 @@ from megascale_omni.config.errors import ConfigError
 T = TypeVar("T")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML
+    keeps the last one silently, so a typo'd duplicate would win unnoticed)."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, typing.Hashable) and key in seen:
+            raise _DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+        if isinstance(key, typing.Hashable):
+            seen[key] = key_node.start_mark.line + 1
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, again: int):
+        self.key, self.first, self.again = key, first, again
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
-    """Read a YAML mapping; a missing file or non-mapping is a ConfigError."""
+    """Read a YAML mapping of sections. A missing, unreadable, non-UTF-8,
+    empty or malformed file, a key given twice in one mapping, or a top level
+    that is not a mapping is a ConfigError naming the file."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError("--config", path, "file not found; pass an existing YAML file (see examples/)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError("--config", path, f"is not valid YAML{where}: fix the syntax") from None
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", path, f"is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError("--config", path, f"cannot be read: {e.strerror or e}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError("--config", path, f"key {e.key!r} appears twice in one section (lines {e.first} and "
+                                            f"{e.again}); keep one") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("--config", path, f"is not valid YAML{where}: fix the syntax") from None
     if data is None:
-        return {}
+        raise ConfigError("--config", path, "is empty; give at least one section (model:, train:, ...)")
     if not isinstance(data, dict):
         raise ConfigError("--config", path, "must contain a mapping of sections (model:, train:, ...)")
     return data
@@ -153,11 +189,13 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, str):
             # YAML 1.1 reads "3e-4" (no dot) as a string.
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(name, value, "must be a number")
+        if not math.isfinite(value):
+            raise ConfigError(name, value, "must be a finite number (not nan or inf)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megascale_omni.config.errors import ConfigError, require_positive
+from megascale_omni.config.errors import ConfigError, require_positive, require_range
+
+#: Upper bounds that catch a typo'd size (an extra zero or two) before any memory is spent.
+MAX_SEQ_LENGTH = 1 << 20
+MAX_VOCAB_SIZE = 1 << 24
 
 
 @dataclass
@@ -78,6 +82,16 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             require_positive("model", name, getattr(self, name))
         require_positive("model", "vocab_size", self.vocab_size, allow_zero=self.family != "gpt")
+        for name in ("num_query_groups", "ffn_hidden_size"):
+            if getattr(self, name) is not None:
+                require_positive("model", name, getattr(self, name))
+        require_positive("model", "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        require_positive("model", "init_method_std", self.init_method_std, allow_zero=True)
+        if self.seq_length > MAX_SEQ_LENGTH:
+            raise ConfigError("model.seq_length", self.seq_length,
+                              f"must be <= {MAX_SEQ_LENGTH} tokens per sequence (longer needs context parallelism)")
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise ConfigError("model.vocab_size", self.vocab_size, f"must be <= {MAX_VOCAB_SIZE} tokens")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 "model.hidden_size",
@@ -97,6 +111,12 @@ class ModelConfig:
         require_positive("model", "rotary_base", self.rotary_base)
         require_positive("model", "rope_scaling_factor", self.rope_scaling_factor)
         uses_rope = self.position_embedding_type == "rope"
+        if uses_rope and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ConfigError(
+                "model.hidden_size", self.hidden_size,
+                f"rope rotates pairs of channels: the head dim hidden_size / num_attention_heads = "
+                f"{self.hidden_size // self.num_attention_heads} must be even",
+            )
         if not uses_rope and (self.rope_scaling != "none" or self.rotary_base != 10000.0):
             raise ConfigError(
                 "model.position_embedding_type", self.position_embedding_type,
@@ -164,6 +184,9 @@ class VisionConfig:
             require_positive("vision", name, getattr(self, name))
         require_positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
         require_positive("vision", "norm_epsilon", self.norm_epsilon)
+        for name in ("ffn_hidden_size", "projector_hidden_size"):
+            if getattr(self, name) is not None:
+                require_positive("vision", name, getattr(self, name))
         if self.model_type == "siglip" and self.class_token:
             raise ConfigError("vision.class_token", True, "SigLIP towers have no class token; set it to false")
         if not -self.num_layers <= self.feature_layer <= -1:
@@ -254,6 +277,8 @@ class DitConfig:
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError("dit.ema_decay", self.ema_decay, "must be in [0, 1) (0 disables EMA)")
         require_positive("dit", "logit_std", self.logit_std)
+        require_range("dit", "caption_dropout", self.caption_dropout, 0.0, 1.0)
+        require_range("dit", "ema_decay", self.ema_decay, 0.0, 1.0)
         if not self.buckets:
             raise ConfigError("dit.buckets", self.buckets, "needs at least one [height, width] bucket")
         for name in ("buckets", "eval_resolutions"):

@@ -56,6 +56,8 @@ class LoggingConfig:
         require_positive("logging", "peak_tflops", self.peak_tflops, allow_zero=True)
         require_positive("logging", "straggler_patience", self.straggler_patience)
         require_positive("logging", "straggler_min_excess_s", self.straggler_min_excess_s, allow_zero=True)
+        if not self.output_dir.strip():
+            raise ConfigError("logging.output_dir", self.output_dir, "must name a directory, e.g. runs/my-job")
         if self.straggler_factor <= 1.0:
             raise ConfigError("logging.straggler_factor", self.straggler_factor, "must be > 1 (e.g. 2.0)")
         if not 0.0 <= self.memory_fraction_cap <= 1.0:
@@ -158,6 +160,12 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.local_dir", self.local_dir, "must differ from checkpoint.dir")
         if not self.resume:
             raise ConfigError("checkpoint.resume", self.resume, "use auto, none or a checkpoint path")
+        if not self.dir:
+            for name, off in (("interval", 0), ("interval_minutes", 0.0), ("resume", "auto")):
+                if getattr(self, name) != off and not (name == "resume" and self.resume == "none"):
+                    raise ConfigError(f"checkpoint.{name}", getattr(self, name),
+                                      "needs checkpoint.dir (checkpointing is off without it); set checkpoint.dir, "
+                                      "e.g. {output_dir}/checkpoints")
 
     @property
     def enabled(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from megascale_omni.config.errors import ConfigError, require_positive
+from megascale_omni.config.errors import ConfigError, require_positive, require_range
 from megascale_omni.config.model_sections import DitConfig, ModelConfig, VisionConfig
 from megascale_omni.config.runtime_sections import (
     OUTPUT_DIR_PLACEHOLDER,
@@ -127,6 +127,10 @@ class TrainConfig:
         for name in ("lr_warmup_steps", "eval_interval"):
             require_positive("train", name, getattr(self, name), allow_zero=True)
         require_positive("train", "clip_grad", self.clip_grad, allow_zero=True)
+        require_positive("train", "weight_decay", self.weight_decay, allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            require_range("train", name, getattr(self, name), 0.0, 1.0)
+        require_positive("train", "adam_eps", self.adam_eps)
 
 
 @dataclass

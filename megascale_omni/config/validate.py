@@ -68,6 +68,14 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         _validate_control(cfg)
 
 
+def validate_paths(cfg: JobConfig) -> None:
+    """Directories the job will write must not be files (every rank, before any process group)."""
+    for name, path in (("logging.output_dir", cfg.logging.output_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                       ("checkpoint.local_dir", cfg.checkpoint.local_dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(name, path, "exists and is not a directory; choose a directory path")
+
+
 def _validate_pipeline_partition(cfg: JobConfig) -> None:
     """Layer-count checks of ``parallel.pipeline_partition`` that need no cost
     model (memory feasibility is checked by the planner, also before start-up)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megascale_omni.config import ConfigError, JobConfig, validate_job
-from megascale_omni.config.validate import require_divisible_by_tp
+from megascale_omni.config.validate import require_divisible_by_tp, validate_paths
 
 #: Features a family may support; a config that uses one its family lacks exits 2.
 FEATURES = {
@@ -103,6 +103,7 @@ class ModelFamily:
             )
         if self.check is not None:
             self.check(cfg)
+        validate_paths(cfg)
 
     def plan_pipeline(self, cfg: JobConfig, cuda: bool, world_size: int):
         """The pipeline plan of ``cfg`` under this family's cost model, or None

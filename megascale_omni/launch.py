@@ -1,0 +1,105 @@
+"""``omni-run``: torchrun that checks the job config before any worker starts.
+
+    omni-run --nproc-per-node 2 pretrain_llava.py --config examples/llava/tiny_cpu.yaml train.steps=50
+    omni-run --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host:29500 pretrain_dit.py --config ...
+    omni-run --standalone --nproc-per-node 2 -m megascale_omni.smoke --config examples/gpt/tiny.yaml
+
+Takes exactly torchrun's arguments (``torch.distributed.run``). Under plain
+torchrun a config error that every worker detects ends as exit 1 and the
+launcher's ``ChildFailedError`` traceback; here the entry point's config is
+parsed and validated for the launched world size (``nnodes * nproc_per_node``)
+first, so a bad config exits 2 with the same one line as a one-process run
+and nothing starts. Then torchrun's own launcher runs the workers, and a
+worker failure is summed up in one line with the worker's exit code passed on
+(2 config, 3 data, 4 checkpoint; 1 otherwise) instead of a traceback; the
+workers' own messages stay above it.
+
+Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
+``-m megascale_omni.smoke``) are validated for their model family; any other
+script is launched unchecked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from megascale_omni.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Entry script (file name, or module with -m) -> the model family it trains.
+FAMILY_OF_ENTRY = {"pretrain_llava.py": "llava", "pretrain_dit.py": "dit", "megascale_omni.smoke": "gpt"}
+#: Worker exit codes that mean "the user can fix this" (see megascale_omni.entry.run_cli).
+USER_ERROR_CODES = (2, 3, 4)
+
+
+def _family_of(args) -> Optional[str]:
+    script = args.training_script if args.module else os.path.basename(args.training_script)
+    return FAMILY_OF_ENTRY.get(script)
+
+
+def _world_size(args) -> Optional[int]:
+    """Processes torchrun will start, or None for an elastic node range (MIN:MAX)."""
+    from torch.distributed.run import determine_local_world_size
+
+    if ":" in str(args.nnodes):
+        low, high = str(args.nnodes).split(":", 1)
+        if low != high:
+            return None
+        args.nnodes = low
+    try:
+        nodes = int(args.nnodes)
+        per_node = determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        raise ConfigError("--nnodes/--nproc-per-node", f"{args.nnodes}/{args.nproc_per_node}",
+                          f"{e}; give positive integers") from None
+    if nodes < 1 or per_node < 1:
+        raise ConfigError("--nnodes/--nproc-per-node", f"{nodes}/{per_node}", "must both be >= 1")
+    return nodes * per_node
+
+
+def check_job(args) -> None:
+    """Parse and validate the entry point's config for the launched world size
+    (raises ConfigError; does nothing for a script we do not know)."""
+    from megascale_omni.entry import parse_for_family
+    from megascale_omni.tasks.registry import get_family
+
+    family = _family_of(args)
+    if family is None:
+        logger.warning("omni-run: %s is not a megascale-omni entry point; launching it unchecked",
+                       args.training_script)
+        return
+    world = _world_size(args)
+    if world is None:  # elastic node range: per-section checks and the family only
+        from megascale_omni.config import load_job_config
+
+        cfg = load_job_config(args.training_script_args)
+        get_family(family).validate(cfg, cfg.parallel.model_parallel_size)
+        return
+    parse_for_family(family, args.training_script_args, world_size=world)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``omni-run``: validate, then launch through torchrun (exit code as described above)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from megascale_omni.entry import run_cli
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    run_cli(lambda: check_job(args))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        code = failure.exitcode
+        sys.stderr.write(f"omni-run: {len(e.failures)} worker(s) failed; first: rank {rank} exited with code "
+                         f"{code} (its message is above)\n")
+        sys.exit(code if code in USER_ERROR_CODES else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""omni-run (megascale_omni/launch.py): a config error exits 2 with one line
+before any worker starts; a worker's failure is passed on as its exit code
+in one line, with no launcher traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.launcher import free_port, run
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _omni_run(*args: str):
+    return run([sys.executable, "-m", "megascale_omni.launch", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", *args], timeout=180)
+
+
+def test_config_error_exits_2_before_any_worker(tmp_path):
+    # tp=2 x pp=2 needs a multiple of 4 processes; 2 are launched.
+    res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml", "parallel.tp=2",
+                    "parallel.pp=2", f"logging.output_dir={tmp_path}")
+    assert res.returncode == 2, res.output[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == ["config error: parallel='tp=2 pp=2 cp=1': world size 2 is not divisible by tp*pp*cp=4; "
+                     "launch a multiple of 4 processes or change the degrees"]
+    assert not tmp_path.joinpath("config.yaml").exists()  # no worker ran
+
+
+def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
+    # Valid config; the workers fail at start-up: the resume path is not a checkpoint (exit 4).
+    res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
+                    f"logging.output_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
+                    f"checkpoint.resume={tmp_path}")
+    assert res.returncode == 4, res.output[-3000:]
+    assert "is not a checkpoint directory" in res.stderr
+    assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
+    assert res.stderr.rstrip().splitlines()[-1].startswith("omni-run: 2 worker(s) failed; first: rank 0 exited "
+                                                           "with code 4")

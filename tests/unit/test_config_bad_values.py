@@ -1,0 +1,85 @@
+"""Bad config values are rejected before anything starts, each naming the
+field, the value and the fix (a matrix of the settings that used to train
+until they failed, or silently did something else)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megascale_omni.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
+from megascale_omni.tasks.registry import get_family
+
+BASE = "examples/gpt/tiny.yaml"
+
+# (override, field named in the message, fragment of the hint)
+BAD_VALUES = [
+    ("train.lr=.nan", "train.lr", "finite"),
+    ("train.lr=.inf", "train.lr", "finite"),
+    ("train.clip_grad=nan", "train.clip_grad", "finite"),
+    ("train.adam_beta1=1.0", "train.adam_beta1", "[0, 1)"),
+    ("train.adam_beta2=-0.1", "train.adam_beta2", "[0, 1)"),
+    ("train.adam_eps=-1e-8", "train.adam_eps", "> 0"),
+    ("train.weight_decay=-0.1", "train.weight_decay", ">= 0"),
+    ("model.init_method_std=-0.02", "model.init_method_std", ">= 0"),
+    ("model.num_query_groups=0", "model.num_query_groups", "> 0"),
+    ("model.num_query_groups=-2", "model.num_query_groups", "> 0"),
+    ("model.ffn_hidden_size=-4", "model.ffn_hidden_size", "> 0"),
+    ("model.seq_length=100000000", "model.seq_length", "<= 1048576"),
+    ("model.vocab_size=1000000000", "model.vocab_size", "<= 16777216"),
+    ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by", "> 0"),
+    ("vision.projector_hidden_size=-1", "vision.projector_hidden_size", "> 0"),
+    ("dit.ema_decay=1.5", "dit.ema_decay", "[0, 1)"),
+    ("control.pause_poll_s=nan", "control.pause_poll_s", "finite"),
+    ("checkpoint.interval_minutes=inf", "checkpoint.interval_minutes", "finite"),
+    ("logging.straggler_factor=1.0", "logging.straggler_factor", "> 1"),
+    ("logging.output_dir=''", "logging.output_dir", "directory"),
+    ("checkpoint.interval=5", "checkpoint.interval", "needs checkpoint.dir"),
+    ("checkpoint.resume=runs/old/checkpoints", "checkpoint.resume", "needs checkpoint.dir"),
+]
+
+
+@pytest.mark.parametrize("override,field,hint", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_bad_value_names_field_value_and_fix(override, field, hint):
+    with pytest.raises(ConfigError) as e:
+        from_dict(JobConfig, apply_overrides(load_yaml(BASE), [override]))
+    assert e.value.field == field and hint in e.value.hint, str(e.value)
+    assert str(e.value).startswith(f"config error: {field}=")
+
+
+def test_odd_rope_head_dim_is_rejected():
+    # hidden 60 / 4 heads = 15 channels per head: rope rotates pairs.
+    raw = apply_overrides(load_yaml(BASE), ["model.position_embedding_type=rope", "model.hidden_size=60"])
+    with pytest.raises(ConfigError, match="must be even") as e:
+        from_dict(JobConfig, raw)
+    assert e.value.field == "model.hidden_size"
+
+
+@pytest.mark.parametrize("what", ["output_dir", "checkpoint_dir"])
+def test_paths_of_the_wrong_kind_are_rejected(tmp_path, what):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    overrides = {
+        "output_dir": [f"logging.output_dir={a_file}"],
+        "checkpoint_dir": [f"checkpoint.dir={a_file}"],
+    }[what]
+    cfg = from_dict(JobConfig, apply_overrides(load_yaml(BASE), overrides))
+    with pytest.raises(ConfigError) as e:
+        get_family("gpt").validate(cfg, 1)
+    assert {"output_dir": "logging.output_dir", "checkpoint_dir": "checkpoint.dir"}[what] == e.value.field
+
+
+@pytest.mark.parametrize("content,hint", [
+    (b"", "is empty"),
+    (b"# only a comment\n", "is empty"),
+    (b"train:\n  steps: 3\n  steps: 4\n", "'steps' appears twice in one section (lines 2 and 3)"),
+    (b"train:\n  steps: 3\ntrain:\n  lr: 1.0\n", "'train' appears twice"),
+    (b"train:\n  lr: 1e-3 \xff\xfe\n", "is not UTF-8"),
+    (b"- a\n- b\n", "mapping of sections"),
+    (b"train: [1, 2\n", "not valid YAML at line"),
+])
+def test_bad_yaml_files(tmp_path, content, hint):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        load_yaml(path)
+    assert e.value.field == "--config" and hint in e.value.hint, str(e.value)
