@@ -17,12 +17,14 @@ import logging
 
 from megascale_omni.scheduler.model import Action, Decision, Snapshot
 from megascale_omni.scheduler.planning import (
+    RECLAIM_MARGIN_MIN,
     admit,
     free_nodes,
     goodput_targets,
     grow,
     marginal_gain,
     reclaim_drains,
+    reclaim_lead,
     shrink,
     usable_gpus,
 )
@@ -36,9 +38,14 @@ class StaticPolicy:
     name = "static"
     elastic = False
 
+    def __init__(self) -> None:
+        self._last_call: float | None = None
+
     def decide(self, snap: Snapshot) -> list[Decision]:
         free = free_nodes(snap)
-        decisions, drained = reclaim_drains(snap, {j.name: j.demand_gpus for j in snap.jobs})
+        lead = reclaim_lead(self._last_call, snap.time_min, RECLAIM_MARGIN_MIN)
+        self._last_call = snap.time_min
+        decisions, drained = reclaim_drains(snap, {j.name: j.demand_gpus for j in snap.jobs}, lead)
         decisions = [Decision(d.job, d.action, d.reason + " (static job: restart smaller)", d.count, d.pool,
                               d.replica_ids) for d in decisions]
         decisions += admit(snap, free, full_size=True)
@@ -61,10 +68,15 @@ class GreedyGoodputPolicy:
     name = "greedy"
     elastic = True
 
+    def __init__(self) -> None:
+        self._last_call: float | None = None
+
     def decide(self, snap: Snapshot) -> list[Decision]:
         demand = {j.name: j.demand_gpus for j in snap.jobs}
         free = free_nodes(snap)
-        decisions, drained = reclaim_drains(snap, demand)
+        lead = reclaim_lead(self._last_call, snap.time_min, RECLAIM_MARGIN_MIN)
+        self._last_call = snap.time_min
+        decisions, drained = reclaim_drains(snap, demand, lead)
         admitted = admit(snap, free)
         decisions += admitted
         new = {d.job for d in admitted if d.action is Action.GROW}

@@ -11,9 +11,14 @@ take this round and is updated in place as decisions are planned.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Iterable, Sequence
 
 from megascale_omni.scheduler.model import BARE_METAL, VM, Action, Decision, JobView, ReplicaView, Snapshot
+
+#: Minutes before a reclaim's deadline (beyond the interval between policy
+#: calls) at which its drain is issued: a drain takes one step (seconds).
+RECLAIM_MARGIN_MIN = 1.0
 
 
 def weighted_throughput(job: JobView, replicas: float, demand_gpus: float) -> float:
@@ -53,6 +58,14 @@ def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[
 def free_nodes(snap: Snapshot) -> dict[str, int]:
     """Nodes per pool a grow may take now (not used, not announced for reclaim)."""
     return {p.name: p.free for p in snap.pools}
+
+
+def reclaim_lead(last_call_min: float | None, now_min: float, margin_min: float) -> float:
+    """How far ahead a policy called at ``now_min`` (previously at
+    ``last_call_min``; None: first call) must act on a reclaim so the drain
+    is done by the deadline: the interval to its next call, assumed equal to
+    the last one, plus ``margin_min``. Everything on the first call."""
+    return math.inf if last_call_min is None else (now_min - last_call_min) + margin_min
 
 
 def usable_gpus(snap: Snapshot) -> int:
@@ -109,9 +122,13 @@ def grow(snap: Snapshot, job: JobView, count: int, reason: str, free: dict[str, 
             for pool, k in place(snap, free, job, count, kinds)]
 
 
-def reclaim_drains(snap: Snapshot, demand: dict[str, float]) -> tuple[list[Decision], set[str]]:
-    """Drain enough groups from every VM pool with an announced reclaim that
-    the pool fits its post-reclaim size by the deadline. Victims: flagged
+def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = math.inf
+                   ) -> tuple[list[Decision], set[str]]:
+    """Drain enough groups from every VM pool with an announced reclaim due
+    within ``lead_min`` that the pool fits its post-reclaim size by the
+    deadline. Draining as late as is safe keeps the groups working through
+    the notice; the caller picks ``lead_min`` to cover the time until its
+    next call plus a margin for the drain itself (one step). Victims: flagged
     stragglers first, then the job whose last group adds the least weighted
     throughput. Drained even below a job's core: the deadline is hard, and a
     drain loses no work where a kill at the deadline loses the step in flight.
@@ -119,8 +136,8 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float]) -> tuple[list[Decis
     decisions: list[Decision] = []
     drained: set[str] = set()
     for pool in snap.pools:
-        pending = [r for r in snap.reclaims if r.pool == pool.name]
-        excess = pool.used - (pool.nodes - pool.reclaiming)
+        pending = [r for r in snap.reclaims if r.pool == pool.name and r.deadline_min - snap.time_min <= lead_min]
+        excess = pool.used - (pool.nodes - sum(r.nodes for r in pending))
         if not pending or excess <= 0:
             continue
         deadline = min(r.deadline_min for r in pending)
@@ -141,7 +158,7 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float]) -> tuple[list[Decis
             picks.setdefault(name, []).append(replica.id)
             excess -= job.nodes_per_replica(pool.gpus_per_node)
         for name, ids in picks.items():
-            reason = (f"reclaim: {pool.reclaiming} node(s) of {pool.name} leave at t={deadline:g} min "
+            reason = (f"reclaim: {sum(r.nodes for r in pending)} node(s) of {pool.name} leave at t={deadline:g} min "
                       f"({deadline - snap.time_min:g} min left); drain before the deadline")
             decisions.append(Decision(name, Action.DRAIN, reason, count=len(ids), replica_ids=tuple(ids)))
     return decisions, drained
@@ -166,7 +183,7 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
             if core < need or sum(k for _, k in place(snap, trial, job, extra)) < extra:
                 continue
         if room < need:
-            decisions += _make_room(snap, free, job, need - room)
+            decisions += _make_room(snap, free, job, need)
             room = sum(free[p.name] // job.nodes_per_replica(p.gpus_per_node) for p in bm)
             if room < need:
                 continue
@@ -177,8 +194,8 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
 
 
 def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) -> list[Decision]:
-    """Drain elastic groups of admitted jobs from bare metal so ``groups`` of
-    ``job`` fit there; plans nothing unless it would be enough."""
+    """Drain elastic groups of admitted jobs from bare metal until ``groups``
+    groups of ``job`` fit there in all; plans nothing unless that is reached."""
     plan: list[tuple[JobView, ReplicaView]] = []
     trial = dict(free)
     for other in sorted((j for j in snap.jobs if j.admitted), key=lambda j: j.priority):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.scheduler.model import Action, Decision, JobView, Snapshot
 from megascale_omni.scheduler.planning import (
+    RECLAIM_MARGIN_MIN,
     admit,
     free_nodes,
     goodput_targets,
@@ -33,6 +34,7 @@ from megascale_omni.scheduler.planning import (
     marginal_gain,
     place,
     reclaim_drains,
+    reclaim_lead,
     shrink,
     usable_gpus,
     weighted_throughput,
@@ -63,6 +65,9 @@ class Knobs:
     """A rebalance acts only if it raises the summed weighted throughput by this fraction."""
     straggler_patience_min: float = 5.0
     """Minutes a group stays flagged as a straggler before it is moved to another node."""
+    reclaim_margin_min: float = RECLAIM_MARGIN_MIN
+    """Drain for a VM reclaim once its deadline is this close, plus the interval between
+    ticks; covers the drain itself (one step; seconds). Until then the groups keep working."""
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "policy") -> "Knobs":
@@ -99,13 +104,16 @@ class ElasticPolicy:
         self._beyond: dict[str, tuple[int, float]] = {}  # job -> (direction, since_min)
         self._resized: dict[str, tuple[int, float]] = {}  # job -> (direction, at_min)
         self._next_rebalance = self.knobs.rebalance_min
+        self._last_call: float | None = None
 
     def decide(self, snap: Snapshot) -> list[Decision]:
         """Decisions for this tick; every one is logged with its reason."""
         t = snap.time_min
         smoothed = self._observe(snap)
         free = free_nodes(snap)
-        decisions, drained = reclaim_drains(snap, smoothed)
+        lead = reclaim_lead(self._last_call, t, self.knobs.reclaim_margin_min)
+        self._last_call = t
+        decisions, drained = reclaim_drains(snap, smoothed, lead)
         decisions += self._stragglers(snap, free, drained)
         admitted = admit(snap, free)
         decisions += admitted

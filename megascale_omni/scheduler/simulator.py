@@ -171,12 +171,9 @@ class Simulator:
     def _snapshot(self, visible: list[_Job]) -> Snapshot:
         reclaims = tuple(Reclaim(e.pool, e.nodes, e.deadline_min) for e in self.events
                          if e.notice_min <= self.now < e.deadline_min)
-        pools = []
-        for p in self.trace.pools:
-            used = sum(r.nodes for j in self.jobs.values() for r in j.replicas.values()
-                       if r.pool == p.name and not r.draining)
-            pools.append(PoolView(p.name, p.kind, p.gpus_per_node, p.available(self.now), used,
-                                  sum(r.nodes for r in reclaims if r.pool == p.name)))
+        used = self._nodes_used(active_only=True)
+        pools = [PoolView(p.name, p.kind, p.gpus_per_node, p.available(self.now), used[p.name],
+                          sum(r.nodes for r in reclaims if r.pool == p.name)) for p in self.trace.pools]
         jobs = []
         for j in visible:
             s = j.spec
@@ -192,8 +189,7 @@ class Simulator:
     def grow(self, job: str, pool: str, count: int, reason: str) -> Sequence[str]:
         j, spec = self.jobs[job], self.pools[pool]
         nodes = j.spec.replica_gpus // spec.gpus_per_node
-        used = sum(r.nodes for jj in self.jobs.values() for r in jj.replicas.values()
-                   if r.pool == pool and not r.draining)
+        used = self._nodes_used(active_only=True)[pool]
         reclaiming = sum(e.nodes for e in self.events
                          if e.pool == pool and e.notice_min <= self.now < e.deadline_min)
         fits = max(0, (spec.available(self.now) - reclaiming - used) // nodes)
@@ -296,10 +292,19 @@ class Simulator:
             res.alloc.setdefault(j.spec.name, []).append(
                 sum(j.spec.replica_gpus for r in j.replicas.values() if not r.draining) if live else 0.0)
             res.demand.setdefault(j.spec.name, []).append(j.demand if j in visible else 0.0)
+        used = self._nodes_used(active_only=False)
         for p in self.trace.pools:
-            res.pool_used.setdefault(p.name, []).append(
-                sum(r.nodes for j in self.jobs.values() for r in j.replicas.values() if r.pool == p.name))
+            res.pool_used.setdefault(p.name, []).append(used[p.name])
             res.pool_nodes.setdefault(p.name, []).append(p.available(self.now))
+
+    def _nodes_used(self, active_only: bool) -> dict[str, int]:
+        """Nodes per pool held by replica groups (not draining ones with ``active_only``)."""
+        used = dict.fromkeys(self.pools, 0)
+        for j in self.jobs.values():
+            for r in j.replicas.values():
+                if not (active_only and r.draining):
+                    used[r.pool] += r.nodes
+        return used
 
     def _progress(self, visible: list[_Job]) -> None:
         tick, t0 = self.trace.tick_min, self.now
