@@ -206,8 +206,9 @@ class PoolView:
 
     @property
     def free(self) -> int:
-        """Nodes a grow may take now."""
-        return max(0, self.nodes - self.reclaiming - self.used)
+        """Nodes a grow may take now; negative: nodes still to vacate for announced reclaims
+        (draining groups elsewhere on the pool does not make room until that is paid)."""
+        return self.nodes - self.reclaiming - self.used
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,8 @@ def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) 
     plan: list[tuple[JobView, ReplicaView]] = []
     trial = dict(free)
     for other in sorted((j for j in snap.jobs if j.admitted), key=lambda j: j.priority):
-        spare = len(other.active) - other.min_replicas
+        # Only groups beyond the other job's own core on bare metal are elastic there.
+        spare = sum(snap.pool(r.pool).kind == BARE_METAL for r in other.active) - other.min_replicas
         for r in drain_order(snap, other):
             pool = snap.pool(r.pool)
             if spare <= 0 or pool.kind != BARE_METAL:
