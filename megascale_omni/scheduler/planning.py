@@ -132,24 +132,35 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
     stragglers first, then the job whose last group adds the least weighted
     throughput. Drained even below a job's core: the deadline is hard, and a
     drain loses no work where a kill at the deadline loses the step in flight.
-    Returns the decisions and the drained ids."""
+
+    A reclaim still in the snapshot at or after its deadline (live: a drain
+    that hung, the nodes not yet taken) is overdue: whatever still exceeds the
+    pool, groups still draining first, is killed. Returns the decisions and
+    the ids drained or killed."""
     decisions: list[Decision] = []
     drained: set[str] = set()
     for pool in snap.pools:
         pending = [r for r in snap.reclaims if r.pool == pool.name and r.deadline_min - snap.time_min <= lead_min]
-        excess = pool.used - (pool.nodes - sum(r.nodes for r in pending))
-        if not pending or excess <= 0:
+        if not pending:
             continue
+        overdue = any(r.deadline_min <= snap.time_min for r in pending)
+        leaving = sum(r.nodes for r in pending)
+        excess = pool.used - (pool.nodes - leaving)
+        if overdue:  # draining groups still hold their nodes
+            excess += sum(j.nodes_per_replica(pool.gpus_per_node) for j in snap.jobs for r in j.replicas
+                          if r.pool == pool.name and r.state == "draining")
         deadline = min(r.deadline_min for r in pending)
         picks: dict[str, list[str]] = {}
         while excess > 0:
             candidates = []
             for job in snap.jobs:
-                left = [r for r in drain_order(snap, job, drained) if r.pool == pool.name]
+                left = [r for r in job.replicas if overdue and r.state == "draining" and r.pool == pool.name
+                        and r.id not in drained]
+                left += [r for r in drain_order(snap, job, drained) if r.pool == pool.name]
                 if left:
                     n = len(job.active) - len(picks.get(job.name, []))
-                    gain = -1.0 if left[0].straggler_since_min is not None else \
-                        marginal_gain(job, n, demand.get(job.name, job.demand_gpus))
+                    gain = (-2.0 if left[0].state == "draining" else -1.0 if left[0].straggler_since_min is not None
+                            else marginal_gain(job, n, demand.get(job.name, job.demand_gpus)))
                     candidates.append((gain, job.name, left[0], job))
             if not candidates:
                 break
@@ -158,9 +169,14 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
             picks.setdefault(name, []).append(replica.id)
             excess -= job.nodes_per_replica(pool.gpus_per_node)
         for name, ids in picks.items():
-            reason = (f"reclaim: {sum(r.nodes for r in pending)} node(s) of {pool.name} leave at t={deadline:g} min "
-                      f"({deadline - snap.time_min:g} min left); drain before the deadline")
-            decisions.append(Decision(name, Action.DRAIN, reason, count=len(ids), replica_ids=tuple(ids)))
+            if overdue:
+                reason = (f"reclaim deadline t={deadline:g} min on {pool.name} passed with the group(s) still "
+                          f"there: kill")
+            else:
+                reason = (f"reclaim: {leaving} node(s) of {pool.name} leave at t={deadline:g} min "
+                          f"({deadline - snap.time_min:g} min left); drain before the deadline")
+            decisions.append(Decision(name, Action.KILL if overdue else Action.DRAIN, reason, count=len(ids),
+                                      replica_ids=tuple(ids)))
     return decisions, drained
 
 

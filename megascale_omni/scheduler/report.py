@@ -15,11 +15,9 @@ from typing import Sequence
 
 from megascale_omni.scheduler.simulator import SimResult, decision_log
 
-PLOTS = {
-    "allocation.png": "GPUs allocated (line) vs demand (shaded) per job over time",
-    "pools.png": "nodes used vs nodes available per pool over time",
-    "moves.png": "cumulative replica-group moves (joins + leaves) per job over time",
-}
+#: The PNGs of one run: GPUs allocated (line) vs demand (shaded) per job over
+#: time; nodes used vs available per pool; cumulative moves per job.
+PLOTS = ("allocation.png", "pools.png", "moves.png")
 
 
 def _hours(minutes: float | None) -> str:

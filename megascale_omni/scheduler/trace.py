@@ -27,10 +27,12 @@ from megascale_omni.scheduler.model import (
     Trace,
 )
 
-TOP_KEYS = {"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "stragglers", "policy"}
-POOL_KEYS = {"name", "kind", "gpus_per_node", "nodes", "availability", "period_min", "reclaim_notice_min"}
-JOB_KEYS = {"name", "arrive_min", "priority", "replica_gpus", "replicas", "work_samples", "throughput", "demand",
-            "standby"}
+TOP_KEYS = frozenset({"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "stragglers",
+                      "policy"})
+POOL_KEYS = frozenset({"name", "kind", "gpus_per_node", "nodes", "availability", "period_min",
+                       "reclaim_notice_min"})
+JOB_KEYS = frozenset({"name", "arrive_min", "priority", "replica_gpus", "replicas", "work_samples", "throughput",
+                      "demand", "standby"})
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -171,7 +173,7 @@ def _straggler(i: int, raw: Any, jobs: list[JobSpec]) -> Straggler:
 
 
 # ---------------------------------------------------------------- primitives
-def _mapping(where: str, raw: Any, keys: set[str] | None) -> None:
+def _mapping(where: str, raw: Any, keys: frozenset[str] | set[str] | None) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(where, raw, "must be a mapping (key: value)")
     if keys is not None:

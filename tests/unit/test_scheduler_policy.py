@@ -104,6 +104,17 @@ def test_reclaim_is_drained_as_late_as_is_safe_never_killed():
     assert [(d.action, d.count) for d in first] == [(Action.DRAIN, 4)]
 
 
+def test_overdue_reclaim_kills_what_is_still_there_draining_groups_first():
+    # Live: a drain hung past the deadline and the nodes are not taken yet.
+    job = _job("A", bm=2, vm=4, demand=64.0)
+    job = JobView(job.name, job.priority, job.replica_gpus, job.min_replicas, job.max_replicas, job.curve,
+                  job.demand_gpus, 0.0, True, job.replicas[:5] + (ReplicaView("A-r6", "vm", "draining"),))
+    snap = _snap(60, [job], vm_nodes=4, reclaims=(Reclaim("vm", 2, 60.0),))
+    decisions = ElasticPolicy(Knobs(rebalance_min=1e9)).decide(snap)
+    assert [(d.action, d.replica_ids) for d in decisions] == [(Action.KILL, ("A-r6", "A-r5"))]
+    assert decisions[0].reason == "reclaim deadline t=60 min on vm passed with the group(s) still there: kill"
+
+
 def test_reclaim_drains_the_straggler_and_the_lower_gain_job_first():
     rich = _job("A", bm=2, vm=3, demand=24.0, straggler=(4, 40.0))  # groups beyond 3 add nothing
     poor = _job("B", bm=2, vm=3, demand=40.0)
