@@ -23,7 +23,7 @@ INSTALL_REQUIRES = [
 # training and the CPU demo never import them. The test extra includes them so
 # CI exercises the latent tool end to end.
 LATENTS = ["diffusers==0.42.1", "transformers==5.23.0"]
-# tools/report.py only (PNG plots of a run); training never imports it.
+# tools/report.py and omni-sched simulate --out only (PNG plots); training never imports it.
 REPORT = ["matplotlib==3.11.2"]
 EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", *LATENTS, *REPORT],
@@ -46,6 +46,7 @@ setup(
             "omni-smoke=megascale_omni.smoke:cli",
             "omni-ctl=megascale_omni.control.cli:cli",
             "omni-run=megascale_omni.launch:main",
+            "omni-sched=megascale_omni.scheduler.cli:cli",
         ]
     },
 )

@@ -59,6 +59,12 @@ EXPECTED = {
         r"^\| layout \| steps \| median step \| median metrics \| metrics / step \(median\) \| \(p90\) \|$",
         *(rf"^\| {layout} \| 7 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \| [\d.]+% \|$" for layout in ("DP2", "PP2")),
     ],
+    "scheduler_sim": [
+        *(rf"^trace {name}, noise 0:$" for name in ("two_jobs", "diurnal_vm")),
+        *(rf"^\| {policy} \| [\d.]+ \| " for policy in ("elastic", "static", "greedy")),
+        r"^moves/hour ratio elastic / greedy at noise 0.2: [\d.]+ \(worst of 1 seeds\)$",
+        r"^reclaim deadlines met \(elastic, noisy runs\): \d+/\d+$",
+    ],
     "elastic_join": [
         r'^  "pinned_cpus": \{',  # --pin from the documented command
         r'^  "standby_join": \{',
@@ -76,6 +82,7 @@ TIMEOUT_S = {
     "control_overhead": 420,
     "pipeline_partition": 600,
     "metrics_overhead": 300,
+    "scheduler_sim": 240,
     "elastic_join": 1200,
 }
 #: Benchmarks that start several torchrun jobs.

@@ -1,0 +1,117 @@
+"""Reports of simulator runs: the side-by-side table, a JSON summary, the
+decision log and PNG plots per run.
+
+Called by ``omni-sched simulate`` (and the benchmark script). matplotlib
+(Agg backend) is imported only inside :func:`write_plots`, as in
+``tools/reportlib.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+from megascale_omni.scheduler.simulator import SimResult, decision_log
+
+#: The PNGs of one run: GPUs allocated (line) vs demand (shaded) per job over
+#: time; nodes used vs available per pool; cumulative moves per job.
+PLOTS = ("allocation.png", "pools.png", "moves.png")
+
+
+def _hours(minutes: float | None) -> str:
+    return "-" if minutes is None else f"{minutes / 60:.2f}"
+
+
+def table(results: Sequence[SimResult]) -> str:
+    """A markdown table, one row per policy: utilisation, per-job completion
+    (hours from arrival; ``-`` unfinished), moves per hour, reclaims met."""
+    names = [j.name for j in results[0].jobs]
+    head = (["policy", "utilisation"] + [f"{n} completion (h)" for n in names]
+            + ["moves/hour", "reclaim deadlines met", "groups killed", "GPU-hours held"])
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        by = {j.name: j for j in r.jobs}
+        cells = [r.policy, f"{r.utilisation:.3f}"] + [_hours(by[n].completion_min) for n in names]
+        met = f"{r.reclaims_met}/{r.reclaim_events}" if r.reclaim_events else "no reclaims"
+        cells += [f"{r.moves_per_hour:.2f}", met, str(r.groups_killed), f"{sum(j.gpu_hours for j in r.jobs):.0f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def summary(result: SimResult) -> dict:
+    """The run's numbers as a JSON-able dict (no per-tick series)."""
+    return {
+        "policy": result.policy, "trace": result.trace, "end_min": result.end_min,
+        "utilisation": result.utilisation, "moves": result.moves, "moves_per_hour": result.moves_per_hour,
+        "reclaim_events": result.reclaim_events, "reclaims_met": result.reclaims_met,
+        "groups_killed": result.groups_killed, "jobs": [asdict(j) for j in result.jobs],
+    }
+
+
+def write_run(result: SimResult, out: Path) -> list[Path]:
+    """Write ``summary.json``, ``decisions.log`` and the plots of one run into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary(result), indent=2) + "\n", encoding="utf-8")
+    (out / "decisions.log").write_text("".join(line + "\n" for line in decision_log(result)), encoding="utf-8")
+    return [out / "summary.json", out / "decisions.log", *write_plots(result, out)]
+
+
+def write_plots(result: SimResult, out: Path) -> list[Path]:
+    """The PNGs of :data:`PLOTS` for one run; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hours = [t / 60 for t in result.times]
+    title = f"{result.trace} - {result.policy}"
+    written = []
+
+    jobs = list(result.alloc)
+    fig, axes = plt.subplots(len(jobs), 1, figsize=(10, 2.4 * len(jobs)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], jobs):
+        ax.fill_between(hours, result.demand[name], step="post", alpha=0.3, color="tab:orange", label="demand")
+        ax.step(hours, result.alloc[name], where="post", color="tab:blue", label="allocated")
+        ax.set_ylabel(f"{name} GPUs")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[0, 0].set_title(f"allocation vs demand - {title}")
+    axes[-1, 0].set_xlabel("hours")
+    written.append(_save(plt, fig, out / "allocation.png"))
+
+    pools = list(result.pool_used)
+    fig, axes = plt.subplots(len(pools), 1, figsize=(10, 2.4 * len(pools)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], pools):
+        ax.step(hours, result.pool_nodes[name], where="post", color="black", label="available")
+        ax.fill_between(hours, result.pool_used[name], step="post", alpha=0.4, label="used")
+        ax.set_ylabel(f"{name} nodes")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[0, 0].set_title(f"pool usage - {title}")
+    axes[-1, 0].set_xlabel("hours")
+    written.append(_save(plt, fig, out / "pools.png"))
+
+    fig, ax = plt.subplots(figsize=(10, 3))
+    for name in jobs:
+        events = sorted((t, n) for t, job, n in result.move_times if job == name)
+        xs, ys, total = [0.0], [0], 0
+        for t, n in events:
+            total += n
+            xs.append(t / 60)
+            ys.append(total)
+        xs.append(result.end_min / 60)
+        ys.append(total)
+        ax.step(xs, ys, where="post", label=f"{name} ({total})")
+    ax.set_xlabel("hours")
+    ax.set_ylabel("moves (cumulative)")
+    ax.set_title(f"moves - {title} ({result.moves_per_hour:.2f}/hour)")
+    ax.legend(loc="upper left", fontsize=8)
+    written.append(_save(plt, fig, out / "moves.png"))
+    return written
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
