@@ -65,6 +65,7 @@ def check_job(args) -> None:
     """Parse and validate the entry point's config for the launched world size
     (raises ConfigError; does nothing for a script we do not know)."""
     from megascale_omni.entry import parse_for_family
+    from megascale_omni.platform.device import check_device
     from megascale_omni.tasks.registry import get_family
 
     family = _family_of(args)
@@ -79,7 +80,8 @@ def check_job(args) -> None:
         cfg = load_job_config(args.training_script_args)
         get_family(family).validate(cfg, cfg.parallel.model_parallel_size)
         return
-    parse_for_family(family, args.training_script_args, world_size=world)
+    cfg, _ = parse_for_family(family, args.training_script_args, world_size=world)
+    check_device(cfg.platform.device)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

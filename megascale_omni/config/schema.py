@@ -26,7 +26,8 @@ from megascale_omni.config.runtime_sections import (
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
-    "LoggingConfig", "ModelConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "TrainConfig", "VisionConfig",
+    "LoggingConfig", "ModelConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
+    "VisionConfig",
 ]
 
 
@@ -178,6 +179,16 @@ class DataConfig:
 
 
 @dataclass
+class PlatformConfig:
+    """Where the job runs."""
+
+    #: ``auto``: CUDA + NCCL when a GPU is present, else CPU + gloo. ``cuda``:
+    #: a GPU is required (a host without one exits 2 before anything starts).
+    #: ``cpu``: the CPU path even on a GPU host.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+
+@dataclass
 class JobConfig:
     """A whole training job: one section per concern."""
 
@@ -191,6 +202,7 @@ class JobConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    platform: PlatformConfig = field(default_factory=PlatformConfig)
 
     def __post_init__(self) -> None:
         # Checkpoints follow the run directory when a config says so, so

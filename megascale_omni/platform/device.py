@@ -1,8 +1,10 @@
 """Device and collective-backend choice, process-group start-up and seeding.
 
-``cuda + nccl`` when CUDA is available, otherwise ``cpu + gloo`` with the
-megatron-core CPU compatibility layer installed. Nothing else in the project
-branches on the device type.
+``platform.device: auto`` (the default) picks ``cuda + nccl`` when CUDA is
+available, otherwise ``cpu + gloo`` with the megatron-core CPU compatibility
+layer installed. ``cuda`` insists on a GPU (a host without one is a config
+error, so a GPU job never silently trains on CPU); ``cpu`` forces the CPU
+path on a GPU host. Nothing else in the project branches on the device type.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascale_omni.config.errors import ConfigError
 from megascale_omni.platform import cpu_compat
 
 logger = logging.getLogger(__name__)
@@ -46,14 +49,24 @@ class Platform:
         return torch.bfloat16
 
 
-def init_platform() -> Platform:
-    """Choose device/backend and install CPU patches (every rank, first thing)."""
-    if torch.cuda.is_available():
+def init_platform(device: str = "auto") -> Platform:
+    """Choose device/backend for ``platform.device`` (auto | cuda | cpu) and
+    install the CPU patches on CPU (every rank, first thing). Raises
+    ConfigError for ``cuda`` on a host without CUDA."""
+    check_device(device)
+    if device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return Platform(torch.device("cuda", local_rank), "nccl", ())
     patches = cpu_compat.install()
     return Platform(torch.device("cpu"), "gloo", tuple(patches))
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError when ``platform.device`` asks for CUDA on a host without it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("platform.device", device, "CUDA is not available on this host (torch.cuda.is_available() "
+                                                     "is False); run on a GPU node, or set platform.device: cpu")
 
 
 def init_distributed(platform: Platform, timeout_s: int | None = None) -> tuple[int, int]:

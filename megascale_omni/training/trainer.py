@@ -73,7 +73,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, family: FamilySpec):
         setup_logging(cfg.logging.level)
-        self.platform = init_platform()
+        self.platform = init_platform(cfg.platform.device)
         validate_platform(cfg, self.platform.is_cuda)
         # Before any process group: an infeasible split exits 2 on every rank.
         self.pipeline_plan = family.plan_pipeline(

@@ -29,6 +29,16 @@ def test_config_error_exits_2_before_any_worker(tmp_path):
     assert not tmp_path.joinpath("config.yaml").exists()  # no worker ran
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a host without CUDA")
+def test_cuda_required_on_a_cpu_host_exits_2_before_any_worker(tmp_path):
+    res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml", "platform.device=cuda",
+                    f"logging.output_dir={tmp_path}")
+    assert res.returncode == 2, res.output[-3000:]
+    [line] = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith("config error: platform.device='cuda': CUDA is not available on this host")
+    assert not tmp_path.joinpath("config.yaml").exists()
+
+
 def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
     # Valid config; the workers fail at start-up: the resume path is not a checkpoint (exit 4).
     res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",

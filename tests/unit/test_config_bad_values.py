@@ -83,3 +83,13 @@ def test_bad_yaml_files(tmp_path, content, hint):
     with pytest.raises(ConfigError) as e:
         load_yaml(path)
     assert e.value.field == "--config" and hint in e.value.hint, str(e.value)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a host without CUDA")
+def test_cuda_device_on_a_host_without_cuda_is_a_config_error():
+    from megascale_omni.platform.device import init_platform
+
+    with pytest.raises(ConfigError) as e:
+        init_platform("cuda")
+    assert e.value.field == "platform.device" and "CUDA is not available" in e.value.hint
+    assert init_platform("cpu").device.type == "cpu" and init_platform("auto").backend == "gloo"
