@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Build the synthetic shapes image-text dataset (shards + index + tokenizer).
 
-    python tools/make_shapes_dataset.py --out data/shapes
+    python tools/make_shapes_dataset.py --out data/shapes [--format llava-json]
 
 Writes ``OUT/train/``, ``OUT/val/`` (WebDataset tar shards + index.json),
 ``OUT/tokenizer.json`` and ``OUT/dataset.json``. The same arguments always give
-byte-identical files.
+byte-identical files. ``--format llava-json`` writes the same samples in
+LLaVA's JSON format instead (``OUT/<split>/llava.json`` + ``images/``, and
+``OUT/tokenizer.json``), the input of ``tools/ingest_llava.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import time
 from pathlib import Path
 
 try:
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, make_shapes_llava_json
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, make_shapes_llava_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=32, help="image side in pixels (default: %(default)s)")
     p.add_argument("--samples-per-shard", type=int, default=500, help="samples per tar shard (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out directory")
+    p.add_argument("--format", choices=("shards", "llava-json"), default="shards",
+                   help="training shards (default) or LLaVA-format JSON + images for tools/ingest_llava.py")
     return p.parse_args(argv)
 
 
@@ -40,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
+    if args.format == "llava-json":
+        if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+            print(f"error: {args.out} already exists and is not empty; pass --overwrite", file=sys.stderr)
+            return 1
+        written = make_shapes_llava_json(args.out, args.num_train, args.num_val, args.seed, args.image_size)
+        print(f"wrote {written} samples as LLaVA JSON under {args.out} in {time.perf_counter() - start:.1f}s")
+        return 0
     try:
         description = make_shapes_dataset(
             args.out, num_train=args.num_train, num_val=args.num_val, seed=args.seed,

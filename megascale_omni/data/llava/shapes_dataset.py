@@ -156,3 +156,23 @@ def load_shapes_tokenizer(out_dir: str | os.PathLike) -> TextTokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist; {_missing_hint(Path(out_dir))}")
     return TextTokenizer.from_path(path)
+
+
+def make_shapes_llava_json(out_dir: str | os.PathLike, num_train: int = 4000, num_val: int = 500,
+                           seed: int = 1234, image_size: int = 32) -> dict[str, int]:
+    """The shapes samples in LLaVA's JSON format instead of shards:
+    ``OUT/<split>/llava.json`` + ``OUT/<split>/images/*.png`` and
+    ``OUT/tokenizer.json`` (the same samples :func:`make_shapes_dataset`
+    shards). Input for ``tools/ingest_llava.py``, so the ingestion path runs
+    on the embedded data. Returns the samples written per split."""
+    from megascale_omni.data.llava.ingest import write_llava_json
+
+    out = Path(out_dir)
+    config = ShapesConfig(image_size=image_size)
+    written = {}
+    for split, num in (("train", num_train), ("val", num_val)):
+        samples = list(generate_samples(num, seed, config, stream=SPLIT_STREAMS[split]))
+        write_llava_json(samples, out / split)
+        written[split] = len(samples)
+    build_word_tokenizer(dataset_vocabulary(), out / TOKENIZER_FILENAME)
+    return written

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Ingest LLaVA-format JSON, caption JSONL and text-only JSONL into training shards.
+
+    python tools/ingest_llava.py --out data/my_set/train --image-root /data/images \\
+        --llava-json llava_v1_5_mix665k.json [--captions blip_laion.jsonl] [--text sharegpt.jsonl] \\
+        [--workers 8] [--samples-per-shard 1000] \\
+        [--tokenizer ckpt/llava/tokenizer --seq-length 4096 --tokens-per-image 576]
+
+Writes WebDataset shards + ``index.json`` into ``--out`` (a split
+directory: point ``data.path`` at its parent, which holds ``train/`` and
+optionally ``val/``), ``rejected.jsonl`` (every rejected record with its
+position, source line and reason) and ``ingest_report.json`` (counts).
+Rerunning the same command resumes: finished shards are kept. With
+``--tokenizer`` (an HF tokenizer directory with a chat template) samples the
+template renders longer than ``--seq-length`` are rejected too. See
+``megascale_omni/data/llava/ingest.py`` and docs/data.md. Exit 2 with one
+line for unusable arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megascale_omni.config import ConfigError  # noqa: E402
+from megascale_omni.data.llava.ingest import IngestInputs, LengthCheck, ingest  # noqa: E402
+from megascale_omni.entry import run_cli  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output split directory (e.g. data/my_set/train)")
+    p.add_argument("--image-root", default=".", help="directory image paths are relative to")
+    p.add_argument("--llava-json", action="append", default=[], help="LLaVA-format JSON array (repeatable)")
+    p.add_argument("--captions", action="append", default=[], help="image-caption JSONL (repeatable)")
+    p.add_argument("--caption-prompt", default="", help="user text after the <image> of caption samples")
+    p.add_argument("--text", action="append", default=[], help="text-only conversation JSONL (repeatable)")
+    p.add_argument("--samples-per-shard", type=int, default=1000, help="input records per shard")
+    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="worker processes")
+    p.add_argument("--tokenizer", help="HF tokenizer directory with a chat template (length check)")
+    p.add_argument("--seq-length", type=int, help="with --tokenizer: reject samples longer than this")
+    p.add_argument("--tokens-per-image", type=int, default=0, help="with --tokenizer: placeholder tokens per image")
+    p.add_argument("--image-token", default="<image>", help="with --tokenizer: the image placeholder token")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not (args.llava_json or args.captions or args.text):
+        raise ConfigError("--llava-json/--captions/--text", None, "give at least one input file")
+    for path in (*args.llava_json, *args.captions, *args.text):
+        if not os.path.isfile(path):
+            raise ConfigError("input", path, "no such file")
+    length = None
+    if args.tokenizer or args.seq_length:
+        if not (args.tokenizer and args.seq_length and args.seq_length > 0 and args.tokens_per_image > 0):
+            raise ConfigError("--tokenizer/--seq-length/--tokens-per-image",
+                              f"{args.tokenizer}/{args.seq_length}/{args.tokens_per_image}",
+                              "the length check needs all three (a tokenizer directory, positive numbers)")
+        if not os.path.isdir(args.tokenizer):
+            raise ConfigError("--tokenizer", args.tokenizer, "no such directory")
+        length = LengthCheck(args.tokenizer, args.seq_length, args.tokens_per_image, args.image_token)
+    inputs = IngestInputs(args.llava_json, args.captions, args.text, args.image_root, args.caption_prompt)
+    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length)
+    print(json.dumps(report.to_dict(), indent=2))
+    print(f"ingested {report.kept} of {report.inputs} records into {report.shards} shard(s) under {args.out}; "
+          f"{report.rejected} rejected (see {os.path.join(args.out, 'rejected.jsonl')})")
+
+
+if __name__ == "__main__":
+    run_cli(main)
