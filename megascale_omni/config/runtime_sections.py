@@ -134,6 +134,11 @@ class CheckpointConfig:
     async_save: bool = True
     #: Save when training finishes.
     save_at_end: bool = True
+    #: One SIGUSR1 burst saves once: a rank that missed the signal at the
+    #: vote that saved for it treats its own SIGUSR1, received within this
+    #: many seconds after that vote, as the same burst. 0 = every signal
+    #: seen at a different boundary saves again.
+    signal_coalesce_s: float = 60.0
     #: ``auto`` = newest complete checkpoint of either tier (fresh start if
     #: none), ``none`` = always fresh, or a checkpoint directory path.
     resume: str = "auto"
@@ -149,6 +154,7 @@ class CheckpointConfig:
         require_positive("checkpoint", "interval", self.interval, allow_zero=True)
         require_positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
         require_positive("checkpoint", "keep_last", self.keep_last)
+        require_positive("checkpoint", "signal_coalesce_s", self.signal_coalesce_s, allow_zero=True)
         if self.local_dir and not self.dir:
             raise ConfigError(
                 "checkpoint.local_dir", self.local_dir,
