@@ -321,7 +321,8 @@ class ControlServer:
             reply = self._handler(request, functools.partial(self._post_deferred, conn.id))
         except ProtocolError as e:
             if conn.transport == "tcp" or e.code in CLOSING_CODES:
-                # Unauthenticated peers get one answer per connection.
+                # TCP: unauthenticated peers get one answer per connection.
+                # busy: closing is the back-pressure (the client backs off).
                 self._fatal(conn, e.reply())
                 return
             reply = e.reply()
