@@ -77,7 +77,7 @@ class Checkpointer:
         # Flags, decisions and failure barriers run on gloo whatever the
         # training backend: host tensors, and monitored_barrier needs gloo.
         self.group = dist.new_group(backend="gloo")
-        self.triggers = Triggers(cfg.interval, cfg.interval_minutes, self.group)
+        self.triggers = Triggers(cfg.interval, cfg.interval_minutes, self.group, cfg.signal_coalesce_s)
         self.triggers.install_signal_handlers()
         self.writer = AsyncWriter()
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")

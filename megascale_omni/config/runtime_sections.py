@@ -101,8 +101,18 @@ class ControlConfig:
     pause_poll_s: float = 0.5
     #: Concurrent client connections; more are answered ``busy`` and closed.
     max_connections: int = 16
-    #: Close a client connection idle for this long, seconds.
+    #: Close a client connection idle for this long, seconds (between
+    #: requests, once it has sent a complete one).
     idle_timeout_s: float = 300.0
+    #: A new connection must deliver its first whole request within this many
+    #: seconds of connecting, and every later request within this many
+    #: seconds of its first byte; otherwise it is answered ``request_timeout``
+    #: and closed, so slow or silent clients cannot hold connection slots.
+    request_timeout_s: float = 10.0
+    #: Deferred commands waiting for a step boundary (identical ones coalesce
+    #: and count once, each answering at most this many requests); more are
+    #: answered ``busy`` and their connection is closed.
+    max_pending: int = 64
 
     def __post_init__(self) -> None:
         if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
@@ -112,6 +122,8 @@ class ControlConfig:
         require_positive("control", "pause_poll_s", self.pause_poll_s)
         require_positive("control", "max_connections", self.max_connections)
         require_positive("control", "idle_timeout_s", self.idle_timeout_s)
+        require_positive("control", "request_timeout_s", self.request_timeout_s)
+        require_positive("control", "max_pending", self.max_pending)
 
 
 @dataclass
@@ -136,6 +148,11 @@ class CheckpointConfig:
     async_save: bool = True
     #: Save when training finishes.
     save_at_end: bool = True
+    #: One SIGUSR1 burst saves once: a rank that missed the signal at the
+    #: vote that saved for it treats its own SIGUSR1, received within this
+    #: many seconds after that vote, as the same burst. 0 = every signal
+    #: seen at a different boundary saves again.
+    signal_coalesce_s: float = 60.0
     #: ``auto`` = newest complete checkpoint of either tier (fresh start if
     #: none), ``none`` = always fresh, or a checkpoint directory path.
     resume: str = "auto"
@@ -151,6 +168,7 @@ class CheckpointConfig:
         require_positive("checkpoint", "interval", self.interval, allow_zero=True)
         require_positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
         require_positive("checkpoint", "keep_last", self.keep_last)
+        require_positive("checkpoint", "signal_coalesce_s", self.signal_coalesce_s, allow_zero=True)
         if self.local_dir and not self.dir:
             raise ConfigError(
                 "checkpoint.local_dir", self.local_dir,

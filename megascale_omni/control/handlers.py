@@ -17,7 +17,7 @@ from megascale_omni.control.commands import (
     check_config_set,
 )
 from megascale_omni.control.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, ok_reply
-from megascale_omni.control.state import ControlState, Pending, Post
+from megascale_omni.control.state import ControlState, Enqueued, Post
 
 
 class RequestHandler:
@@ -71,8 +71,17 @@ class RequestHandler:
             raise ProtocolError(
                 ErrorCode.UNAVAILABLE, f"the replica is {status['state']}; no further commands apply", request.id
             )
-        if not self.state.enqueue(Pending(op, request.id, post)):
+        queued = self.state.enqueue(op, request.id, post)
+        if queued is Enqueued.CLOSED:
             raise ProtocolError(ErrorCode.UNAVAILABLE, "the control plane is shutting down", request.id)
+        if queued is Enqueued.FULL:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"{self.state.max_pending} commands (or {self.state.max_pending} requests for this one) are "
+                f"waiting for a step boundary; nothing was queued",
+                request.id,
+                hint="retry after the next step boundary (see pending_commands in status)",
+            )
         return None
 
     def _status(self) -> dict:

@@ -107,6 +107,7 @@ class ControlPlane:
                 "output_dir": os.path.abspath(cfg.logging.output_dir), "replica": None,
             },
             to_dict(cfg),
+            max_pending=cfg.control.max_pending,
         )
         error = self._start_server(started) if self.serves else None
         self._agree_on_start(error, world_size, group)
@@ -183,11 +184,9 @@ class ControlPlane:
             return
         if last_record is not None:
             self.state.publish(record=last_record, last_loss=last_record.get("loss"))
+        message = f"training ended at step {self.state.status()['step']} before the command was applied"
         for pending in [*self._transit_items(), *self.state.close()]:
-            pending.post(error_reply(
-                pending.request_id, ErrorCode.UNAVAILABLE,
-                f"training ended at step {self.state.status()['step']} before the command was applied",
-            ))
+            pending.answer(lambda request_id: error_reply(request_id, ErrorCode.UNAVAILABLE, message))
         self.state.publish(state="finished")
         self._server.stop()
         self._server = None
@@ -209,8 +208,9 @@ class ControlPlane:
         try:
             results = [self._apply(op, step) for op in ops]
         except BaseException as e:  # e.g. the checkpoint service failed: answer, then fail the step
+            failed = f"failed at step {step}: {e}"
             for pending in taken:
-                pending.post(error_reply(pending.request_id, ErrorCode.INTERNAL, f"failed at step {step}: {e}"))
+                pending.answer(lambda request_id: error_reply(request_id, ErrorCode.INTERNAL, failed))
             raise
         if not self.serves:
             return
@@ -230,9 +230,9 @@ class ControlPlane:
         self.state.publish(record=loss_record, config=to_dict(self.cfg) if changed_config else None, **status)
         for pending, (result, error) in zip(taken, results):
             if error is None:
-                pending.post(ok_reply(pending.request_id, result))
+                pending.answer(lambda request_id: ok_reply(request_id, result))
             else:
-                pending.post(error_reply(pending.request_id, ErrorCode.UNAVAILABLE, error))
+                pending.answer(lambda request_id: error_reply(request_id, ErrorCode.UNAVAILABLE, error))
 
     def _transit_items(self) -> list[Pending]:
         items = [p for sent in self._transit for p in sent]
@@ -285,6 +285,7 @@ class ControlPlane:
                 token=load_control_token(control),
                 max_connections=control.max_connections,
                 idle_timeout_s=control.idle_timeout_s,
+                request_timeout_s=control.request_timeout_s,
             )
             server.start()
         except Exception as e:  # reported to every rank below, then raised

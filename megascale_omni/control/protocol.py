@@ -43,7 +43,8 @@ class ErrorCode:
     MESSAGE_TOO_LARGE = "message_too_large"  # connection is closed
     NOT_CONFIGURED = "not_configured"  # e.g. checkpoint without a checkpoint service
     UNAVAILABLE = "unavailable"  # draining or shutting down
-    BUSY = "busy"  # too many connections (connection is closed)
+    BUSY = "busy"  # too many connections or pending commands (connection is closed)
+    REQUEST_TIMEOUT = "request_timeout"  # no complete request in time (connection is closed)
     INTERNAL = "internal_error"
 
 

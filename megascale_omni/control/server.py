@@ -9,6 +9,13 @@ same cross-thread wake-up plumbing on top of its own loop thread.
 Guarantees: sockets are non-blocking, so a slow or hostile client cannot
 stall the thread; any failure serving one connection closes that connection
 only; nothing here touches training state except through the handler.
+
+Back-pressure: at most ``max_connections`` connections (more are answered
+``busy`` and closed); a connection has ``request_timeout_s`` to deliver a
+request once it began one (its first: once it connected), then it is answered
+``request_timeout`` and closed, so a slow or silent client cannot keep a
+slot; a message over :data:`MAX_MESSAGE_BYTES` is answered and closed; the
+handler's ``busy`` (too many pending commands) closes too.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ Handler = Callable[[Request, Post], Optional[dict]]
 MAX_OUTPUT_BYTES = 1 << 20
 #: Auth failures are logged at most once per this many seconds (with a count).
 AUTH_LOG_INTERVAL_S = 10.0
+#: Errors after which a Unix-socket connection is closed too (TCP closes after any error).
+CLOSING_CODES = frozenset({ErrorCode.BUSY, ErrorCode.MESSAGE_TOO_LARGE, ErrorCode.REQUEST_TIMEOUT})
 
 
 @dataclass(eq=False)
@@ -54,12 +63,17 @@ class _Conn:
     sock: socket.socket
     transport: str  # "unix" | "tcp"
     peer: str
+    last_active: float  # server clock, seconds
+    #: When the request being received began (at first, when the connection
+    #: opened; while closing, when the last reply was queued); None between
+    #: requests. Past ``request_timeout_s`` the connection is dropped.
+    waiting_since: Optional[float]
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     scanned: int = 0  # bytes of inbuf already searched for a newline
     awaiting: int = 0  # deferred replies not yet sent
     closing: bool = False  # send what is buffered, then close; read nothing more
-    last_active: float = field(default_factory=time.monotonic)
+    served: bool = False  # a complete request has arrived
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,8 @@ class ControlServer:
     """Serve the control protocol on a Unix socket and/or loopback TCP.
 
     ``handler(request, post)`` returns the reply now, or None and calls
-    ``post(reply)`` later from any thread. TCP requests must carry ``token``
+    ``post(reply)`` later from any thread. ``clock`` (seconds, monotonic)
+    times the request and idle deadlines. TCP requests must carry ``token``
     (compared in constant time); the Unix socket is guarded by its file mode
     (0600, owner only).
     """
@@ -84,6 +99,8 @@ class ControlServer:
         token: Optional[str] = None,
         max_connections: int = 16,
         idle_timeout_s: float = 300.0,
+        request_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if tcp is not None and not token:
             raise ValueError("TCP control requires a token")
@@ -93,6 +110,10 @@ class ControlServer:
         self._token = token.encode("utf-8") if token else None
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._clock = clock
+        # Deadlines are checked once per loop turn: often enough to honour them within a quarter.
+        self._poll_s = max(0.01, min(1.0, request_timeout_s / 4))
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._next_id = 0
@@ -205,7 +226,7 @@ class ControlServer:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                for key, mask in self._sel.select(timeout=1.0):
+                for key, mask in self._sel.select(timeout=self._poll_s):
                     self._dispatch(key, mask)
                 self._deliver_outbox()
                 self._expire_idle()
@@ -249,7 +270,8 @@ class ControlServer:
         sock.setblocking(False)
         peer = f"{addr[0]}:{addr[1]}" if transport == "tcp" else "unix"
         self._next_id += 1
-        conn = _Conn(self._next_id, sock, transport, peer)
+        now = self._clock()
+        conn = _Conn(self._next_id, sock, transport, peer, last_active=now, waiting_since=now)
         self._conns[conn.id] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
         if len(self._conns) > self._max_connections:
@@ -267,18 +289,21 @@ class ControlServer:
             return
         if conn.closing:
             return
-        conn.last_active = time.monotonic()
+        now = conn.last_active = self._clock()
         conn.inbuf += data
         while not conn.closing:
             nl = conn.inbuf.find(b"\n", conn.scanned)
             if nl < 0:
                 conn.scanned = len(conn.inbuf)
+                if conn.inbuf and conn.waiting_since is None:
+                    conn.waiting_since = now  # a request began: its deadline runs
                 if len(conn.inbuf) > MAX_MESSAGE_BYTES:
                     self._too_large(conn)
                 return
             line = bytes(conn.inbuf[:nl]).rstrip(b"\r")
             del conn.inbuf[: nl + 1]
             conn.scanned = 0
+            conn.served, conn.waiting_since = True, None
             if len(line) > MAX_MESSAGE_BYTES:
                 self._too_large(conn)
                 return
@@ -295,8 +320,9 @@ class ControlServer:
                 return
             reply = self._handler(request, functools.partial(self._post_deferred, conn.id))
         except ProtocolError as e:
-            if conn.transport == "tcp":
-                # Unauthenticated peers get one answer per connection.
+            if conn.transport == "tcp" or e.code in CLOSING_CODES:
+                # TCP: unauthenticated peers get one answer per connection.
+                # busy: closing is the back-pressure (the client backs off).
                 self._fatal(conn, e.reply())
                 return
             reply = e.reply()
@@ -357,6 +383,7 @@ class ControlServer:
 
     def _fatal(self, conn: _Conn, message: dict) -> None:
         conn.closing = True
+        conn.waiting_since = self._clock()  # a peer that does not read this gets request_timeout_s
         conn.inbuf.clear()
         self._send(conn, message)
 
@@ -377,9 +404,20 @@ class ControlServer:
         self._sel.modify(conn.sock, events, conn)
 
     def _expire_idle(self) -> None:
-        limit = time.monotonic() - self._idle_timeout_s
-        for conn in [c for c in self._conns.values() if c.last_active < limit and not c.awaiting]:
-            self._close(conn)
+        """Drop connections past their request deadline or idle timeout (server thread)."""
+        now = self._clock()
+        for conn in list(self._conns.values()):
+            late = conn.waiting_since is not None and now - conn.waiting_since >= self._request_timeout_s
+            if late and conn.closing:
+                self._close(conn)  # its last reply could not be sent in time
+            elif late:
+                what = "request incomplete" if conn.served or conn.inbuf else "nothing sent since connecting"
+                self._fatal(conn, error_reply(
+                    None, ErrorCode.REQUEST_TIMEOUT,
+                    f"{what} after {self._request_timeout_s:g} s (control.request_timeout_s); closing",
+                ))
+            elif now - conn.last_active >= self._idle_timeout_s and not conn.awaiting:
+                self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
         if self._conns.pop(conn.id, None) is None:

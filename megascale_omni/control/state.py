@@ -10,8 +10,8 @@ training, and training never blocks on a socket).
 from __future__ import annotations
 
 import collections
+import enum
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megascale_omni.control.commands import MAX_METRIC_RECORDS, Op
@@ -21,19 +21,56 @@ from megascale_omni.control.protocol import RequestId
 Post = Callable[[dict], None]
 
 
-@dataclass(frozen=True)
 class Pending:
-    """A queued deferred command and where its reply goes."""
+    """A queued deferred command and where its replies go.
 
-    op: Op
-    request_id: RequestId
-    post: Post
+    Identical requests that arrive while it is queued join it (see
+    :meth:`ControlState.enqueue`); every requester gets the same answer,
+    each with its own request id.
+    """
+
+    def __init__(self, op: Op, request_id: RequestId, post: Post):
+        self.op = op
+        #: (request id, post) of every request this op answers, oldest first.
+        #: Appended by the server thread under the state's lock while queued only.
+        self.requesters: list[tuple[RequestId, Post]] = [(request_id, post)]
+
+    def answer(self, make_reply: Callable[[RequestId], dict]) -> None:
+        """Send ``make_reply(request_id)`` to every requester (any thread)."""
+        for request_id, post in self.requesters:
+            post(make_reply(request_id))
+
+
+def conflicts(a: Op, b: Op) -> bool:
+    """Whether applying ``a`` between two ``b`` could change the second's
+    result: ``pause``/``resume`` against each other, ``config_set`` of the
+    same field against each other."""
+    hold = ("pause", "resume")
+    if a.kind in hold and b.kind in hold:
+        return True
+    return a.kind == b.kind == "config_set" and a.field == b.field
+
+
+class Enqueued(enum.Enum):
+    """What :meth:`ControlState.enqueue` did with a request."""
+
+    QUEUED = "queued"  # a new entry
+    COALESCED = "coalesced"  # joined an identical queued op
+    FULL = "full"  # refused: max_pending entries, or max_pending requesters on the identical one
+    CLOSED = "closed"  # refused: the control plane is shutting down
 
 
 class ControlState:
-    """Snapshot (status fields, recent step records, config view) plus the op queue."""
+    """Snapshot (status fields, recent step records, config view) plus the op queue.
 
-    def __init__(self, status: dict[str, Any], config: dict[str, Any]):
+    The queue holds at most ``max_pending`` distinct ops, each answering at
+    most ``max_pending`` requesters: memory and the delay of a newly queued
+    op (``max_pending / MAX_OPS`` boundaries at most) stay bounded whatever
+    clients send.
+    """
+
+    def __init__(self, status: dict[str, Any], config: dict[str, Any], max_pending: int = 64):
+        self.max_pending = max_pending
         self._lock = threading.Lock()
         self._status = dict(status)
         self._config = config
@@ -74,14 +111,36 @@ class ControlState:
             return left
 
     # ----------------------------------------------------- server thread side
-    def enqueue(self, pending: Pending) -> bool:
-        """Queue a deferred command; False once closed."""
+    def enqueue(self, op: Op, request_id: RequestId, post: Post) -> Enqueued:
+        """Queue a deferred command (server thread).
+
+        An op equal to a queued one (same kind, field and value) joins it
+        instead, unless an op queued after that one conflicts with it (see
+        :func:`conflicts`): ``pause, resume, pause`` stays three entries,
+        since merging the two pauses would end the sequence running.
+        """
         with self._lock:
             if self._closed:
-                return False
-            self._queue.append(pending)
+                return Enqueued.CLOSED
+            same = self._coalesce_target(op)
+            if same is not None:
+                if len(same.requesters) >= self.max_pending:
+                    return Enqueued.FULL
+                same.requesters.append((request_id, post))
+                return Enqueued.COALESCED
+            if len(self._queue) >= self.max_pending:
+                return Enqueued.FULL
+            self._queue.append(Pending(op, request_id, post))
             self._arrived.set()
-            return True
+            return Enqueued.QUEUED
+
+    def _coalesce_target(self, op: Op) -> Optional[Pending]:
+        for pending in reversed(self._queue):
+            if pending.op == op:
+                return pending
+            if conflicts(pending.op, op):
+                return None
+        return None
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -149,10 +149,13 @@ def test_sigusr1_saves_and_training_continues(tmp_path):
             "checkpoint.save_at_end=false"]
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
     _wait_for_step(out, 3, proc)
-    # One worker is enough (every rank votes on the flags); signalling each
-    # worker separately can straddle a step boundary and save twice. Never
-    # the torchrun agent: SIGUSR1 would terminate it.
-    os.kill(_worker_pids(proc.pid)[0], signal.SIGUSR1)
+    # Every worker, one after the other, as a scheduler does: the deliveries
+    # may straddle a step boundary, and the burst must still save once.
+    # Never the torchrun agent: SIGUSR1 would terminate it.
+    workers = _worker_pids(proc.pid, "megascale_omni.smoke")
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(pid, signal.SIGUSR1)
     res = finish(proc, timeout=200)
     assert res.returncode == 0, res.stderr[-3000:]
     saves = [c for c in layout.scan_tier(ckpt, "persistent") if c.complete]
@@ -160,10 +163,12 @@ def test_sigusr1_saves_and_training_continues(tmp_path):
     assert len(read_metrics(out)) == 300
 
 
-def _worker_pids(agent_pid: int) -> list[int]:
+def _worker_pids(agent_pid: int, target: str) -> list[int]:
+    """The agent's worker processes (its direct children running ``target``;
+    not their own children, e.g. data loader workers)."""
     import psutil
 
-    return [c.pid for c in psutil.Process(agent_pid).children(recursive=True)]
+    return [c.pid for c in psutil.Process(agent_pid).children() if target in c.cmdline()]
 
 
 # slow (make test-all): ~75 s; GPT and DiT TP2 resumes stay in make test
