@@ -135,6 +135,16 @@ class TrainConfig:
 
 
 @dataclass
+class BlendSource:
+    """One training dataset of ``data.blend``."""
+
+    #: Dataset directory holding a ``train/`` split (shards + index.json).
+    path: str = ""
+    #: Relative share of training samples (any positive scale).
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     """Where training data comes from."""
 
@@ -168,8 +178,17 @@ class DataConfig:
     #: one when present (``tools/hf_import.py`` copies it there), else a plain
     #: resize to ``vision.image_size`` with mean = std = 0.5.
     image_processor: Optional[str] = None
+    #: LLaVA: train on several datasets mixed by weight, e.g.
+    #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
+    #: their ``train/`` splits, in the step-indexed plan (docs/data.md). The
+    #: tokenizer and the ``val/`` split still come from ``path``. Empty: ``path``'s train split.
+    blend: list[BlendSource] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for i, source in enumerate(self.blend):
+            if not source.path.strip():
+                raise ConfigError(f"data.blend[{i}].path", source.path, "must name a dataset directory")
+            require_positive("data", f"blend[{i}].weight", source.weight)
         require_positive("data", "default_num_train", self.default_num_train)
         require_positive("data", "default_num_val", self.default_num_val)
         if not self.image_token.strip():

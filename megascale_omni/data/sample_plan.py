@@ -32,7 +32,7 @@ import bisect
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -148,6 +148,9 @@ class PackedEpochPlan:
         overlong: overlong-sample policy, see :func:`pack_samples`.
         drop_last: drop a trailing partial global batch in each epoch.
         cache_epochs: how many epochs' pack lists to keep.
+        order: ``epoch -> item ids`` fed to the packer (e.g. a
+            :class:`~megascale_omni.data.blend.BlendedOrder`); default: a
+            permutation of every item per epoch (:func:`epoch_permutation`).
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class PackedEpochPlan:
         overlong: OverlongPolicy = "error",
         drop_last: bool = True,
         cache_epochs: int = 2,
+        order: Optional[Callable[[int], np.ndarray]] = None,
     ) -> None:
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
@@ -181,6 +185,7 @@ class PackedEpochPlan:
         self.window = window
         self.overlong: OverlongPolicy = overlong
         self.drop_last = drop_last
+        self._order = order
         # Per-instance LRU: a module-level cache would key on the (large,
         # unhashable) length array.
         self._packs_lru = functools.lru_cache(maxsize=max(cache_epochs, 1))(self._pack_epoch)
@@ -195,7 +200,10 @@ class PackedEpochPlan:
         return int(self._lengths.shape[0])
 
     def epoch_sample_order(self, epoch: int) -> np.ndarray:
-        """Read-only permutation of sample ids fed to the packer in ``epoch``."""
+        """Read-only sample ids fed to the packer in ``epoch`` (a permutation of
+        all of them unless an ``order`` was given)."""
+        if self._order is not None:
+            return self._order(epoch)
         return epoch_permutation(self.num_samples, self.seed, epoch)
 
     def _pack_epoch(self, epoch: int) -> tuple[Pack, ...]:

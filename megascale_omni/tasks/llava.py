@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
+from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
@@ -101,6 +102,22 @@ def build_image_preprocessor(cfg: JobConfig, root: Path) -> Optional[ImagePrepro
     return pre
 
 
+def _train_reader(cfg: JobConfig, root: Path):
+    """The training split: ``root/train``, or the ``data.blend`` sources' train
+    splits as one :class:`~megascale_omni.data.blend.ConcatReader`."""
+    if not cfg.data.blend:
+        return ShardedSampleReader(root / "train")
+    readers = []
+    for i, source in enumerate(cfg.data.blend):
+        split = Path(source.path) / "train"
+        if not (split / "index.json").is_file():
+            raise ConfigError(f"data.blend[{i}].path", source.path,
+                              "has no train/index.json; give a dataset directory written by tools/ingest_llava.py "
+                              "or tools/make_shapes_dataset.py")
+        readers.append(ShardedSampleReader(split))
+    return ConcatReader(readers)
+
+
 class LlavaTask(Task):
     """The LLaVA family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
@@ -119,10 +136,16 @@ class LlavaTask(Task):
             )
         self.vocab_size = self.padded_vocab_size(vocab)
         self.bad_samples = BadSampleAccount(cfg, dims)
-        self.train_reader = ShardedSampleReader(root / "train")
+        self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
         self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
-        self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs)
+        order = None
+        if cfg.data.blend:
+            order = BlendedOrder(self.train_reader.source_of(self.train_ids), [b.weight for b in cfg.data.blend],
+                                 cfg.train.seed)
+            logger.info("blend: %s samples per epoch from %s", order.counts, [b.path for b in cfg.data.blend])
+        self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed, costs=costs,
+                                    order=order)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
             counter=self.bad_samples.counter, preprocess=self.preprocess,

@@ -23,6 +23,7 @@ FEATURES = {
     "sequence_parallel": ("parallel.sequence_parallel", "false"),
     "context_parallel": ("parallel.cp", "1"),
     "elastic": ("elastic.enabled", "false"),
+    "data_blend": ("data.blend", "[]"),
 }
 
 
@@ -138,6 +139,8 @@ def _features_used(cfg: JobConfig) -> list[str]:
         used.append("context_parallel")
     if cfg.elastic.enabled:
         used.append("elastic")
+    if cfg.data.blend:
+        used.append("data_blend")
     return used
 
 
@@ -181,7 +184,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="llava",
             task="megascale_omni.tasks.llava:LlavaTask",
-            features=frozenset({"vpp", "explicit_partition", "elastic"}),
+            features=frozenset({"vpp", "explicit_partition", "elastic", "data_blend"}),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
