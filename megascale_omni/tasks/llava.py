@@ -29,6 +29,7 @@ from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
+from megascale_omni.data.sample import SampleValidationError, validate_metadata
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.models.llava import build_llava_chunks
@@ -147,8 +148,9 @@ class LlavaTask(Task):
         for i in range(len(reader)):
             try:
                 meta = reader.read_metadata(i)
+                validate_metadata(meta)
                 n, num_images = self.encoder.plan_from_metadata(meta)
-            except (BadSampleError, KeyError, TypeError) as err:
+            except (BadSampleError, SampleValidationError, KeyError, TypeError, ValueError) as err:
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
                 continue
@@ -203,7 +205,7 @@ class LlavaTask(Task):
         return batches
 
     def data_stats(self) -> dict[str, float]:
-        return {"skipped_samples": self.bad_samples.skipped, "excluded_samples": self.bad_samples.excluded}
+        return dict(self.bad_samples.stats())
 
     def state_dict(self, sharded: bool) -> dict:
         """Data-health totals over all ranks (the data position itself is the
