@@ -25,11 +25,10 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
-from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
-from megascale_omni.data.sample import SampleValidationError, validate_metadata
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.models.llava import build_llava_chunks
@@ -147,10 +146,8 @@ class LlavaTask(Task):
         bad = 0
         for i in range(len(reader)):
             try:
-                meta = reader.read_metadata(i)
-                validate_metadata(meta)
-                n, num_images = self.encoder.plan_from_metadata(meta)
-            except (BadSampleError, SampleValidationError, KeyError, TypeError, ValueError) as err:
+                n, num_images = plan_sample(reader, self.encoder, i)
+            except BadSampleError as err:
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
                 continue
