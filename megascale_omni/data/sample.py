@@ -35,6 +35,8 @@ KIND_MULTI_IMAGE = "multi_image"
 SAMPLE_KINDS = (KIND_TEXT_ONLY, KIND_SINGLE_IMAGE, KIND_MULTI_IMAGE)
 
 _ROLES = ("user", "assistant")
+#: Fields of a sample's JSON member (:meth:`Sample.metadata`).
+METADATA_FIELDS = ("id", "kind", "conversation", "image_dependent_words", "num_images")
 
 
 class SampleValidationError(ValueError):
@@ -167,3 +169,39 @@ class Sample:
             self.metadata() == other.metadata()
             and all(np.array_equal(a, b) for a, b in zip(self.images, other.images))
         )
+
+
+def validate_metadata(meta: Any) -> None:
+    """Check a sample's JSON member (the :meth:`Sample.metadata` form) against
+    the contract without its images: all of :data:`METADATA_FIELDS` present
+    with their types (``id``/``num_images`` ints, texts and words strs, turns
+    ``{"role", "text"}`` objects), ``num_images`` equal to the placeholder
+    count, plus everything :meth:`Sample.validate` checks. A pure function of
+    ``meta``, so every rank that scans a sample decides alike.
+
+    Raises:
+        SampleValidationError: saying which rule is broken.
+    """
+    if not isinstance(meta, dict):
+        raise SampleValidationError(f"json member is a {type(meta).__name__}, expected an object")
+    missing = [f for f in METADATA_FIELDS if f not in meta]
+    if missing:
+        raise SampleValidationError(f"json member lacks field(s) {missing}")
+    for name in ("id", "num_images"):
+        if not isinstance(meta[name], int) or isinstance(meta[name], bool) or (name == "num_images" and meta[name] < 0):
+            raise SampleValidationError(f"json field {name!r}={meta[name]!r:.40} is not a non-negative int")
+    conversation, words = meta["conversation"], meta["image_dependent_words"]
+    if not isinstance(meta["kind"], str):
+        raise SampleValidationError(f"json field 'kind'={meta['kind']!r:.40} is not a str")
+    if not isinstance(conversation, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str) for t in conversation
+    ):
+        raise SampleValidationError("json field 'conversation' must be a list of {\"role\": str, \"text\": str}")
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise SampleValidationError("json field 'image_dependent_words' must be a list of str")
+    placeholders = " ".join(t["text"] for t in conversation if t["role"] == "user").split().count(IMAGE_PLACEHOLDER)
+    if placeholders != meta["num_images"]:
+        raise SampleValidationError(f"sample {meta['id']}: num_images={meta['num_images']} but the user text has "
+                                    f"{placeholders} {IMAGE_PLACEHOLDER} placeholders")
+    stand_in = np.zeros((1, 1, 3), dtype=np.uint8)
+    Sample(meta["id"], meta["kind"], [stand_in] * placeholders, [dict(t) for t in conversation], list(words)).validate()

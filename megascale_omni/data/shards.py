@@ -24,7 +24,6 @@ byte-identical shards.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -39,7 +38,9 @@ import numpy as np
 import webdataset
 from PIL import Image
 
-from megascale_omni.data.sample import Sample, SampleValidationError
+from megascale_omni.data.errors import DataFileError
+from megascale_omni.data.integrity import INDEX_FIX, decode_png_rgb, sha256_of, validate_index_doc, verify_shard
+from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidationError, validate_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ FORMAT_VERSION = 1
 INDEX_FILENAME = "index.json"
 SHARD_PREFIX = "shard-"
 _TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its data
-_REQUIRED_JSON_FIELDS = ("id", "kind", "conversation", "image_dependent_words", "num_images")
+_REQUIRED_JSON_FIELDS = METADATA_FIELDS
 _DEFAULT_MISSING_HINT = (
     "build it with `python tools/make_shapes_dataset.py --out <dataset dir>` "
     "(or megascale_omni.data.shards.write_shards for your own samples)"
@@ -122,22 +123,24 @@ class ShardIndex:
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardIndex":
-        doc = json.loads(text)
-        if doc.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"unsupported shard index format_version {doc.get('format_version')!r} "
-                f"(this code reads {FORMAT_VERSION}); rebuild the dataset"
-            )
+    def from_json(cls, text: str, path: str | os.PathLike = INDEX_FILENAME) -> "ShardIndex":
+        """Parse and validate ``index.json`` text read from ``path``.
+
+        Raises:
+            DataFileError: not JSON or not the schema of
+                :func:`~megascale_omni.data.integrity.validate_index_doc`; names ``path``.
+        """
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataFileError(path, f"shard index is not valid JSON ({exc})", INDEX_FIX) from None
+        validate_index_doc(doc, Path(path), FORMAT_VERSION)
         samples = [
             SampleLocation(id=s["id"], key=s["key"], shard=s["shard"],
                            members={k: (int(v[0]), int(v[1])) for k, v in s["members"].items()})
             for s in doc["samples"]
         ]
-        index = cls(FORMAT_VERSION, int(doc["num_samples"]), [ShardInfo(**s) for s in doc["shards"]], samples)
-        if index.num_samples != len(samples):
-            raise ValueError(f"index says num_samples={index.num_samples} but lists {len(samples)}")
-        return index
+        return cls(FORMAT_VERSION, int(doc["num_samples"]), [ShardInfo(**s) for s in doc["shards"]], samples)
 
 
 # ----------------------------------------------------------- encode / decode
@@ -161,8 +164,11 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
     """Inverse of :func:`encode_sample`. Extra members are ignored.
 
     Raises:
-        SampleDecodeError: missing/corrupt JSON, missing field or member, or an
-            undecodable image; the message says which.
+        SampleDecodeError: missing/corrupt JSON, a field missing or of the
+            wrong type (:func:`~megascale_omni.data.sample.validate_metadata`),
+            a missing member, or an image failing
+            :func:`~megascale_omni.data.integrity.decode_png_rgb` (corrupt,
+            not an RGB PNG); the message says which.
     """
     if "json" not in members:
         raise SampleDecodeError("member 'json' missing")
@@ -170,23 +176,19 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
         meta = json.loads(members["json"].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SampleDecodeError(f"corrupt json member: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise SampleDecodeError(f"json member is a {type(meta).__name__}, expected an object")
-    missing = [f for f in _REQUIRED_JSON_FIELDS if f not in meta]
-    if missing:
-        raise SampleDecodeError(f"json member lacks field(s) {missing}")
+    try:
+        validate_metadata(meta)
+    except SampleValidationError as exc:
+        raise SampleDecodeError(str(exc)) from exc
     images = []
-    for i in range(int(meta["num_images"])):
+    for i in range(meta["num_images"]):
         name = f"{i}.png"
         if name not in members:
             raise SampleDecodeError(f"member {name!r} missing (json says num_images={meta['num_images']})")
         try:
-            with Image.open(io.BytesIO(members[name])) as img:
-                images.append(np.asarray(img.convert("RGB"), dtype=np.uint8).copy())
-        # PIL signals malformed input with many types (OSError, SyntaxError,
-        # ValueError, zlib.error, ...); any of them means the member is corrupt.
-        except Exception as exc:  # noqa: BLE001
-            raise SampleDecodeError(f"corrupt image member {name!r}: {type(exc).__name__}: {exc}") from exc
+            images.append(decode_png_rgb(members[name]))
+        except ValueError as exc:
+            raise SampleDecodeError(f"corrupt image member {name!r}: {exc}") from exc
     try:
         return Sample.from_dict({**meta, "images": images})
     except (SampleValidationError, KeyError, TypeError, ValueError) as exc:
@@ -253,14 +255,6 @@ def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | o
     return index_shards(out, names)
 
 
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = None) -> ShardIndex:
     """Scan tar shards and (re)write ``out_dir/index.json``; returns the index.
 
@@ -310,7 +304,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                     except (ValueError, KeyError, TypeError):
                         pass  # reported with the position as id when the sample is read
         shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
-                                size=path.stat().st_size, sha256=_sha256_of(path)))
+                                size=path.stat().st_size, sha256=sha256_of(path)))
     index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples)
     tmp = out / f".{INDEX_FILENAME}.tmp-{os.getpid()}"
     tmp.write_text(index.to_json(), encoding="utf-8")
@@ -329,28 +323,44 @@ class ShardedSampleReader:
     does not move a shared file offset, so descriptors inherited through
     ``fork`` stay safe; pickling drops them (they are reopened on demand).
 
-    Every member read also checks the tar header in front of the data (name,
-    size, checksum), so a shard rewritten after indexing is reported instead
-    of silently yielding wrong bytes.
+    Integrity (see :mod:`megascale_omni.data.integrity`): with ``verify``
+    (default) the first open of a shard in a process checks its size and
+    sha256 against ``index.json`` (one sequential read of the shard; a
+    reader's scan of every sample's metadata therefore hashes the whole set
+    once). Every member read also checks the tar header in front of the data
+    (name, size, checksum), so an index that does not describe its shard is
+    reported instead of silently yielding wrong bytes.
 
     Raises (from ``__init__``):
-        FileNotFoundError: ``root`` or ``root/index.json`` is missing; the
-            message names the path and how to build the dataset.
-    Raises (from ``__getitem__``):
+        FileNotFoundError: ``root`` is not a directory; the message names
+            the path and how to build the dataset.
+        DataFileError: ``root/index.json`` is missing, unreadable, not JSON
+            or malformed (fatal: the split cannot be read at all).
+    Raises (from ``__getitem__`` / ``read_metadata`` / ``read_members``):
         IndexError: out-of-range index.
-        BadSampleError: missing/unreadable/truncated shard, missing member,
-            corrupt JSON or image, or a sample violating the Sample contract.
+        DataFileError: the sample's shard is missing, unreadable, or its
+            size or sha256 differs from ``index.json`` (fatal).
+        BadSampleError: a sample of an intact shard that cannot be used:
+            a member missing or not where the index says, corrupt JSON or
+            image, or a sample violating the Sample contract.
     """
 
-    def __init__(self, root: str | os.PathLike, missing_hint: str = _DEFAULT_MISSING_HINT):
+    def __init__(self, root: str | os.PathLike, missing_hint: str = _DEFAULT_MISSING_HINT, verify: bool = True):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"dataset directory {str(self.root)!r} does not exist; {missing_hint}")
         index_path = self.root / INDEX_FILENAME
         if not index_path.is_file():
-            raise FileNotFoundError(f"shard index {str(index_path)!r} does not exist; {missing_hint}")
-        self.index = ShardIndex.from_json(index_path.read_text(encoding="utf-8"))
+            raise DataFileError(index_path, "shard index missing", missing_hint)
+        try:
+            text = index_path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataFileError(index_path, f"shard index unreadable ({exc})", INDEX_FIX) from None
+        self.index = ShardIndex.from_json(text, index_path)
+        self.verify = verify
         self._fds: dict[int, int] = {}
+        #: Shards whose checksum this process has checked (kept across pickling: same files).
+        self._verified: set[int] = set()
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -410,7 +420,16 @@ class ShardedSampleReader:
             try:
                 fd = os.open(shard_path, os.O_RDONLY)
             except OSError as exc:
-                raise BadSampleError(loc.id, shard_path, f"shard file missing or unreadable: {exc}") from exc
+                raise DataFileError(shard_path, f"shard missing or unreadable ({exc.strerror})",
+                                    "restore it or rebuild the set") from None
+            if self.verify and loc.shard not in self._verified:
+                info = self.index.shards[loc.shard]
+                try:
+                    verify_shard(fd, shard_path, info.size, info.sha256)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._verified.add(loc.shard)
             # setdefault: if another thread won the race, use its fd and drop ours.
             kept = self._fds.setdefault(loc.shard, fd)
             if kept != fd:
@@ -445,20 +464,22 @@ class ShardedSampleReader:
         return buf[_TAR_BLOCK:]
 
     def verify_shards(self) -> dict[str, str]:
-        """Check every shard's size and sha256 against the manifest.
-
-        Returns ``{shard name: problem}`` for each bad shard (empty if all good).
-        Reads every byte, so use it in tools and tests, not in the hot path.
-        """
+        """Check every shard's size and sha256 against the manifest (reads
+        every byte). Returns ``{shard name: problem}`` for each bad shard
+        (empty if all good); ``"missing"`` for a shard that cannot be opened."""
         problems = {}
         for info in self.index.shards:
-            path = self.root / info.name
-            if not path.is_file():
+            try:
+                fd = os.open(self.root / info.name, os.O_RDONLY)
+            except OSError:
                 problems[info.name] = "missing"
-            elif path.stat().st_size != info.size:
-                problems[info.name] = f"size {path.stat().st_size} != manifest {info.size}"
-            elif _sha256_of(path) != info.sha256:
-                problems[info.name] = "sha256 mismatch"
+                continue
+            try:
+                verify_shard(fd, self.root / info.name, info.size, info.sha256)
+            except DataFileError as err:
+                problems[info.name] = err.problem
+            finally:
+                os.close(fd)
         return problems
 
     def close(self) -> None:

@@ -23,9 +23,13 @@ from typing import Iterable, Sequence
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+from megascale_omni.data.errors import DataFileError
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILENAME = "tokenizer.json"
+_TOKENIZER_FIX = ("point data.tokenizer at a Hugging Face tokenizer.json with the special tokens "
+                  "<pad> <eos> <bos> <unk> <image>, or rebuild the dataset's (tools/make_shapes_dataset.py)")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class TextTokenizer:
         Raises:
             FileNotFoundError: ``path`` does not exist, or is a directory with no
                 loadable tokenizer; the message names the path.
+            DataFileError: the file is not a loadable tokenizer, or lacks one
+                of ``special_tokens``; the message names the file.
         """
         path = Path(path)
         if not path.exists():
@@ -92,9 +98,22 @@ class TextTokenizer:
                         f"no {TOKENIZER_FILENAME} in directory {str(path)!r} (and it is not a "
                         f"loadable transformers tokenizer directory)"
                     )
-                return cls(backend, special_tokens)
+                return cls._checked(backend, special_tokens, path)
         logger.debug("loading tokenizer from %s", path)
-        return cls(Tokenizer.from_file(str(path)), special_tokens)
+        try:
+            backend = Tokenizer.from_file(str(path))
+        # The Rust backend reports every malformed file as a bare Exception.
+        except Exception as exc:  # noqa: BLE001
+            problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DataFileError(path, f"not a loadable tokenizer file ({problem})", _TOKENIZER_FIX) from None
+        return cls._checked(backend, special_tokens, path)
+
+    @classmethod
+    def _checked(cls, backend: Tokenizer, special_tokens: SpecialTokens, path: Path) -> "TextTokenizer":
+        try:
+            return cls(backend, special_tokens)
+        except ValueError as exc:
+            raise DataFileError(path, str(exc), _TOKENIZER_FIX) from None
 
     @classmethod
     def from_str(cls, serialized: str, special_tokens: SpecialTokens = SpecialTokens()) -> "TextTokenizer":

@@ -128,8 +128,10 @@ class BadSampleAccount:
     """Job-wide bad-sample totals of one task, checkpointed with it.
 
     ``excluded`` counts samples dropped while the plan was built (the same on
-    every rank); :meth:`update` adds what the readers skipped since, reduced
-    over the job, and stops the run past ``data.max_bad_sample_fraction``.
+    every rank: a pure function of the data); ``skipped`` what the readers
+    skipped since, reduced over the job by :meth:`update`, which stops the
+    run past ``data.max_bad_sample_fraction``. Both are reported together as
+    ``skipped_samples`` (:meth:`stats`).
     """
 
     def __init__(self, cfg: JobConfig, dims: ParallelDims):
@@ -158,6 +160,13 @@ class BadSampleAccount:
         self.seen = int(counts[1]) // per_sample + self._resumed[1]
         check_bad_fraction(self.skipped, self.seen, self.limit, "training")
 
+    def stats(self) -> dict[str, int]:
+        """Counters for the step record (every rank, same values):
+        ``skipped_samples`` counts every bad sample, those excluded while
+        scanning and those skipped while reading; ``excluded_samples`` is the
+        scanned share of it."""
+        return {"skipped_samples": self.skipped + self.excluded, "excluded_samples": self.excluded}
+
     def state_dict(self) -> dict:
         return {"skipped_samples": self.skipped, "seen_samples": self.seen}
 
@@ -182,8 +191,15 @@ def resolve_dataset_root(cfg: JobConfig, build_default: Callable[[JobConfig], Pa
 
 
 def load_tokenizer(cfg: JobConfig, root: Path) -> TextTokenizer:
-    """``data.tokenizer``, or ``<root>/tokenizer.json`` beside the shards."""
+    """``data.tokenizer``, or ``<root>/tokenizer.json`` beside the shards.
+
+    Raises ConfigError (exit 2) when the path does not exist or is a
+    directory without a tokenizer, DataFileError (exit 3) when the file is
+    not a usable tokenizer."""
     path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else root / "tokenizer.json"
     if not path.exists():
         raise ConfigError("data.tokenizer", str(path), "does not exist; point it at a tokenizer.json or directory")
-    return TextTokenizer.from_path(path)
+    try:
+        return TextTokenizer.from_path(path)
+    except FileNotFoundError as err:  # a directory without a tokenizer in it: a wrong path
+        raise ConfigError("data.tokenizer", str(path), str(err)) from None

@@ -177,11 +177,7 @@ class DitTask(Task):
         return batches
 
     def data_stats(self) -> dict[str, float]:
-        return {
-            "skipped_samples": self.bad_samples.skipped,
-            "excluded_samples": self.bad_samples.excluded,
-            "rank_token_imbalance": self.rank_token_imbalance,
-        }
+        return {**self.bad_samples.stats(), "rank_token_imbalance": self.rank_token_imbalance}
 
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):

@@ -104,6 +104,9 @@ class DitBatcher:
                 sample = self.reader.load(rid, bucket, need_text_states=not self.captions.learned)
                 if sample.data.shape[0] != c:
                     raise BadSampleError(rid, self.reader.root, f"{sample.data.shape[0]} channels, dit.in_channels={c}")
+                if sample.text_states is not None and sample.text_states.shape[-1] != self.captions.text_dim:
+                    raise BadSampleError(rid, self.reader.root, f"text states of width {sample.text_states.shape[-1]}, "
+                                         f"dit.text_dim={self.captions.text_dim}")
             except BadSampleError as err:
                 self.counter.record_skip(err)
                 continue

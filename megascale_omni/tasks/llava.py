@@ -26,7 +26,7 @@ from megascale_omni.data.balance import microbatch_shares, sample_cost, split_ba
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
-from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
@@ -169,9 +169,8 @@ class LlavaTask(Task):
         bad = 0
         for i in range(len(reader)):
             try:
-                meta = reader.read_metadata(i)
-                n, num_images = self.encoder.plan_from_metadata(meta)
-            except (BadSampleError, KeyError, TypeError) as err:
+                n, num_images = plan_sample(reader, self.encoder, i)
+            except BadSampleError as err:
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
                 continue
@@ -226,7 +225,7 @@ class LlavaTask(Task):
         return batches
 
     def data_stats(self) -> dict[str, float]:
-        return {"skipped_samples": self.bad_samples.skipped, "excluded_samples": self.bad_samples.excluded}
+        return dict(self.bad_samples.stats())
 
     def state_dict(self, sharded: bool) -> dict:
         """Data-health totals over all ranks (the data position itself is the

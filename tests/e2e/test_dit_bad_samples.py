@@ -1,6 +1,7 @@
 """DiT bad input: images smaller than every bucket, missing captions and
-corrupt shards are skipped and counted; a bucket table that cannot fit the
-token budget stops the run at start (exit 2, one line)."""
+corrupt samples are skipped and counted; a shard that does not match its
+index stops the run at start (exit 3, one line), as does a bucket table that
+cannot fit the token budget (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from megascale_omni.data.dit.reader import encode_latent_record, encode_pixel_record, write_dit_dataset
 from megascale_omni.data.dit.shapes_dataset import description, generate, vocabulary
+from megascale_omni.data.shards import index_shards
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +44,7 @@ def _pixel_dataset(root: Path) -> dict[str, list[int]]:
 
 
 def _corrupt_member(split: Path, suffix: str, sample_id: int) -> None:
+    """Overwrite one member in place (then re-index to make it a sample written corrupt)."""
     doc = json.loads((split / "index.json").read_text())
     s = next(s for s in doc["samples"] if s["id"] == sample_id)
     offset, size = s["members"][suffix]
@@ -53,6 +56,7 @@ def _corrupt_member(split: Path, suffix: str, sample_id: int) -> None:
 def test_small_images_missing_captions_and_corrupt_images_are_skipped_and_counted(tmp_path):
     planted = _pixel_dataset(tmp_path / "d")
     _corrupt_member(tmp_path / "d" / "train", "png", 3)
+    index_shards(tmp_path / "d" / "train")
     # 121 usable samples ~ 15 packages ~ 7 steps per epoch: 8 steps read every one.
     res = _train(tmp_path / "d", tmp_path / "run", 8, "data.max_bad_sample_fraction=0.05")
     assert res.returncode == 0, res.stderr[-4000:]
@@ -62,7 +66,7 @@ def test_small_images_missing_captions_and_corrupt_images_are_skipped_and_counte
     skipped = set(re.findall(r"skipping bad sample: bad sample id=(\d+)", res.stderr))
     assert skipped == {"3"}, res.stderr[-3000:]
     records = read_metrics(tmp_path / "run")
-    assert records[-1]["skipped_samples"] == 1 and records[-1]["excluded_samples"] == 3
+    assert records[-1]["skipped_samples"] == 1 + 3 and records[-1]["excluded_samples"] == 3
     assert all(np.isfinite(r["loss"]) for r in records)
 
 
@@ -82,22 +86,27 @@ LATENT = ["dit.in_channels=4", "dit.text_encoder=precomputed", "dit.text_dim=16"
           "dit.buckets=[[4,4],[4,8],[8,4],[8,8]]", "dit.token_budget=64"]
 
 
-def test_corrupt_latent_shard_is_skipped_and_counted_or_stops_the_run(tmp_path):
+def test_corrupt_latent_samples_are_counted_and_a_changed_shard_stops_the_run(tmp_path):
+    split = tmp_path / "d" / "train"
     _latent_dataset(tmp_path / "d")
-    _corrupt_member(tmp_path / "d" / "train", "latent.npy", 4)
-    shard = tmp_path / "d" / "train" / "shard-000002.tar"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated: ~15 samples unreadable
+    _corrupt_member(split, "latent.npy", 4)
+    _corrupt_member(split, "json", 40)
+    index_shards(split)  # written corrupt: the checksums match, the two samples are bad
     res = _train(tmp_path / "d", tmp_path / "run", 6, *LATENT, "data.max_bad_sample_fraction=0.5")
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "truncated shard" in res.stderr and "shard-000002.tar" in res.stderr
+    assert re.findall(r"excluding sample (\d+) from the plan", res.stderr) == ["40"]
+    hits = len(re.findall(r"skipping bad sample: bad sample id=4 .*corrupt array member 'latent.npy'", res.stderr))
     last = read_metrics(tmp_path / "run")[-1]
-    assert last["excluded_samples"] >= 10 and last["skipped_samples"] >= 1
-    # at the default 1% limit the same data stops the run with a readable message
-    res = _train(tmp_path / "d", tmp_path / "run2", 6, *LATENT)
+    assert last["excluded_samples"] == 1 and last["skipped_samples"] == 1 + hits
+    # A shard cut short after indexing: one line naming it, exit 3, before any step.
+    shard = split / "shard-000002.tar"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    res = _train(tmp_path / "d", tmp_path / "run2", 6, *LATENT, "data.max_bad_sample_fraction=0.5")
     assert res.returncode == 3, res.stderr[-4000:]
-    last_line = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
-    assert last_line.startswith("data error: ") and "data.max_bad_sample_fraction=1.0%" in last_line
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("data error: ")]
+    assert len(lines) == 1 and f"{shard}: shard is" in lines[0] and "index.json says" in lines[0], lines
     assert "Traceback" not in res.stderr
+
 
 
 def test_bucket_table_that_cannot_fit_the_budget_exits_2_at_start(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.data.shards import index_shards
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -19,7 +20,9 @@ NUM_TRAIN = 400
 
 
 def _corrupt_images(split_dir: Path, count: int) -> list[int]:
-    """Overwrite the first PNG of ``count`` image samples in place; returns their ids."""
+    """Overwrite the first PNG of ``count`` image samples in place and
+    re-index (written corrupt: the shard checksums match, the samples are
+    bad); returns their ids."""
     doc = json.loads((split_dir / "index.json").read_text())
     victims = [s for s in doc["samples"] if "0.png" in s["members"]][:count]
     for s in victims:
@@ -27,6 +30,7 @@ def _corrupt_images(split_dir: Path, count: int) -> list[int]:
         with open(split_dir / doc["shards"][s["shard"]]["name"], "r+b") as f:
             f.seek(offset)
             f.write((b"\x00garbage" * size)[:size])
+    index_shards(split_dir)
     return [s["id"] for s in victims]
 
 

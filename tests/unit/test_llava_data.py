@@ -26,7 +26,7 @@ from megascale_omni.data.llava.batches import (
 from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.packing import PAD_SEGMENT_ID, pack_samples
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, KIND_TEXT_ONLY, Sample
-from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
+from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader, index_shards
 
 SEED = 7
 NUM_TRAIN = 60
@@ -179,7 +179,9 @@ def _members(samples, pack, id_map) -> list[Sample]:
 
 
 def _corrupt_png(split_dir: Path, index: int, member: str = "0.png") -> None:
-    """Overwrite one member's data bytes in place (same size, tar header intact)."""
+    """Overwrite one member's data bytes in place (same size, tar header intact)
+    and re-index, as if the sample had been written corrupt (the shard's
+    checksum matches, so the sample is bad rather than the shard)."""
     doc = json.loads((split_dir / INDEX_FILENAME).read_text())
     loc = doc["samples"][index]
     offset, size = loc["members"][member]
@@ -187,6 +189,7 @@ def _corrupt_png(split_dir: Path, index: int, member: str = "0.png") -> None:
     with open(shard, "r+b") as f:
         f.seek(offset)
         f.write((b"\xde\xad\xbe\xef" * size)[:size])
+    index_shards(split_dir)
 
 
 # ------------------------------------------------------------- 1. encoder

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import webdataset
 
+from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.sample import Sample
 from megascale_omni.data.shapes import generate_samples
 from megascale_omni.data.shards import (
@@ -43,14 +44,18 @@ def split_dir(tmp_path, samples) -> Path:
     return tmp_path / "split"
 
 
-def _read_all(reader: ShardedSampleReader) -> dict[int, Sample | BadSampleError]:
+def _read_all(reader: ShardedSampleReader) -> dict[int, Sample | BadSampleError | DataFileError]:
     out = {}
     for i in range(len(reader)):
         try:
             out[i] = reader[i]
-        except BadSampleError as exc:
+        except (BadSampleError, DataFileError) as exc:
             out[i] = exc
     return out
+
+
+def _fatal(results) -> list[int]:
+    return sorted(i for i, r in results.items() if isinstance(r, DataFileError))
 
 
 def _bad(results) -> list[int]:
@@ -164,22 +169,30 @@ def _first_with_images(samples, n_images: int, start: int = 0) -> int:
     return next(i for i, s in enumerate(samples) if i >= start and s.num_images == n_images)
 
 
-def test_corrupt_png_in_place_fails_only_that_sample(split_dir, samples):
+def test_corrupt_png_in_place_is_fatal_until_reindexed(split_dir, samples):
     victim = _first_with_images(samples, 1, start=17)
     shard, offset, size = _member_location(split_dir, victim, "0.png")
     with open(shard, "r+b") as f:  # same-length garbage: bit rot, layout unchanged
         f.seek(offset)
         f.write(bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)))
 
+    # The shard no longer matches its checksum: every sample in it is refused
+    # with a fatal error naming the shard; the other shards read fine.
     results = _read_all(ShardedSampleReader(split_dir))
-    assert _bad(results) == [victim]
+    assert _fatal(results) == list(range(16, 32)) and _bad(results) == []
+    assert results[16].path == str(shard) and "sha256" in results[16].problem
+    assert all(results[i].equals(samples[i]) for i in list(range(16)) + list(range(32, NUM)))
+    assert "sha256" in ShardedSampleReader(split_dir).verify_shards()[shard.name]
+
+    index_shards(split_dir)  # accept the shard as written: now only the victim is bad
+    results = _read_all(ShardedSampleReader(split_dir))
+    assert _bad(results) == [victim] and _fatal(results) == []
     err = results[victim]
     assert err.sample_id == victim and err.shard_path == str(shard)
     assert "corrupt image member '0.png'" in err.reason and str(shard) in str(err)
     for i, r in results.items():
         if i != victim:
             assert r.equals(samples[i])
-    assert ShardedSampleReader(split_dir).verify_shards() == {shard.name: "sha256 mismatch"}
 
 
 def test_rewritten_tar_with_garbage_member(split_dir, samples):
@@ -196,8 +209,9 @@ def test_rewritten_tar_with_garbage_member(split_dir, samples):
             dst.addfile(member, io.BytesIO(data))
     shard.write_bytes(buf.getvalue())
 
-    # The stale index no longer matches the layout: reported, never misread.
-    stale = _read_all(ShardedSampleReader(split_dir))
+    assert _fatal(_read_all(ShardedSampleReader(split_dir))) == list(range(16, 32))
+    # Without the checksum check the tar headers still catch the stale index: reported, never misread.
+    stale = _read_all(ShardedSampleReader(split_dir, verify=False))
     later_in_shard = [i for i in range(victim + 1, 32)]
     assert set(later_in_shard) <= set(_bad(stale))
     assert "changed after indexing" in stale[later_in_shard[0]].reason
@@ -233,6 +247,7 @@ def test_missing_json_field_and_member_and_corrupt_json(tmp_path, samples):
     with open(split_dir / "shard-000000.tar", "r+b") as f:
         f.seek(offset)
         f.write(b"{" * size)
+    index_shards(split_dir)  # written corrupt: the shard's checksum is right
 
     reader = ShardedSampleReader(split_dir)
     with pytest.raises(BadSampleError, match="lacks field.*conversation") as info:
@@ -249,20 +264,25 @@ def test_truncated_shard(split_dir, samples):
     last = split_dir / "shard-000002.tar"  # samples 32..39
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     results = _read_all(ShardedSampleReader(split_dir))
+    assert _fatal(results) == list(range(32, NUM)) and "index.json says" in results[32].problem
+    assert all(results[i].equals(samples[i]) for i in range(32))
+    # verify=False: the samples past the cut are bad, the rest of the shard reads.
+    results = _read_all(ShardedSampleReader(split_dir, verify=False))
     bad = _bad(results)
     assert bad and bad == list(range(bad[0], NUM)) and bad[0] > 32  # a suffix of the last shard
     assert "truncated shard" in results[NUM - 1].reason
     assert all(results[i].equals(samples[i]) for i in range(bad[0]))
-    assert "size" in ShardedSampleReader(split_dir).verify_shards()["shard-000002.tar"]
+    assert "index.json says" in ShardedSampleReader(split_dir).verify_shards()["shard-000002.tar"]
 
 
 def test_missing_shard_file(split_dir, samples):
     (split_dir / "shard-000001.tar").unlink()
     results = _read_all(ShardedSampleReader(split_dir))
-    assert _bad(results) == list(range(16, 32))
-    assert "shard file missing or unreadable" in results[16].reason
-    assert results[16].shard_path == str(split_dir / "shard-000001.tar")
+    assert _fatal(results) == list(range(16, 32)) and _bad(results) == []
+    assert "shard missing or unreadable" in results[16].problem
+    assert results[16].path == str(split_dir / "shard-000001.tar")
     assert all(results[i].equals(samples[i]) for i in list(range(16)) + list(range(32, NUM)))
+    assert ShardedSampleReader(split_dir).verify_shards() == {"shard-000001.tar": "missing"}
 
 
 def test_missing_directory_or_index(tmp_path, split_dir):
@@ -272,7 +292,7 @@ def test_missing_directory_or_index(tmp_path, split_dir):
     assert "make_shapes_dataset.py" in str(info.value)
 
     (split_dir / INDEX_FILENAME).unlink()
-    with pytest.raises(FileNotFoundError, match="index.json"):
+    with pytest.raises(DataFileError, match="index.json: shard index missing"):
         ShardedSampleReader(split_dir)
 
 
@@ -281,7 +301,7 @@ def test_index_format_version_checked(split_dir):
     doc = json.loads(path.read_text())
     doc["format_version"] = 999
     path.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match="format_version"):
+    with pytest.raises(DataFileError, match="format_version"):
         ShardedSampleReader(split_dir)
 
 

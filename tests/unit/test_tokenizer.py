@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.shapes import dataset_vocabulary, generate_samples
 from megascale_omni.data.tokenizer import SpecialTokens, TextTokenizer, build_word_tokenizer
 
@@ -83,8 +84,9 @@ def test_build_dedups_and_rejects_bad_words(tmp_path):
 
 
 def test_missing_special_token_rejected(tok_path):
-    with pytest.raises(ValueError, match="image token '<img>'"):
+    with pytest.raises(DataFileError, match="image token '<img>'") as info:
         TextTokenizer.from_path(tok_path, SpecialTokens(image="<img>"))
+    assert info.value.path == str(tok_path)
 
 
 def test_pickle_roundtrip(tok):

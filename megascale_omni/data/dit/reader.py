@@ -15,8 +15,12 @@ A DiT split is a directory of WebDataset tar shards plus ``index.json``
 ``"in_channels"``, ``"text": "caption" | "precomputed"``).
 
 Bad samples raise :class:`~megascale_omni.data.shards.BadSampleError`: a
-missing or empty caption, an unreadable image or array, an image smaller
-than every bucket. The batcher skips and counts them.
+missing or empty caption, JSON fields of the wrong type, an image that is
+not an intact RGB PNG of the size its JSON states, an array that is
+unreadable, of the wrong rank, size, channel count or dtype, or holds
+NaN/Inf, an image smaller than every bucket. The task excludes (scan) or
+the batcher skips them, and counts them. A broken ``dataset.json`` is a
+:class:`~megascale_omni.data.errors.DataFileError` (fatal).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 from PIL import Image
 
 from megascale_omni.data.dit.buckets import Bucket
+from megascale_omni.data.errors import DataFileError
+from megascale_omni.data.integrity import decode_png_rgb
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader, write_member_shards
 from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
 
@@ -97,10 +103,26 @@ def write_dit_dataset(
 
 
 def load_dataset_description(root: Path) -> dict[str, Any]:
+    """``root/dataset.json`` (defaults for pixel data with captions when absent).
+
+    Raises DataFileError when it is unreadable, not a JSON object, or its
+    ``kind`` / ``in_channels`` / ``text`` are not of the documented values."""
     path = root / DATASET_FILENAME
     if not path.is_file():
         return {"kind": "pixels", "in_channels": 3, "text": "caption"}
-    return json.loads(path.read_text(encoding="utf-8"))
+    fix = "rewrite it (tools/make_dit_latents.py writes it) or rebuild the set"
+    try:
+        desc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataFileError(path, f"dataset description unreadable ({exc})", fix) from None
+    if not isinstance(desc, dict):
+        raise DataFileError(path, f"dataset description is a {type(desc).__name__}, expected an object", fix)
+    channels = desc.get("in_channels", 3)
+    if (desc.get("kind", "pixels") not in ("pixels", "latents") or desc.get("text", "caption") not in
+            ("caption", "precomputed") or not isinstance(channels, int) or isinstance(channels, bool) or channels < 1):
+        raise DataFileError(path, "dataset description needs kind pixels|latents, text caption|precomputed "
+                            f"and a positive int in_channels; got {desc!r:.120}", fix)
+    return desc
 
 
 def resize_cover_crop(image: Image.Image, bucket: Bucket) -> Image.Image:
@@ -135,8 +157,15 @@ class DitSampleReader:
         return len(self.shards)
 
     def metadata(self, idx: int) -> dict[str, Any]:
-        """JSON member only (no decode); BadSampleError if unreadable or incomplete."""
-        return self.shards.read_metadata(idx, required=REQUIRED_FIELDS)
+        """JSON member only (no decode); BadSampleError if unreadable,
+        incomplete, ``id`` not an int, ``height``/``width`` not positive ints
+        or ``caption`` present but not a str."""
+        meta = self.shards.read_metadata(idx, required=REQUIRED_FIELDS)
+        problem = _metadata_problem(meta)
+        if problem:
+            loc = self.shards.index.samples[idx]
+            raise BadSampleError(loc.id, self.root / self.shards.index.shards[loc.shard].name, problem)
+        return meta
 
     def load(self, idx: int, bucket: Bucket, need_text_states: bool) -> DitSample:
         """Decode sample ``idx`` at ``bucket`` size. Raises BadSampleError."""
@@ -149,35 +178,70 @@ class DitSampleReader:
             meta = json.loads(members["json"].decode("utf-8"))
         except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad(f"corrupt or missing json member: {exc}") from exc
+        problem = _metadata_problem(meta)
+        if problem:
+            raise bad(problem)
         caption = meta.get("caption")
         if not isinstance(caption, str) or not caption.strip():
             raise bad("missing caption (json field 'caption' absent or empty)")
+        size = (meta["height"], meta["width"])
         if self.kind == "latents":
-            data = torch.from_numpy(self._array(members, "latent.npy", bad).astype(np.float32))
-            if data.ndim != 3 or data.shape[1] < bucket.height or data.shape[2] < bucket.width:
+            latent = self._array(members, "latent.npy", bad, ndim=3)
+            if latent.shape[1:] != size:
+                raise bad(f"latent of shape {latent.shape} but json says {size[0]}x{size[1]}")
+            data = torch.from_numpy(latent.astype(np.float32))
+            if data.shape[1] < bucket.height or data.shape[2] < bucket.width:
                 raise bad(f"latent of shape {tuple(data.shape)} does not cover bucket {bucket.height}x{bucket.width}")
             data = _resize_latent(data, bucket)
         else:
             if "png" not in members:
                 raise bad("member 'png' missing")
             try:
-                with Image.open(io.BytesIO(members["png"])) as img:
-                    img = resize_cover_crop(img.convert("RGB"), bucket)
-                    arr = np.asarray(img, dtype=np.float32)
-            # PIL reports malformed files with many exception types.
-            except Exception as exc:  # noqa: BLE001
-                raise bad(f"corrupt image member 'png': {type(exc).__name__}: {exc}") from exc
-            data = torch.from_numpy(arr / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+                arr = decode_png_rgb(members["png"])
+            except ValueError as exc:
+                raise bad(f"corrupt image member 'png': {exc}") from exc
+            if arr.shape[:2] != size:
+                raise bad(f"image is {arr.shape[0]}x{arr.shape[1]} but json says {size[0]}x{size[1]}")
+            img = np.asarray(resize_cover_crop(Image.fromarray(arr, mode="RGB"), bucket), dtype=np.float32)
+            data = torch.from_numpy(img / 127.5 - 1.0).permute(2, 0, 1).contiguous()
         text_states = None
         if need_text_states:
-            text_states = torch.from_numpy(self._array(members, "text.npy", bad).astype(np.float32))
+            states = self._array(members, "text.npy", bad, ndim=2)
+            if states.shape[0] < 1:
+                raise bad("text states 'text.npy' are empty")
+            text_states = torch.from_numpy(states.astype(np.float32))
         return DitSample(int(meta["id"]), data, caption.strip(), text_states)
 
     @staticmethod
-    def _array(members: dict[str, bytes], name: str, bad) -> np.ndarray:
+    def _array(members: dict[str, bytes], name: str, bad, ndim: int) -> np.ndarray:
+        """Member ``name`` as a finite float array of rank ``ndim``; ``bad(reason)`` otherwise."""
         if name not in members:
             raise bad(f"member {name!r} missing")
         try:
-            return np.load(io.BytesIO(members[name]), allow_pickle=False)
+            arr = np.load(io.BytesIO(members[name]), allow_pickle=False)
         except Exception as exc:  # noqa: BLE001 - numpy raises ValueError/OSError/EOFError on bad bytes
             raise bad(f"corrupt array member {name!r}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(arr, np.ndarray) or arr.dtype not in (np.float16, np.float32, np.float64):
+            raise bad(f"array member {name!r} has dtype {getattr(arr, 'dtype', type(arr))}, expected float16/32/64")
+        if arr.ndim != ndim:
+            raise bad(f"array member {name!r} has shape {arr.shape}, expected {ndim} dimensions")
+        if not np.isfinite(arr).all():
+            raise bad(f"array member {name!r} holds NaN or Inf")
+        return arr
+
+
+def _metadata_problem(meta: Any) -> Optional[str]:
+    """Why a DiT JSON member is unusable (None if it is fine): see :meth:`DitSampleReader.metadata`."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(meta, dict):
+        return f"json member is a {type(meta).__name__}, expected an object"
+    if not is_int(meta.get("id")):
+        return f"json field 'id'={meta.get('id')!r:.40} is not an int"
+    for name in ("height", "width"):
+        if not is_int(meta.get(name)) or meta[name] < 1:
+            return f"json field {name!r}={meta.get(name)!r:.40} is not a positive int"
+    if "caption" in meta and not isinstance(meta["caption"], str):
+        return f"json field 'caption'={meta['caption']!r:.40} is not a str"
+    return None

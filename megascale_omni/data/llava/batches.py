@@ -11,9 +11,10 @@ micro-batch are stacked in the order their placeholder blocks appear in the
 row-major ``[batch, seq]`` token tensor, which is the order the model writes
 their features back.
 
-Bad samples (corrupt image, missing field, unreadable shard) are skipped,
-counted and logged. Every rank of one model replica builds the same
-micro-batches from the same plan, so all of them skip the same sample.
+Bad samples (corrupt image, missing field, wrong types) are excluded when
+the plan is built (:func:`plan_sample`) or skipped when read, counted and
+logged. Every rank of one model replica builds the same micro-batches from
+the same plan, so all of them skip the same sample.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
-from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample
+from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample, SampleValidationError, validate_metadata
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
 
@@ -87,6 +88,27 @@ class LlavaEncoder:
         target = [0.0] * len(prompt) + [1.0] * (len(answer) + 1)
         evalm = [0.0] * len(prompt) + [1.0 if i in dependent else 0.0 for i in range(len(answer))] + [0.0]
         return EncodedSample(sample.id, tokens, target, evalm, list(sample.images))
+
+
+def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int) -> tuple[int, int]:
+    """(tokens, images) of sample ``idx`` from its JSON member alone, as the
+    plan is built (every rank; a pure function of the bytes on disk, so every
+    rank excludes the same samples).
+
+    Raises:
+        BadSampleError: the sample must be excluded (unreadable or corrupt
+            JSON, a field missing or of the wrong type, a conversation
+            violating the :class:`~megascale_omni.data.sample.Sample`
+            contract, or one the encoder rejects).
+        DataFileError: the sample's shard is missing or fails its checksum (fatal).
+    """
+    meta = reader.read_metadata(idx)
+    loc = reader.index.samples[idx]
+    try:
+        validate_metadata(meta)
+        return encoder.plan_from_metadata(meta)
+    except (SampleValidationError, KeyError, TypeError, ValueError) as err:
+        raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name, str(err)) from None
 
 
 def images_to_tensor(images: Sequence[np.ndarray], dtype: torch.dtype = torch.float32) -> torch.Tensor:
