@@ -141,6 +141,11 @@ class ConcatReader:
         """Source number of each global index."""
         return np.searchsorted(self.offsets, np.asarray(indices, dtype=np.int64), side="right") - 1
 
+    def resolve(self, idx: int) -> tuple[ShardedSampleReader, int]:
+        """The source reader holding global sample ``idx`` and its local index."""
+        source, local = self.locate(int(idx))
+        return self.readers[source], local
+
     def __getitem__(self, idx: int) -> Sample:
         source, local = self.locate(int(idx))
         return self.readers[source][local]

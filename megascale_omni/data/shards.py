@@ -390,6 +390,11 @@ class ShardedSampleReader:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def resolve(self, idx: int) -> tuple["ShardedSampleReader", int]:
+        """The reader holding sample ``idx`` and its index there: this one
+        (a :class:`~megascale_omni.data.blend.ConcatReader` answers with a source's)."""
+        return self, idx
+
     def read_metadata(self, idx: int, required: Iterable[str] = _REQUIRED_JSON_FIELDS) -> dict[str, Any]:
         """Only the JSON member of sample ``idx`` (no image decode): what a
         planner needs to compute lengths and costs for a whole split quickly.

@@ -102,6 +102,7 @@ def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int) 
             contract, or one the encoder rejects).
         DataFileError: the sample's shard is missing or fails its checksum (fatal).
     """
+    reader, idx = reader.resolve(idx)
     meta = reader.read_metadata(idx)
     loc = reader.index.samples[idx]
     try:
