@@ -4,14 +4,18 @@ run, and refusals of bad input (exit 2, one line)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from megascale_omni.entry import run_cli
 from megascale_omni.metrics.schema import STEP_FIELDS
 from tests.launcher import run, train_and_read
 
@@ -23,8 +27,36 @@ TODAY = ("step", "loss", "lr", "grad_norm", "skipped", "loss_tokens", "tokens", 
 STEPS = 40
 
 
-def _report(run_dir: Path, *extra: str):
-    return run([sys.executable, "tools/report.py", str(run_dir), *extra], timeout=200)
+@dataclass
+class _Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _report(run_dir: Path, *extra: str) -> _Result:
+    """tools/report.py's main under run_cli, in this process (exit code and
+    both streams as from the command line; one subprocess case below proves
+    the script itself)."""
+    import importlib
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    sys.path.insert(0, "tools")  # report.py imports its helper modules beside it when it runs
+    try:
+        report_tool = importlib.import_module("report")
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run_cli(lambda: report_tool.main([str(run_dir), *extra]))
+            except SystemExit as e:
+                code = int(e.code or 0)
+    finally:
+        sys.path.remove("tools")
+    return _Result(code, out.getvalue(), err.getvalue())
 
 
 def _fmt(v: float) -> str:
@@ -228,3 +260,12 @@ def test_malformed_lines_and_resumed_steps(tmp_path):
     assert "| steps recorded | 5 (1 to 5); 2 earlier record(s) of re-run steps replaced by the later ones " \
            "(1 resume(s)) |" in summary
     assert "| last loss | 0.5 (step 5) |" in summary
+
+
+def test_the_script_from_the_command_line(tmp_path):
+    """The script itself (the cases above call its main in-process): a run
+    directory without metrics.jsonl exits 2 with one line, no traceback."""
+    res = run([sys.executable, "tools/report.py", str(tmp_path)], timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.output
+    assert res.stderr.strip().splitlines() == [f"config error: RUN_DIR={str(tmp_path)!r}: has no metrics.jsonl "
+                                               "(logging.output_dir of a training run)"]
