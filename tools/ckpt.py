@@ -42,17 +42,22 @@ def _die(msg: str) -> int:
 
 
 def _row(c) -> dict:
+    """One listing row; fields a hand-edited commit marker lacks or mistypes show as ``?``."""
     commit = c.commit or {}
-    lay = commit.get("layout", {})
+    lay = commit.get("layout")
     when = commit.get("committed_unix")
+    try:
+        committed = datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds") if when else ""
+    except (TypeError, ValueError, OverflowError, OSError):
+        committed = "?"
     return {
         "tier": c.tier,
         "step": c.step,
         "state": "complete" if c.complete else "incomplete",
         "size_mb": round(c.size_bytes / 2**20, 1),
-        "reason": commit.get("reason", ""),
-        "layout": f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}" if lay else "",
-        "committed": datetime.datetime.fromtimestamp(when).isoformat(timespec="seconds") if when else "",
+        "reason": str(commit.get("reason", "")),
+        "layout": " ".join(f"{k}{lay.get(k, '?')}" for k in ("tp", "pp", "dp")) if isinstance(lay, dict) else "",
+        "committed": committed,
         "path": str(c.path),
     }
 
@@ -89,7 +94,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    if args.min_age_minutes < 0:
+    if not args.min_age_minutes >= 0:  # also refuses nan
         return _die(f"--min-age-minutes={args.min_age_minutes}: must be >= 0 (a save in flight must be left alone)")
     infos = _infos(Path(args.path))
     complete = [c for c in infos if c.complete]

@@ -20,7 +20,7 @@ import sys
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megascale_omni.config import load_job_config  # noqa: E402
+from megascale_omni.config import ConfigError, load_job_config  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
 from megascale_omni.tasks.registry import family_of  # noqa: E402
 
@@ -32,6 +32,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_for, plan_pipeline
 
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError("--world-size", args.world_size, "must be >= 1 (processes of the job)")
     cfg = load_job_config(rest, description=__doc__)
     world = args.world_size or cfg.parallel.model_parallel_size
     family = family_of(cfg)

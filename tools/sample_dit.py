@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -63,12 +64,26 @@ def _sizes(items) -> list[tuple[int, int]]:
             h, w = (int(v) for v in item.lower().split("x"))
         except ValueError:
             raise ConfigError("--size", item, "must look like HxW, e.g. 16x32") from None
+        if h <= 0 or w <= 0:
+            raise ConfigError("--size", item, "both sides must be positive, e.g. 16x32")
         out.append((h, w))
     return out
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    for name in ("per_prompt", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", value, "must be >= 1")
+    if args.guidance is not None and not math.isfinite(args.guidance):
+        raise ConfigError("--guidance", args.guidance, "must be a finite number")
+    for name in ("vae", "text_encoder"):
+        path = getattr(args, name)
+        if path is not None and not path.is_dir():
+            # A missing local directory is never taken for a model-hub id (no network access is assumed).
+            raise ConfigError(f"--{name.replace('_', '-')}", str(path), "no such directory; pass a local model directory")
+    sizes = _sizes(args.size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise ConfigError("WORLD_SIZE", world, "run with plain python (one process): the checkpoint is resharded "
@@ -77,7 +92,6 @@ def main(argv=None) -> None:
 
     ckpt = open_dit_checkpoint(args.checkpoint, field="--checkpoint")
     cfg = ckpt.single_process_config()
-    sizes = _sizes(args.size)
     for h, w in sizes:
         if h % cfg.dit.patch_size or w % cfg.dit.patch_size:
             raise ConfigError("--size", f"{h}x{w}", f"sides must be multiples of dit.patch_size={cfg.dit.patch_size}")

@@ -61,7 +61,9 @@ class CheckpointInfo:
 
     @property
     def size_bytes(self) -> int:
-        return sum(f["size"] for f in (self.commit or {}).get("files", {}).values())
+        """Bytes the commit marker lists (entries without an integer size count 0)."""
+        files = (self.commit or {}).get("files", {}).values()
+        return sum(f["size"] for f in files if isinstance(f, dict) and type(f.get("size")) is int)
 
 
 def scan_tier(root: str | os.PathLike, tier: str) -> list[CheckpointInfo]:
@@ -154,8 +156,17 @@ def verify(info: CheckpointInfo, checksums: bool = True) -> list[str]:
     """Problems that make ``info`` unloadable (empty list = intact)."""
     if not info.complete:
         return [f"no {COMMIT_FILE} (the save never finished)"]
+    if not info.commit["files"]:
+        return [f"{COMMIT_FILE} lists no files (a save writes at least one; the marker was edited or truncated)"]
     problems = []
     for rel, meta in sorted(info.commit["files"].items()):
+        if (not isinstance(meta, dict) or isinstance(meta.get("size"), bool) or not isinstance(meta.get("size"), int)
+                or not isinstance(meta.get("sha256"), str)):
+            problems.append(f"{rel}: malformed entry in {COMMIT_FILE} (needs an integer size and a sha256 string)")
+            continue
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            problems.append(f"{rel}: outside the checkpoint directory")
+            continue
         p = info.path / rel
         if not p.is_file():
             problems.append(f"missing file {rel}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -76,6 +77,8 @@ def request_of(args: argparse.Namespace) -> tuple[str, dict]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
         address = _address(args)
         token = _token(args)
     except ValueError as e:

@@ -59,9 +59,14 @@ def endpoint_of_run(run_dir: str, prefer: str = "unix") -> Address:
             endpoint = json.load(f)
     except FileNotFoundError:
         return os.path.join(run_dir, "control.sock")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}); the job rewrites it when it starts, "
+                         f"or pass --socket") from None
+    if not isinstance(endpoint, dict):
+        raise ValueError(f"{path} must hold a JSON object with 'unix' and/or 'tcp'; pass --socket instead")
     other = "tcp" if prefer == "unix" else "unix"
     chosen = endpoint.get(prefer) or endpoint.get(other)
-    if not chosen:
+    if not chosen or not isinstance(chosen, str):
         raise ValueError(f"{path} names no endpoint")
     return parse_target(chosen) if chosen == endpoint.get("tcp") else chosen
 
