@@ -48,6 +48,10 @@ class ParallelConfig:
     vpp: Optional[int] = None
     #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).
     use_distributed_optimizer: bool = False
+    #: Reduce gradient buckets during backward as they fill (megatron DDP
+    #: overlap), instead of once after it. ``null`` = on with CUDA and DP > 1
+    #: (Megatron-LM's GPU default), off on CPU; ``true`` also works on gloo.
+    overlap_grad_reduce: Optional[bool] = None
     #: Megatron sequence parallelism (requires tp > 1).
     sequence_parallel: bool = False
     #: Transformer layers (LM layers, DiT blocks) per pipeline stage.

@@ -15,18 +15,29 @@ from megascale_omni.config import ParallelConfig, TrainConfig
 from megascale_omni.metrics.breakdown import timed
 
 
+def overlaps_grad_reduce(parallel: ParallelConfig, cuda: bool, dp: int) -> bool:
+    """``parallel.overlap_grad_reduce`` resolved: as set, else on with CUDA and DP > 1."""
+    if parallel.overlap_grad_reduce is not None:
+        return parallel.overlap_grad_reduce
+    return cuda and dp > 1
+
+
 def wrap_ddp(
-    chunks: Sequence[MegatronModule], config: TransformerConfig, parallel: ParallelConfig
+    chunks: Sequence[MegatronModule], config: TransformerConfig, parallel: ParallelConfig, overlap: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron DDP (every rank).
 
-    Gradients accumulate in fp32 buffers; the reduce runs once per step in
-    ``finalize_model_grads`` (no overlap: on gloo it buys nothing and the
-    synchronous path is easiest to reason about).
+    Gradients accumulate in fp32 buffers. Without ``overlap`` the reduce
+    runs once per step in ``finalize_model_grads`` (on gloo the overlap buys
+    little and the synchronous path is easiest to reason about). With it,
+    each bucket is reduced as soon as backward fills it, and megatron's
+    schedules hold the reduction back for all but the last micro-batch
+    (``config.no_sync_func`` / ``grad_sync_func``, set here);
+    ``finalize_model_grads`` then only waits for the buckets in flight.
     """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         check_for_nan_in_grad=True,
     )
@@ -43,6 +54,11 @@ def wrap_ddp(
             )
         )
     config.finalize_model_grads_func = timed("grad_sync", finalize_model_grads)
+    if overlap:
+        no_sync = [chunk.no_sync for chunk in wrapped]
+        start = [chunk.start_grad_sync for chunk in wrapped]
+        config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
+        config.grad_sync_func = start[0] if len(wrapped) == 1 else start
     return wrapped
 
 

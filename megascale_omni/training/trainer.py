@@ -44,7 +44,7 @@ from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_par
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.elastic import build_membership
-from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
+from megascale_omni.training.optimizer import build_optimizer, overlaps_grad_reduce, wrap_ddp
 from megascale_omni.training.step import StepProgress, train_step
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,8 @@ class Trainer:
             "initialised %d parameter tensors (layout-invariant); parameters on this rank: %d, trainable %d",
             n, total, trainable,
         )
-        return wrap_ddp(chunks, chunks[0].config, self.cfg.parallel), provenance
+        overlap = overlaps_grad_reduce(self.cfg.parallel, self.platform.is_cuda, self.dims.dp)
+        return wrap_ddp(chunks, chunks[0].config, self.cfg.parallel, overlap), provenance
 
     @property
     def step(self) -> int:

@@ -28,6 +28,9 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"]),
     "pp2-vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "dp2-distopt": (2, ["parallel.use_distributed_optimizer=true"]),
+    # Megatron-LM's GPU default: buckets reduced during backward (async on gloo too).
+    "dp2-overlap": (2, ["parallel.overlap_grad_reduce=true"]),
+    "dp2-distopt-overlap": (2, ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
 }
 
@@ -45,8 +48,13 @@ def baseline(tmp_path_factory) -> list[dict]:
     return records
 
 
-# tp2-pp2 (4 processes) runs in make test-all; the tied-embeddings TP2xPP2 case below stays in make test.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "tp2-pp2" else n for n in LAYOUTS])
+# tp2-pp2 (4 processes) and dp2-distopt-overlap run in make test-all; the tied-embeddings TP2xPP2 case
+# below stays in make test.
+SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in LAYOUTS])
 def test_layout_matches_single_process(tmp_path_factory, baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, name, nproc, overrides)

@@ -93,3 +93,25 @@ def test_cuda_device_on_a_host_without_cuda_is_a_config_error():
         init_platform("cuda")
     assert e.value.field == "platform.device" and "CUDA is not available" in e.value.hint
     assert init_platform("cpu").device.type == "cpu" and init_platform("auto").backend == "gloo"
+
+
+def test_overlap_grad_reduce_resolves_and_wires_megatrons_sync_hooks():
+    """Auto is Megatron-LM's GPU default (on with CUDA and DP > 1); when on,
+    DDP reduces buckets during backward and the schedules get the no-sync /
+    start-sync hooks (tests/dist/test_layout_equivalence.py shows DP2 with it
+    equals one process)."""
+    from megascale_omni.config import ParallelConfig
+    from megascale_omni.models.standalone import build_model, one_process
+    from megascale_omni.training.optimizer import overlaps_grad_reduce, wrap_ddp
+
+    auto = ParallelConfig()
+    assert overlaps_grad_reduce(auto, cuda=True, dp=8) and not overlaps_grad_reduce(auto, cuda=True, dp=1)
+    assert not overlaps_grad_reduce(auto, cuda=False, dp=8)
+    assert overlaps_grad_reduce(ParallelConfig(overlap_grad_reduce=True), cuda=False, dp=2)
+    assert not overlaps_grad_reduce(ParallelConfig(overlap_grad_reduce=False), cuda=True, dp=8)
+    cfg = from_dict(JobConfig, load_yaml(BASE))
+    with one_process(seed=0):
+        model = build_model(cfg, cfg.model.padded_vocab_size(cfg.model.vocab_size))
+        [ddp] = wrap_ddp([model], model.config, cfg.parallel, overlap=True)
+        assert ddp.ddp_config.overlap_grad_reduce
+        assert model.config.no_sync_func == ddp.no_sync and model.config.grad_sync_func == ddp.start_grad_sync
