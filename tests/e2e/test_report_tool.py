@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from PIL import Image
 
 from megascale_omni.entry import run_cli
 from megascale_omni.metrics.schema import STEP_FIELDS
-from tests.launcher import run, train_and_read
+from tests.launcher import Result, run, train_and_read
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,18 +26,7 @@ TODAY = ("step", "loss", "lr", "grad_norm", "skipped", "loss_tokens", "tokens", 
 STEPS = 40
 
 
-@dataclass
-class _Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def _report(run_dir: Path, *extra: str) -> _Result:
+def _report(run_dir: Path, *extra: str) -> Result:
     """tools/report.py's main under run_cli, in this process (exit code and
     both streams as from the command line; one subprocess case below proves
     the script itself)."""
@@ -56,7 +44,7 @@ def _report(run_dir: Path, *extra: str) -> _Result:
                 code = int(e.code or 0)
     finally:
         sys.path.remove("tools")
-    return _Result(code, out.getvalue(), err.getvalue())
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def _fmt(v: float) -> str:
