@@ -118,6 +118,10 @@ def _train_reader(cfg: JobConfig, root: Path):
     return ConcatReader(readers)
 
 
+#: The evaluation's accuracy metric per ``data.format`` (see :meth:`LlavaTask.evaluate`).
+ACCURACY_METRIC = {"words": "image_word_accuracy", "chat": "answer_token_accuracy"}
+
+
 class LlavaTask(Task):
     """The LLaVA family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
@@ -269,10 +273,14 @@ class LlavaTask(Task):
 
     # ------------------------------------------------------------ evaluation
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
-        """Held-out loss and image-dependent answer accuracy, with real images
-        and with images shuffled across samples (control)."""
+        """Held-out loss and answer accuracy, with real images and with images
+        shuffled across samples (control). The accuracy is over the
+        image-dependent answer words of the shapes demo (``words`` format,
+        ``image_word_accuracy``) or over every assistant token of the real
+        tokenizer (``chat`` format, ``answer_token_accuracy``)."""
         if self.val_reader is None:
             return None
+        metric = ACCURACY_METRIC[self.cfg.data.format]
         result = {}
         for name, shuffled in (("real", False), ("shuffled", True)):
             totals = self._eval_pass(chunks, shuffled)
@@ -281,13 +289,13 @@ class LlavaTask(Task):
             loss_sum, count = totals[LOSS_KEY].tolist()
             correct, total = totals["accuracy"].tolist()
             result[f"{name}/loss"] = loss_sum / max(count, 1.0)
-            result[f"{name}/image_word_accuracy"] = correct / max(total, 1.0)
+            result[f"{name}/{metric}"] = correct / max(total, 1.0)
             result[f"{name}/scored_tokens"] = total
             for key, value in totals.items():
                 if key.startswith("accuracy/") and value[1] > 0:
                     result[f"{name}/{key}"] = (value[0] / value[1]).item()
         if result:
-            logger.info("evaluation at step %d (held-out split)\n%s", step, format_eval_table(result))
+            logger.info("evaluation at step %d (held-out split)\n%s", step, format_eval_table(result, metric))
         return result or None
 
     def _eval_pass(self, chunks: Sequence[torch.nn.Module], shuffled: bool):
@@ -318,15 +326,15 @@ class LlavaTask(Task):
         return reduce_reports(self.forward_only(chunks, self.eval_forward_step, batches))
 
 
-def format_eval_table(result: dict[str, float]) -> str:
+def format_eval_table(result: dict[str, float], metric: str = "image_word_accuracy") -> str:
     """Real-vs-shuffled-images table for the log (loss rank)."""
-    rows = [("images", "loss", "image-word accuracy", "scored tokens")]
+    rows = [("images", "loss", metric.replace("_", " ").replace("image word", "image-word"), "scored tokens")]
     for name in ("real", "shuffled"):
         if f"{name}/loss" in result:
             rows.append((
                 name if name == "real" else "shuffled (control)",
                 f"{result[f'{name}/loss']:.4f}",
-                f"{result[f'{name}/image_word_accuracy']:.3f}",
+                f"{result[f'{name}/{metric}']:.3f}",
                 f"{int(result[f'{name}/scored_tokens'])}",
             ))
     cats = sorted({k.split("/", 2)[2] for k in result if k.startswith("real/accuracy/")})

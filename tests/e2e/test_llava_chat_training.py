@@ -66,7 +66,11 @@ def test_chat_format_trains_with_preprocessed_images(tmp_path):
     assert "images: pad_square with" in res.stderr
     assert res.stderr.count("first round alone is") == TOO_LONG
     records = read_metrics(tmp_path / "run")
-    assert len(records) == 6
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if "eval/real/loss" in r]
+    # The end-of-run evaluation scores the assistant tokens of the real tokenizer.
+    assert len(evals) == 1 and evals[0]["eval/real/scored_tokens"] > 0
+    assert 0.0 <= evals[0]["eval/real/answer_token_accuracy"] <= 1.0 and "answer token accuracy" in res.stderr
     assert records[-1]["excluded_samples"] == TOO_LONG and records[-1]["skipped_samples"] == TOO_LONG
     assert all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["loss"] < records[0]["loss"]

@@ -91,7 +91,8 @@ def test_chat_format_builds_packed_batches_with_assistant_loss_and_preprocessed_
     targets = batch["labels"][0][batch["loss_mask"][0] > 0].tolist()
     assert targets == sum((tok.encode(a, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
                            for a in answers), [])
-    assert batch["eval_mask"].sum() == 0
+    # Evaluation scores every assistant token (answer_token_accuracy).
+    assert torch.equal(batch["eval_mask"], batch["loss_mask"]) and batch["eval_mask"].sum() > 0
 
 
 def test_truncated_sample_drops_the_images_of_dropped_rounds(dataset):

@@ -11,9 +11,10 @@ reference); a sample whose first round alone is too long, or whose marker
 count differs from its image count, is a bad sample (excluded from the plan
 and counted).
 
-``eval_mask`` is all zeros: the image-dependent answer-word accuracy is a
-metric of the word-level shapes demo (answer word = token); held-out loss
-is still reported.
+``eval_mask`` equals ``target_mask``: evaluation scores every assistant
+token of the real tokenizer (next-token argmax accuracy, reported as
+``answer_token_accuracy``); the image-dependent answer-word accuracy is a
+metric of the word-level shapes demo (answer word = token).
 """
 
 from __future__ import annotations
@@ -86,6 +87,6 @@ class ChatLlavaEncoder:
         """Raises BadSampleError (see module docstring)."""
         enc = self._encode(sample.id, sample.conversation, sample.num_images)
         return EncodedSample(
-            sample.id, enc.tokens, [float(m) for m in enc.loss_mask], [0.0] * len(enc.tokens),
+            sample.id, enc.tokens, [float(m) for m in enc.loss_mask], [float(m) for m in enc.loss_mask],
             list(sample.images[: enc.num_images]),
         )
