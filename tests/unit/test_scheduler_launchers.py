@@ -137,18 +137,19 @@ def test_omni_sched_run_dry_run_prints_the_commands(tmp_path, capsys):
     code, out, err = _exit(["run", "--config", str(path), "--dry-run", "--ticks", "1"], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    # Admission: a cold start of the core on bare metal; a warm standby on vm;
-    # the groups never serve (dry run), so stopping kills them.
+    # A warm standby on vm (kept before the policy runs), then admission: a
+    # cold start of the core on bare metal; the groups never serve (dry
+    # run), so stopping kills them.
     assert [shlex.split(line)[:3] for line in lines[:4]] == [
-        ["srun", "--job-name=omni-A-r0", "--partition=gpu"], ["srun", "--job-name=omni-A-r1", "--partition=vm"],
+        ["srun", "--job-name=omni-A-r0", "--partition=vm"], ["srun", "--job-name=omni-A-r1", "--partition=gpu"],
         ["scancel", "--signal=KILL", "--full"], ["scancel", "--signal=KILL", "--full"]]
-    assert "elastic.standby=true" in lines[1] and "elastic.standby=false" in lines[0]
+    assert "elastic.standby=true" in lines[0] and "elastic.standby=false" in lines[1]
     assert lines[4] == f"1 tick(s); decisions in {tmp_path / 'out' / 'decisions.log'}"
     log = (tmp_path / "out" / "decisions.log").read_text().splitlines()
     assert [line.split(" ", 1)[1] for line in log[:3]] == [
+        "A start A-r0 on vm (warm standby): keep 1 warm standby(s) of A on vm",
         "A grow 1 on bare-metal: admit: core of 1 group(s) on bare metal",
-        "A start A-r0 on bare-metal (cold start): admit: core of 1 group(s) on bare metal",
-        "A start A-r1 on vm (warm standby): keep 1 warm standby(s) of A on vm"]
+        "A start A-r1 on bare-metal (cold start): admit: core of 1 group(s) on bare metal"]
 
 
 @pytest.mark.parametrize("edit, message", [
