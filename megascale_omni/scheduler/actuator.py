@@ -52,6 +52,7 @@ class Group:
     state: str = "starting"
     standby: bool = False
     join_pending: bool = False
+    join_reason: str = ""
     since_s: float = 0.0
     straggler_since_min: Optional[float] = None
     last: Optional[Observation] = None
@@ -105,7 +106,7 @@ class LiveActuator:
             if spare and spare[0].state == "standby" and self._join(spare[0], reason):
                 ids.append(spare[0].spec.replica_id)
             elif spare and spare[0].state == "starting":
-                spare[0].join_pending = True
+                spare[0].join_pending, spare[0].join_reason = True, reason
                 self._log(f"{job} grow: join standby {spare[0].spec.replica_id} on {pool} once it stands by: {reason}")
                 ids.append(spare[0].spec.replica_id)
             else:
@@ -233,7 +234,7 @@ class LiveActuator:
         if state == "standby":
             group.state = "standby"
             if group.join_pending:
-                self._join(group, "pending grow")
+                self._join(group, f"{group.join_reason} (the grow waited for the standby to come up)")
         elif state in ("running", "paused"):
             group.state = "running" if seen.step is not None and seen.metrics else "joining"
         elif state in ("draining", "finished"):

@@ -141,7 +141,8 @@ def test_grow_without_standby_cold_starts_and_a_starting_standby_is_joined_once_
         assert act.unreachable == [] and act.groups["A-r1"].state == "starting"
         launcher.groups["A-r1"].serve()
         _until("A-r1 joins", lambda: act.groups["A-r1"].state == "running", lambda: act.refresh(0.0))
-        assert "A grow: join standby A-r1 on vm (at step 0): pending grow" in records
+        assert "A grow: join standby A-r1 on vm (at step 0): load high (the grow waited for the standby to come " \
+            "up)" in records
     finally:
         launcher.close()
 
@@ -234,7 +235,8 @@ def test_loop_reclaim_drains_through_the_socket_and_the_return_joins_a_standby(t
     sched.tick()
     assert groups["A-r2"].standby and groups["A-r2"].join_pending
     _until("A-r2 joins", lambda: groups["A-r2"].state == "running", sched.tick)
-    assert "A grow: join standby A-r2 on vm (at step 0): pending grow" in _lines(tmp_path)
+    assert "A grow: join standby A-r2 on vm (at step 0): load 2.00 > 1.05 for 2 min: 1 -> 2 groups (the grow " \
+        "waited for the standby to come up)" in _lines(tmp_path)
     state = json.loads((tmp_path / "out" / "state.json").read_text())
     assert state["pools"]["vm"] == {"nodes": 1, "used": 1, "reclaiming": 0}
     assert {rid: g["state"] for rid, g in state["groups"].items()} == {"A-r1": "running", "A-r2": "running"}
