@@ -354,7 +354,7 @@ class KubernetesLauncher:
                 "failurePolicy": {"maxRestarts": 0},
                 "replicatedJobs": [{"name": "group", "replicas": 1, "template": {"spec": {
                     "parallelism": group.nodes, "completions": group.nodes, "completionMode": "Indexed",
-                    "backoffLimit": 0, "template": {"metadata": {"labels": labels}, "spec": pod}}}}],
+                    "backoffLimit": 0, "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}}],
             },
         }
 

@@ -83,6 +83,7 @@ def test_kubernetes_dry_run_jobset_apply_and_delete():
                          "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": "runs"}}]}}}}}]},
     }
     assert yaml.safe_load(manifest_yaml) == expected == launcher.manifest(GROUP)
+    assert "&id" not in manifest_yaml  # plain YAML, no anchors
     assert manifest_yaml.startswith("apiVersion: jobset.x-k8s.io/v1alpha2\nkind: JobSet\nmetadata:\n  name: omni-a-r3\n")
     assert delete == ["kubectl", "delete", "jobset", "omni-a-r3", "--namespace", "ml", "--ignore-not-found",
                       "--grace-period=0", "--force", "--wait=false"]
