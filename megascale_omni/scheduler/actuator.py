@@ -157,7 +157,7 @@ class LiveActuator:
             attempts = self.backoff.attempts if live else 1
             seen = observe(group.spec.job, address, attempts=attempts,
                            backoff_s=self.backoff.first_s, max_backoff_s=self.backoff.max_s,
-                           timeout_s=self.command_timeout_s, token=self.token, sleep=self.sleep)
+                           timeout_s=self.command_timeout_s, token=self.token, sleep=self.sleep, quiet=not live)
             group.last = seen
             if not seen.reachable:
                 if group.state == "draining":

@@ -101,8 +101,10 @@ class ReplicaLauncher(Protocol):
 
 
 class CommandRunner(Protocol):
-    def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False) -> None:
-        """Run ``argv`` (feeding ``stdin``); ``background``: return at once, else wait and raise on failure."""
+    def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False
+                 ) -> Optional[subprocess.Popen]:
+        """Run ``argv`` (feeding ``stdin``); ``background``: return at once with the
+        process (None in a dry run), else wait and raise on failure."""
 
 
 @dataclass
@@ -112,13 +114,16 @@ class SubprocessRunner:
     log_path: Optional[str] = None
     procs: list = field(default_factory=list)
 
-    def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False) -> None:
+    def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False
+                 ) -> Optional[subprocess.Popen]:
         if background:
             out = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
-            self.procs.append(subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
-            return
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            self.procs.append(proc)
+            return proc
         subprocess.run(list(argv), input=stdin, text=True, check=True, capture_output=True)
+        return None
 
 
 @dataclass
@@ -130,6 +135,7 @@ class RecordingRunner:
     def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False) -> None:
         self.commands.append((list(argv), stdin))
         log.info("dry run: %s%s", shlex.join(argv), "  <<EOF\n" + stdin + "EOF" if stdin else "")
+        return None
 
 
 def free_port() -> int:
@@ -247,7 +253,8 @@ def k8s_name(job: str, replica_id: str) -> str:
 
 class SlurmLauncher:
     """Replica groups as Slurm jobs: one ``srun`` per group, run in the
-    background (``srun`` lasts as long as the group), ``scancel`` to kill.
+    background (``srun`` lasts as long as the group, and its exit code is
+    the group's), ``scancel`` to kill.
 
     Pools map to partitions (``partitions``; default: the pool's name) and
     to GPUs per node (``gpus_per_node``, also torchrun's ranks per node). On
@@ -267,6 +274,8 @@ class SlurmLauncher:
         self.partitions = dict(partitions)
         self.srun_args = list(srun_args)
         self.runner: CommandRunner = RecordingRunner() if dry_run else runner or SubprocessRunner()
+        #: Group name -> its ``srun`` process (None in a dry run).
+        self.steps: dict[str, Optional[subprocess.Popen]] = {}
 
     def name(self, group: GroupSpec) -> str:
         return group_name(group.job, group.replica_id)
@@ -284,7 +293,7 @@ class SlurmLauncher:
                 "bash", "-c", inner]
 
     def start(self, group: GroupSpec) -> None:
-        self.runner(self.command(group), background=True)
+        self.steps[self.name(group)] = self.runner(self.command(group), background=True)
 
     def kill(self, group: GroupSpec) -> None:
         self.runner(["scancel", "--signal=KILL", "--full", f"--name={self.name(group)}"])
@@ -293,7 +302,9 @@ class SlurmLauncher:
         return endpoint_of_run(self.jobs[group.job].output_dir(group.replica_id), prefer="tcp")
 
     def exited(self, group: GroupSpec) -> Optional[int]:
-        return None  # Slurm is not asked; a drained group is gone once its socket stops answering
+        """``srun``'s exit code (the group's) once it has returned; None while it runs or in a dry run."""
+        proc = self.steps.get(self.name(group))
+        return None if proc is None else proc.poll()
 
 
 class KubernetesLauncher:

@@ -46,6 +46,20 @@ def test_slurm_dry_run_srun_and_scancel():
         f"{ARGS} control.tcp_host=0.0.0.0 control.tcp_port=0")
     assert kill == ["scancel", "--signal=KILL", "--full", "--name=omni-A-r3"]
     assert launcher.exited(GROUP) is None
+
+    class Srun:  # what a real runner returns for a background command
+        def __init__(self):
+            self.code = None
+
+        def poll(self):
+            return self.code
+
+    srun = Srun()
+    live = SlurmLauncher({"A": JOB}, {"vm": 8}, runner=lambda argv, stdin=None, background=False: srun)
+    live.start(GROUP)
+    assert live.exited(GROUP) is None
+    srun.code = 0  # srun returned: the group exited
+    assert live.exited(GROUP) == 0
     # The socket is published by the group on the shared file system (TCP preferred).
     assert launcher.address(GROUP) == "/shared/runs/A/A-r3/control.sock"
 
