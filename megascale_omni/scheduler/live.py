@@ -4,8 +4,8 @@ exponential backoff. A job that cannot be reached is reported as a value
 (:class:`Observation` with ``reachable=False``), never raised, so one dead
 socket cannot stop the scheduler's loop.
 
-Called by ``omni-sched probe`` (and, later, the live scheduler once per
-tick per job); one thread, blocking for at most the sum of the backoffs
+Called by ``omni-sched probe`` and by the live actuator once per tick per
+replica group; one thread, blocking for at most the sum of the backoffs
 plus ``attempts`` x ``timeout_s``.
 """
 
