@@ -12,8 +12,9 @@ the quorum at the next step boundary and exits 0), then SIGKILLs r2 (every
 process of it); r0 carries on alone for 10 steps and is drained. Each group
 writes ``<out>/<replica>/metrics.jsonl`` (one line per committed step, with
 ``participants``) and the sample ledger goes to ``<out>/ledger``. On a
-cluster, a scheduler does the same with its own launcher; see
-docs/elastic.md.
+cluster, a scheduler does the same with its own launcher; ``omni-sched run``
+(docs/scheduler.md, "Running live") does it with the launchers of
+``megascale_omni/scheduler/launchers.py``, whose process helpers this script uses.
 """
 
 from __future__ import annotations
@@ -21,21 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megascale_omni.scheduler.launchers import free_port, kill_tree
+
 BIN = Path(sys.executable).parent
 CONFIG = "examples/elastic/gpt_pp2.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def committed(out: Path, replica: str) -> list[dict]:
@@ -63,15 +58,6 @@ def start_replica(replica: str, lighthouse: str, out: Path, steps: int, standby:
     log = open(out / f"{replica}.log", "w")
     print(f"start {replica}: {' '.join(cmd)}")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_replica(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers (torchrun puts each worker in its own session)."""
-    import psutil
-
-    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in victims:
-        p.send_signal(signal.SIGKILL)
 
 
 def omni_ctl(out: Path, replica: str, *command: str) -> dict:
@@ -130,7 +116,7 @@ def main() -> None:
         print(f"drain r1: {omni_ctl(out, 'r1', 'drain')}")
         print(f"drained r1: exited {groups.pop('r1').wait()}")
         steps_with(2, 3)
-        kill_replica(groups.pop("r2"))
+        kill_tree(groups.pop("r2"))
         print("SIGKILLed r2")
         steps_with(1, 10)
         print(f"drain r0: {omni_ctl(out, 'r0', 'drain')}")
@@ -148,7 +134,7 @@ def main() -> None:
     finally:
         for proc in [*groups.values(), lighthouse]:
             if proc.poll() is None:
-                kill_replica(proc)
+                kill_tree(proc)
 
 
 if __name__ == "__main__":

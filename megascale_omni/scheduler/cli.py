@@ -4,6 +4,7 @@
     omni-sched simulate --trace examples/scheduler/two_jobs.yaml --noise 0.2 --seed 1
     omni-sched validate --trace my_trace.yaml --config knobs.yaml
     omni-sched probe --job A=runs/a/control.sock --job B=127.0.0.1:7700
+    omni-sched run --config examples/scheduler/live_local.yaml
 
 Exit codes: 0 ok, 2 bad trace, config or usage (one line naming the field,
 the value and the fix), 3 ``probe`` could not reach every job.
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--backoff", type=float, default=0.5, metavar="S",
                        help="first wait between tries, doubled each time up to 8 s (default 0.5)")
     probe.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds per reply (default 5)")
+    run = sub.add_parser("run", help="schedule live jobs: launch, join, drain and kill replica groups")
+    run.add_argument("--config", required=True, metavar="FILE", help="live config (docs/scheduler.md, Running live)")
+    run.add_argument("--ticks", type=int, metavar="N", help="stop (draining every group) after N ticks")
+    run.add_argument("--dry-run", action="store_true",
+                     help="slurm/kubernetes: print the commands and manifests instead of running them")
     return p
 
 
@@ -63,6 +69,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.cmd == "probe":
         return _probe(args)
+    if args.cmd == "run":
+        from megascale_omni.scheduler.live_run import run_live
+
+        for line in run_live(args.config, ticks=args.ticks, dry_run=args.dry_run):
+            print(line)
+        return 0
     from megascale_omni.scheduler.policy import Knobs
     from megascale_omni.scheduler.trace import load_trace
 

@@ -4,8 +4,8 @@ exponential backoff. A job that cannot be reached is reported as a value
 (:class:`Observation` with ``reachable=False``), never raised, so one dead
 socket cannot stop the scheduler's loop.
 
-Called by ``omni-sched probe`` (and, later, the live scheduler once per
-tick per job); one thread, blocking for at most the sum of the backoffs
+Called by ``omni-sched probe`` and by the live actuator once per tick per
+replica group; one thread, blocking for at most the sum of the backoffs
 plus ``attempts`` x ``timeout_s``.
 """
 
@@ -57,10 +57,13 @@ class Observation:
 
 def observe(job: str, address: Address, *, attempts: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
             timeout_s: float = 5.0, token: Optional[str] = None, sleep: Callable[[float], None] = time.sleep,
-            connect: Callable[..., ControlClient] = ControlClient) -> Observation:
+            connect: Callable[..., ControlClient] = ControlClient, quiet: bool = False) -> Observation:
     """Ask ``address`` for ``status`` and ``metrics``; on a connection,
     protocol or refusal error wait ``backoff_s`` x 2^k (capped at
-    ``max_backoff_s``) and try again, ``attempts`` times in all."""
+    ``max_backoff_s``) and try again, ``attempts`` times in all. ``quiet``:
+    failures are logged at debug level (a group still starting up is
+    expected not to answer)."""
+    warn = log.debug if quiet else log.warning
     waited = 0.0
     error = ""
     for attempt in range(1, attempts + 1):
@@ -76,8 +79,8 @@ def observe(job: str, address: Address, *, attempts: int = 4, backoff_s: float =
             if attempt == attempts:
                 break
             delay = min(max_backoff_s, backoff_s * 2 ** (attempt - 1))
-            log.warning("%s: attempt %d/%d failed (%s); retrying in %.1f s", job, attempt, attempts, error, delay)
+            warn("%s: attempt %d/%d failed (%s); retrying in %.1f s", job, attempt, attempts, error, delay)
             sleep(delay)
             waited += delay
-    log.error("%s: unreachable after %d attempt(s): %s", job, attempts, error)
+    (log.debug if quiet else log.error)("%s: unreachable after %d attempt(s): %s", job, attempts, error)
     return Observation(job, False, attempts, waited, error=error)

@@ -7,8 +7,9 @@ replica group occupies whole nodes of one pool (``replica_gpus`` is a
 multiple of the pool's ``gpus_per_node``).
 
 Everything here is a plain value: the policy gets a :class:`Snapshot` and
-returns :class:`Decision` values; the simulator (and, later, a live
-actuator driving ``omni-ctl``) implements :class:`Actuator`.
+returns :class:`Decision` values; the simulator and the live actuator
+(``actuator.LiveActuator``, through launchers and control sockets)
+implement :class:`Actuator`.
 """
 
 from __future__ import annotations
@@ -252,9 +253,9 @@ class Snapshot:
 
 class Actuator(Protocol):
     """Carries out decisions on real or simulated jobs. The simulator
-    implements it; a live actuator maps ``grow`` to launching (or ``join``-ing
-    a warm standby), ``drain`` to ``omni-ctl drain`` on the group, ``kill`` to
-    the launcher's kill."""
+    implements it; the live actuator (``actuator.LiveActuator``) maps ``grow``
+    to ``join``-ing a warm standby (or launching), ``drain`` to ``drain`` on
+    the group's control socket, ``kill`` to the launcher's kill."""
 
     def grow(self, job: str, pool: str, count: int, reason: str) -> Sequence[str]:
         """Start ``count`` replica groups; returns their ids."""
