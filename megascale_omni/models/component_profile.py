@@ -101,10 +101,9 @@ def profile_llava_components(
     n = max(1, round(b * v.images_per_sequence))
     images = torch.rand(n, 3, v.image_size, v.image_size, generator=gen).to(device, dtype)
     p = v.tokens_per_image
-    full = torch.zeros(1, 1, p, p, dtype=torch.bool, device=device)
     feats = torch.randn(p, n, v.hidden_size, generator=gen).to(device, dtype)
     feats.requires_grad_(not v.freeze)
-    vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=full))
+    vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=None))
     projector = _fwd_bwd(lambda: chunk.vision_projection(feats))
     seconds[f"{VISION}_per_image"] = _best_seconds(vision, repeats, warmup, cuda) / n
     seconds[f"{PROJECTOR}_per_image"] = _best_seconds(projector, repeats, warmup, cuda) / n

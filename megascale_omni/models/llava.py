@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.activations import quick_gelu
 from megatron.core.enums import ModelType
-from megatron.core.models.vision import vit_layer_specs
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -34,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
 from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, vit_layer_spec
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -120,18 +119,12 @@ class LlavaChunk(MegatronModule):
         self.vision_projection: Optional[MultimodalProjector] = None
         if pre_process:
             v = cfg.vision
-            use_te = impl == "transformer_engine"
-            vit_spec = (
-                vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
-                if use_te
-                else vit_layer_specs.get_vit_layer_with_local_spec()
-            )
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
             self.class_tokens = 1 if v.class_token else 0
             self.vision_model = CLIPViTModel(
                 vision_transformer_config(cfg, dtype),
-                vit_spec,
+                vit_layer_spec(impl),
                 # The default resolves to TE or torch.nn.LayerNorm, which does
                 # not accept megatron's ``config`` argument.
                 ln_pre_impl=WrappedTorchNorm,
@@ -189,12 +182,9 @@ class LlavaChunk(MegatronModule):
             )
         if n_images == 0:
             return emb
-        # megatron's ViT layer specs declare causal attention; an all-False
-        # mask (nothing masked) makes the encoder bidirectional, as in CLIP.
-        # Images are not packed: each is one full [c + p]-token sequence.
-        seq = self.tokens_per_image + self.class_tokens
-        full_attention = torch.zeros(1, 1, seq, seq, dtype=torch.bool)
-        feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, c + p, vh]
+        # Images are not packed: each is one [c + p]-token sequence, attended
+        # bidirectionally (the spec's no_mask), as in CLIP.
+        feats = self.vision_model(images, attention_mask=None)  # [n, c + p, vh]
         feats = feats[:, self.class_tokens :]  # the class token never reaches the LM
         feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
         feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major

@@ -57,6 +57,28 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     return spec
 
 
+def vit_layer_spec(impl: str) -> ModuleSpec:
+    """Transformer-layer spec of the vision tower: bidirectional self-attention
+    over each image's tokens (images are never packed; no mask is passed).
+
+    megatron's local ViT spec declares ``causal`` attention and expects an
+    all-False dense mask to make it bidirectional, which its fused bf16
+    causal softmax ignores; ours declares ``no_mask`` and uses
+    :class:`~megascale_omni.models.attention.PackedCoreAttention`, as the
+    language model does. The TE spec already declares ``no_mask``.
+    """
+    from megatron.core.models.vision import vit_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if impl == "transformer_engine":
+        return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
+    spec = vit_layer_specs.get_vit_layer_with_local_spec()
+    attention = spec.submodules.self_attention  # a fresh spec per call
+    attention.params = {**attention.params, "attn_mask_type": AttnMaskType.no_mask}
+    attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
 def dit_layer_specs(impl: str) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:
     """``(self_attention, cross_attention, mlp)`` specs of a DiT block.
 

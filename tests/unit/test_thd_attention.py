@@ -240,3 +240,16 @@ def test_llava_packing_isolation_with_images(one_rank):
     # Control: B's logits depend on its own image, so the check above sees it.
     other = _thd_logits(model, _row_batch([[b]], seq), img_a)[0, : len(b)]
     assert (other - alone).abs().max() > 1e-3
+
+
+def test_vision_tower_attends_both_ways_without_a_mask(one_rank):
+    """The ViT (never packed) runs PackedCoreAttention with no_mask: the first
+    token's features depend on the last patch."""
+    model, cfg = _build("examples/llava/tiny_cpu.yaml", "model.vocab_size=64", "model.seq_length=96", image_token=5)
+    size, patch = cfg.vision.image_size, cfg.vision.patch_size
+    image = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(4))
+    changed = image.clone()
+    changed[..., size - patch :, size - patch :] += 1.0  # the last patch only
+    with torch.no_grad():
+        before, after = model.vision_model(image), model.vision_model(changed)  # [1, c + p, vh]
+    assert (after[:, 0] - before[:, 0]).abs().max() > 1e-3
