@@ -7,8 +7,8 @@ Three concerns live here, all pure CPU and framework-free:
 * :func:`collate_pack` materialises one :class:`Pack` into the fixed-shape
   tensors the model consumes (tokens / shifted labels / loss mask / reset
   position ids / segment ids).
-* :func:`build_packed_causal_mask` turns segment ids into the dense
-  block-diagonal causal mask in megatron-core's convention (``True`` = masked).
+* :func:`packed_cu_seqlens` turns segment ids into the segment boundaries
+  (``cu_seqlens``) that THD attention consumes (megatron's ``PackedSeqParams``).
 
 Why windowed best-fit-decreasing rather than greedy-in-order: LLaVA-style
 samples are short (~10-80 tokens) relative to ``seq_length``; greedy
@@ -325,31 +325,34 @@ def collate_pack(
     }
 
 
-def build_packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal attention mask for packed rows.
+def packed_cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries of packed rows for THD attention (megatron's ``cu_seqlens``).
 
-    Convention (megatron-core): ``True`` means *masked out*. Query ``i`` may
-    attend key ``j`` iff ``j <= i`` and both lie in the same non-padding
-    segment. Padding queries attend only to themselves, so every softmax row
-    has at least one finite entry (no NaNs) while real tokens never see pads.
+    The rows are flattened row-major into one sequence of ``t = b * s``
+    tokens. A segment starts at every row start and wherever the segment id
+    changes, so each sample is one segment and each row's padding tail
+    (negative ids) is another; no segment crosses a row boundary. Attention
+    runs causally inside each segment only (see
+    :mod:`megascale_omni.models.attention`), so no token sees another sample
+    and real tokens never see padding.
 
     Args:
-        segment_ids: ``[b, s]`` integer tensor; negative ids mark padding.
+        segment_ids: ``[b, s]`` integer tensor from :func:`collate_pack` (or
+            zeros for rows that each hold one sample).
 
     Returns:
-        ``[b, 1, s, s]`` bool tensor on ``segment_ids.device``. Memory is
-        ``b * s * s`` bytes - intended for the dense-mask path; fused kernels
-        should consume segment boundaries instead.
+        ``[n + 1]`` int32 on ``segment_ids.device``: ``0``, the end of each of
+        the ``n`` segments, the last being ``t``.
     """
     if segment_ids.dim() != 2:
         raise ValueError(f"segment_ids must be [b, s], got shape {tuple(segment_ids.shape)}")
     s = segment_ids.shape[1]
-    q = segment_ids.unsqueeze(2)  # [b, s, 1]
-    kv = segment_ids.unsqueeze(1)  # [b, 1, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    allowed = (q == kv) & (q >= 0) & causal
-    allowed |= torch.eye(s, dtype=torch.bool, device=segment_ids.device)
-    return (~allowed).unsqueeze(1)
+    flat = segment_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::s] = True
+    ends = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
+    return torch.cat([torch.nonzero(starts).flatten(), ends]).to(torch.int32)
 
 
 def packing_efficiency(packs: Sequence[Pack], seq_length: int) -> float:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from megascale_omni.config import JobConfig
+from megascale_omni.models.attention import packed_seq_params
 from megascale_omni.parallel.pipeline_cost import EMBEDDING, LM_LAYER, OUTPUT, PROJECTOR, VISION
 
 
@@ -66,11 +67,6 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     return step
 
 
-@torch.no_grad()
-def _causal_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
-    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).expand(b, 1, s, s)
-
-
 def profile_gpt_components(
     cfg: JobConfig, device: torch.device, vocab_size: int, repeats: int = 5, warmup: int = 2
 ) -> dict[str, float]:
@@ -85,7 +81,7 @@ def profile_gpt_components(
         m, transformer_config(m, cfg.parallel, _dtype(cfg, device)), vocab_size=vocab_size,
         max_sequence_length=m.seq_length,
     )
-    return _profile_lm(cfg, chunk, chunk, device, vocab_size, causal_mask=False, repeats=repeats, warmup=warmup)
+    return _profile_lm(cfg, chunk, chunk, device, vocab_size, repeats=repeats, warmup=warmup)
 
 
 def profile_llava_components(
@@ -98,20 +94,16 @@ def profile_llava_components(
     cfg = single_stage_config(cfg)
     dtype = _dtype(cfg, device)
     (chunk,) = build_llava_chunks(cfg, dtype, vocab_size, image_token_id=vocab_size - 1)
-    # Packed LLaVA rows carry an explicit (block-diagonal) mask: time the masked path.
-    seconds = _profile_lm(
-        cfg, chunk, chunk.language_model, device, vocab_size, causal_mask=True, repeats=repeats, warmup=warmup
-    )
+    seconds = _profile_lm(cfg, chunk, chunk.language_model, device, vocab_size, repeats=repeats, warmup=warmup)
     cuda = device.type == "cuda"
     v, b = cfg.vision, cfg.train.micro_batch_size
     gen = torch.Generator().manual_seed(cfg.train.seed + 1)
     n = max(1, round(b * v.images_per_sequence))
     images = torch.rand(n, 3, v.image_size, v.image_size, generator=gen).to(device, dtype)
     p = v.tokens_per_image
-    full = torch.zeros(1, 1, p, p, dtype=torch.bool, device=device)
     feats = torch.randn(p, n, v.hidden_size, generator=gen).to(device, dtype)
     feats.requires_grad_(not v.freeze)
-    vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=full))
+    vision = _fwd_bwd(lambda: chunk.vision_model(images, attention_mask=None))
     projector = _fwd_bwd(lambda: chunk.vision_projection(feats))
     seconds[f"{VISION}_per_image"] = _best_seconds(vision, repeats, warmup, cuda) / n
     seconds[f"{PROJECTOR}_per_image"] = _best_seconds(projector, repeats, warmup, cuda) / n
@@ -124,10 +116,14 @@ def _dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
 
 def _profile_lm(
     cfg: JobConfig, chunk: torch.nn.Module, lm: torch.nn.Module, device: torch.device, vocab_size: int,
-    causal_mask: bool, repeats: int, warmup: int,
+    repeats: int, warmup: int,
 ) -> dict[str, float]:
     """Embedding, one decoder layer and output + loss of the language model
-    ``lm`` inside ``chunk`` (a one-layer, one-stage model)."""
+    ``lm`` inside ``chunk`` (a one-layer, one-stage model).
+
+    The layer runs the THD path of training (:mod:`megascale_omni.models.attention`)
+    with each of the ``b`` rows one segment: the costliest packing of a row,
+    since causal attention over one long segment does the most work."""
     from megascale_omni.models.init import init_layout_invariant
 
     m, train = cfg.model, cfg.train
@@ -139,8 +135,8 @@ def _profile_lm(
     gen = torch.Generator().manual_seed(train.seed)
     tokens = torch.randint(0, vocab_size, (b, s), generator=gen).to(device)
     positions = torch.arange(s, device=device).expand(b, s)
-    mask = _causal_mask(b, s, device) if causal_mask else None
-    hidden = torch.randn(s, b, m.hidden_size, generator=gen).to(device, dtype).requires_grad_()
+    packed = packed_seq_params(torch.arange(0, (b + 1) * s, s, device=device))
+    hidden = torch.randn(b * s, 1, m.hidden_size, generator=gen).to(device, dtype).requires_grad_()  # [t, 1, h]
     rope = lm.rotary_pos_emb(s) if m.position_embedding_type == "rope" else None
     layer = lm.decoder.layers[0]
     seconds = {
@@ -148,10 +144,11 @@ def _profile_lm(
             _fwd_bwd(lambda: lm.embedding(input_ids=tokens, position_ids=positions)), repeats, warmup, cuda
         ),
         LM_LAYER: _best_seconds(
-            _fwd_bwd(lambda: layer(hidden, attention_mask=mask, rotary_pos_emb=rope)[0]), repeats, warmup, cuda
+            _fwd_bwd(lambda: layer(hidden, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed)[0]),
+            repeats, warmup, cuda,
         ),
     }
-    labels = torch.randint(0, vocab_size, (b, s), generator=gen).to(device)
+    labels = torch.randint(0, vocab_size, (1, b * s), generator=gen).to(device)
 
     def output_and_loss() -> torch.Tensor:
         logits, _ = lm.output_layer(lm.decoder.final_layernorm(hidden))

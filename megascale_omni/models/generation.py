@@ -3,7 +3,8 @@ the HF equivalence tests).
 
 No KV cache: every new token re-runs the whole prefix. That is O(n^2) in the
 generated length, fine for checking a model and for short answers, and it
-runs exactly the training forward (same masks, same kernels).
+runs exactly the training forward: the same THD batch format (each row one
+segment, :mod:`megascale_omni.models.attention`) and the same kernels.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-
-def causal_mask(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[1, 1, s, s]`` bool, True where attention is masked (future positions)."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+from megascale_omni.models.attention import thd_inputs
 
 
 @torch.no_grad()
@@ -24,13 +22,17 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor, images: Optional[torch.
     LLaVA chunk for ``tokens`` ``[b, s]``; ``images`` ``[n, 3, H, W]`` fill
     the image placeholder tokens (LLaVA) in row-major order."""
     b, s = tokens.shape
-    position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-    mask = causal_mask(s, tokens.device)
+    batch = {
+        "tokens": tokens,
+        "position_ids": torch.arange(s, device=tokens.device).expand(b, s),
+        "cu_seqlens": torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=tokens.device),
+    }
+    tokens_thd, position_ids, _, packed = thd_inputs(batch)
     if images is not None or hasattr(model, "vision_model"):
-        out = model(tokens, position_ids, mask, images=images)
+        out = model(tokens_thd, position_ids, packed, images=images)
     else:
-        out = model(tokens, position_ids, mask)
-    return out.float()
+        out = model(tokens_thd, position_ids, None, packed_seq_params=packed)
+    return out.float().reshape(b, s, -1)
 
 
 @torch.no_grad()

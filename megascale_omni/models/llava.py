@@ -4,9 +4,10 @@ We compose megatron's ``CLIPViTModel``, ``MultimodalProjector`` and
 ``GPTModel`` rather than using ``LLaVAModel`` because our data pipeline
 already expands every ``<image>`` into ``tokens_per_image`` placeholder tokens
 and packs several samples per sequence. The language sequence length is then
-fixed before the model runs, which is what sequence packing, the
-block-diagonal attention mask and pipeline p2p shapes all need. The model only
-has to *overwrite* the placeholder embeddings with projected image features.
+fixed before the model runs, which is what sequence packing (THD segments,
+:mod:`megascale_omni.models.attention`) and pipeline p2p shapes need. The
+model only has to *overwrite* the placeholder embeddings with projected image
+features.
 
 Pipeline placement: the ViT and projector live with the embedding on the
 first virtual stage of PP rank 0 (``pre_process``); the output layer and loss
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.activations import quick_gelu
 from megatron.core.enums import ModelType
-from megatron.core.models.vision import vit_layer_specs
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -32,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
 from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, vit_layer_spec
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -84,12 +85,13 @@ def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
 class LlavaChunk(MegatronModule):
     """One pipeline model chunk of LLaVA (built on every rank).
 
-    ``forward`` inputs (one micro-batch):
-      tokens, position_ids: ``[b, s]`` int64; image placeholders hold ``image_token_id``.
-      attention_mask: ``[b, 1, s, s]`` bool, True = masked (packed causal), or None.
+    ``forward`` inputs (one micro-batch in THD layout, see
+    :mod:`megascale_omni.models.attention`):
+      tokens, position_ids: ``[1, t]`` int64; image placeholders hold ``image_token_id``.
+      packed_seq_params: THD ``PackedSeqParams``; attention stays inside its segments.
       images: ``[n, 3, H, W]`` float, one row per placeholder block in
-        row-major (batch, position) order; only read on the first stage.
-      labels: ``[b, s]`` int64 (last stage), or None to return logits ``[b, s, vocab/tp]``.
+        token order; only read on the first stage.
+      labels: ``[1, t]`` int64 (last stage), or None to return logits ``[1, t, vocab/tp]``.
     """
 
     def __init__(
@@ -117,18 +119,12 @@ class LlavaChunk(MegatronModule):
         self.vision_projection: Optional[MultimodalProjector] = None
         if pre_process:
             v = cfg.vision
-            use_te = impl == "transformer_engine"
-            vit_spec = (
-                vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
-                if use_te
-                else vit_layer_specs.get_vit_layer_with_local_spec()
-            )
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
             self.class_tokens = 1 if v.class_token else 0
             self.vision_model = CLIPViTModel(
                 vision_transformer_config(cfg, dtype),
-                vit_spec,
+                vit_layer_spec(impl),
                 # The default resolves to TE or torch.nn.LayerNorm, which does
                 # not accept megatron's ``config`` argument.
                 ln_pre_impl=WrappedTorchNorm,
@@ -173,7 +169,8 @@ class LlavaChunk(MegatronModule):
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
         """First stage: token embeddings with image features written over the
-        placeholder positions. Returns ``[s, b, h]``."""
+        placeholder positions. ``tokens``, ``position_ids``: ``[b, s]``
+        (``b = 1`` for THD). Returns ``[s, b, h]``."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
         is_image = tokens == self.image_token_id  # [b, s]
         n_slots = int(is_image.sum())
@@ -185,11 +182,9 @@ class LlavaChunk(MegatronModule):
             )
         if n_images == 0:
             return emb
-        # megatron's ViT layer specs declare causal attention; an all-False
-        # mask (nothing masked) makes the encoder bidirectional, as in CLIP.
-        seq = self.tokens_per_image + self.class_tokens
-        full_attention = torch.zeros(1, 1, seq, seq, dtype=torch.bool)
-        feats = self.vision_model(images, attention_mask=full_attention.to(images.device))  # [n, c + p, vh]
+        # Images are not packed: each is one [c + p]-token sequence, attended
+        # bidirectionally (the spec's no_mask), as in CLIP.
+        feats = self.vision_model(images, attention_mask=None)  # [n, c + p, vh]
         feats = feats[:, self.class_tokens :]  # the class token never reaches the LM
         feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
         feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
@@ -208,13 +203,14 @@ class LlavaChunk(MegatronModule):
         self,
         tokens: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
+        packed_seq_params: PackedSeqParams,
         images: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         decoder_input = self.embed(tokens, position_ids, images) if self.pre_process else None
         return self.language_model(
-            tokens, position_ids, attention_mask, decoder_input=decoder_input, labels=labels
+            tokens, position_ids, None, decoder_input=decoder_input, labels=labels,
+            packed_seq_params=packed_seq_params,
         )
 
 

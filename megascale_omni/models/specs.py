@@ -3,6 +3,11 @@
 Specs separate *which* implementation from *how* a block is wired. On CPU we
 always use megatron's local modules; on CUDA ``auto`` picks transformer-engine
 when it imports. transformer-engine is never imported on a CPU run.
+
+The language model's attention consumes packed sequences as THD
+(:mod:`megascale_omni.models.attention`): the local spec's core attention is
+our :class:`~megascale_omni.models.attention.PackedCoreAttention`; TE's
+attention reads the same ``PackedSeqParams`` natively.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megascale_omni.config.errors import ConfigError
+from megascale_omni.models.attention import PackedCoreAttention
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +39,44 @@ def resolve_layer_impl(requested: str) -> str:
 
 
 def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
-    """Transformer-layer spec for the language model (``impl`` already resolved)."""
+    """Transformer-layer spec for the language model (``impl`` already resolved).
+
+    Both specs keep megatron's ``causal`` self-attention; with THD batches
+    megatron's ``TEDotProductAttention`` runs it as ``padding_causal`` over
+    ``cu_seqlens``, and the local spec's core attention is swapped for
+    :class:`~megascale_omni.models.attention.PackedCoreAttention` (megatron's
+    ``DotProductAttention`` rejects ``PackedSeqParams``).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+    # A fresh spec per call: replacing the submodule touches nothing shared.
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
+def vit_layer_spec(impl: str) -> ModuleSpec:
+    """Transformer-layer spec of the vision tower: bidirectional self-attention
+    over each image's tokens (images are never packed; no mask is passed).
+
+    megatron's local ViT spec declares ``causal`` attention and expects an
+    all-False dense mask to make it bidirectional, which its fused bf16
+    causal softmax ignores; ours declares ``no_mask`` and uses
+    :class:`~megascale_omni.models.attention.PackedCoreAttention`, as the
+    language model does. The TE spec already declares ``no_mask``.
+    """
+    from megatron.core.models.vision import vit_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if impl == "transformer_engine":
+        return vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
+    spec = vit_layer_specs.get_vit_layer_with_local_spec()
+    attention = spec.submodules.self_attention  # a fresh spec per call
+    attention.params = {**attention.params, "attn_mask_type": AttnMaskType.no_mask}
+    attention.submodules.core_attention = PackedCoreAttention
+    return spec
 
 
 def dit_layer_specs(impl: str) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:

@@ -101,6 +101,13 @@ class Task(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict` (loaded tensors are in this rank's layout)."""
 
+    def pipeline_shape(self) -> tuple[int, int]:
+        """``(seq_length, micro_batch_size)`` for megatron's schedules, which
+        size the p2p buffers between stages ``[seq, batch, hidden]``: rows of
+        :attr:`seq_length` by default. Language-model families override it
+        for THD micro-batches (:func:`megascale_omni.models.attention.thd_pipeline_shape`)."""
+        return self.seq_length, self.cfg.train.micro_batch_size
+
     # ------------------------------------------------------- shared helpers
     def padded_vocab_size(self, vocab: int) -> int:
         return self.cfg.model.padded_vocab_size(vocab)
@@ -116,8 +123,7 @@ class Task(ABC):
         try:
             with torch.no_grad():
                 return run_forward_backward(
-                    chunks, forward_step, microbatches, self.seq_length, self.cfg.train.micro_batch_size,
-                    forward_only=True,
+                    chunks, forward_step, microbatches, *self.pipeline_shape(), forward_only=True,
                 )
         finally:
             for chunk in chunks:

@@ -3,7 +3,8 @@
 Used by the layout-equivalence tests and GPU CI smoke runs. The global batch
 of step ``s`` is fixed by the sample plan; each DP rank takes a contiguous
 slice and cuts it into micro-batches, so every layout trains on exactly the
-same samples per step.
+same samples per step. Micro-batches take the same THD path as packed LLaVA
+rows (:mod:`megascale_omni.models.attention`), one sample per row.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 
 from megascale_omni.config import JobConfig
 from megascale_omni.data.balance import microbatch_shares
+from megascale_omni.data.packing import packed_cu_seqlens
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.synthetic_tokens import ArithmeticTokenDataset
+from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
@@ -42,6 +45,9 @@ class GptSmokeTask(Task):
         self.eval_dataset = ArithmeticTokenDataset(
             cfg.train.global_batch_size * 2, cfg.model.seq_length, cfg.model.vocab_size, seed=cfg.train.seed + 1
         )
+
+    def pipeline_shape(self) -> tuple[int, int]:
+        return thd_pipeline_shape(self.seq_length, self.cfg.train.micro_batch_size)
 
     def build_model(self):
         config = transformer_config(self.cfg.model, self.cfg.parallel, self.dtype)
@@ -73,12 +79,15 @@ class GptSmokeTask(Task):
         out = []
         for i in range(0, len(mine), mbs):
             seqs = torch.stack([dataset[j] for j in mine[i : i + mbs]])
+            rows = seqs.shape[0]
             out.append(
                 {
                     "tokens": seqs[:, :-1].contiguous(),
                     "labels": seqs[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(seqs.shape[0], self.seq_length),
-                    "position_ids": torch.arange(self.seq_length).expand(seqs.shape[0], -1).contiguous(),
+                    "loss_mask": torch.ones(rows, self.seq_length),
+                    "position_ids": torch.arange(self.seq_length).expand(rows, -1).contiguous(),
+                    # Every row is one sample: one THD segment each.
+                    "cu_seqlens": packed_cu_seqlens(torch.zeros(rows, self.seq_length, dtype=torch.int64)),
                 }
             )
         return out
@@ -86,12 +95,8 @@ class GptSmokeTask(Task):
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):
         batch = next(data_iterator)
-        output = model(
-            batch["tokens"],
-            batch["position_ids"],
-            None,  # causal mask is implied by the layer spec
-            labels=batch["labels"],
-        )
+        tokens, position_ids, labels, packed = thd_inputs(batch)
+        output = model(tokens, position_ids, None, labels=labels, packed_seq_params=packed)
         return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:

@@ -32,6 +32,7 @@ from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
+from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
@@ -195,6 +196,9 @@ class LlavaTask(Task):
         self.bad_samples.exclude(bad, len(reader), str(reader.root))
         return ids, lengths, costs, images
 
+    def pipeline_shape(self) -> tuple[int, int]:
+        return thd_pipeline_shape(self.seq_length, self.cfg.train.micro_batch_size)
+
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
 
@@ -240,20 +244,19 @@ class LlavaTask(Task):
         self.bad_samples.load_state_dict(state)
 
     # ----------------------------------------------------------------- model
-    def _unpack(self, batch: dict) -> tuple[torch.Tensor, ...]:
-        images = batch["images"].to(self.dtype) if batch["images"].shape[0] else None
-        return batch["tokens"], batch["position_ids"], batch["attention_mask"], images
+    def _images(self, batch: dict) -> Optional[torch.Tensor]:
+        return batch["images"].to(self.dtype) if batch["images"].shape[0] else None
 
     def forward_step(self, data_iterator: Any, model):
         batch = next(data_iterator)
-        tokens, pos, mask, images = self._unpack(batch)
-        output = model(tokens, pos, mask, images=images, labels=batch["labels"])
+        tokens, pos, labels, packed = thd_inputs(batch)
+        output = model(tokens, pos, packed, images=self._images(batch), labels=labels)
         return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 
     def eval_forward_step(self, data_iterator: Any, model):
         batch = next(data_iterator)
-        tokens, pos, mask, images = self._unpack(batch)
-        logits = model(tokens, pos, mask, images=images, labels=None)
+        tokens, pos, _, packed = thd_inputs(batch)
+        logits = model(tokens, pos, packed, images=self._images(batch), labels=None)
         return logits, partial(_eval_loss, batch=batch, categories=self._word_categories())
 
     def _word_categories(self) -> dict[str, torch.Tensor]:
@@ -352,13 +355,14 @@ def _eval_loss(
     logits: torch.Tensor, batch: dict, categories: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Last stage, eval only: token loss and argmax accuracy on image-dependent
-    answer words. ``logits``: ``[b, s, vocab / tp]``."""
-    full = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
-    labels = batch["labels"]
+    answer words. ``logits``: ``[1, t, vocab / tp]`` (THD: the ``[b, s]`` rows
+    of ``batch`` flattened)."""
+    full = gather_from_tensor_model_parallel_region(logits).float()  # [1, t, vocab]
+    labels = batch["labels"].reshape(full.shape[:-1])
     token_loss = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     loss_sum, num_tokens, report = masked_token_loss(token_loss, batch["loss_mask"])
     hit = (full.argmax(-1) == labels).float()
-    m = batch["eval_mask"]
+    m = batch["eval_mask"].reshape(labels.shape)
     report["accuracy"] = torch.stack([(hit * m).sum().double(), m.sum().double()])
     for name, ids in categories.items():
         cm = m * torch.isin(labels, ids).float()

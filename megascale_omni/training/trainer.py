@@ -243,8 +243,7 @@ class Trainer:
             self.state.scheduler,
             self.task.forward_step,
             mbs,
-            self.task.seq_length,
-            self.cfg.train.micro_batch_size,
+            *self.task.pipeline_shape(),
             progress,
             cross_replica=self.membership.cross_replica,
         )

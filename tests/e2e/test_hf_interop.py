@@ -114,9 +114,8 @@ def test_decoder_plus_tower_import_keeps_the_tower_and_initialises_a_projector(h
     with one_process():
         model = build_model(ckpt.cfg, ckpt.cfg.model.padded_vocab_size(100), 5)
         load_model_weights([model], ckpt, "test")
-        seq = 16 + 1
         with torch.no_grad():
-            ours = model.vision_model(pixels, attention_mask=torch.zeros(1, 1, seq, seq, dtype=torch.bool))
+            ours = model.vision_model(pixels, attention_mask=None)
             ref = tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
             lm_ref = lm(torch.arange(10)[None]).logits
         # The tower's features (class token included) are HF's penultimate hidden states.

@@ -24,7 +24,7 @@ from megascale_omni.data.llava.batches import (
     images_to_tensor,
 )
 from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
-from megascale_omni.data.packing import PAD_SEGMENT_ID, pack_samples
+from megascale_omni.data.packing import pack_samples
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, KIND_TEXT_ONLY, Sample
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader, index_shards
 
@@ -109,16 +109,14 @@ def _expected_row(tok, members: list[Sample]) -> dict[str, np.ndarray]:
         "loss_mask": np.zeros(SEQ, np.float32),
         "eval_mask": np.zeros(SEQ, np.float32),
         "position_ids": np.zeros(SEQ, np.int64),
-        "segment_ids": np.full(SEQ, PAD_SEGMENT_ID, np.int64),
     }
     p = 0
-    for k, s in enumerate(members):
+    for s in members:
         toks = _expected_tokens(tok, s)
         target, evalm = _expected_masks(s)
         for j, t in enumerate(toks):
             row["tokens"][p + j] = t
             row["position_ids"][p + j] = j
-            row["segment_ids"][p + j] = k
             if j + 1 < len(toks):
                 row["labels"][p + j] = toks[j + 1]
                 row["loss_mask"][p + j] = target[j + 1]
@@ -128,16 +126,18 @@ def _expected_row(tok, members: list[Sample]) -> dict[str, np.ndarray]:
     return row
 
 
-def _expected_attention(segment_ids: np.ndarray) -> np.ndarray:
-    """Reference mask (True = masked) for one row, by the documented rule."""
-    s = segment_ids.shape[0]
-    masked = np.ones((s, s), dtype=bool)
-    for i in range(s):
-        for j in range(i + 1):
-            if segment_ids[i] >= 0 and segment_ids[i] == segment_ids[j]:
-                masked[i, j] = False
-        masked[i, i] = False
-    return masked
+def _expected_cu_seqlens(tok, rows: list[list[Sample]]) -> list[int]:
+    """THD boundaries of rows laid out back to back: one segment per sample,
+    one per non-empty padding tail."""
+    bounds = [0]
+    for r, members in enumerate(rows):
+        p = 0
+        for s in members:
+            p += len(_expected_tokens(tok, s))
+            bounds.append(r * SEQ + p)
+        if p < SEQ:
+            bounds.append((r + 1) * SEQ)
+    return bounds
 
 
 def _expected_images(images: list[np.ndarray]) -> torch.Tensor:
@@ -158,14 +158,13 @@ def _check_batch(batch, tok, rows: list[list[Sample]], images: list[np.ndarray])
         assert batch[key].shape == (b, SEQ) and batch[key].dtype == torch.int64, key
     for key in ("loss_mask", "eval_mask"):
         assert batch[key].shape == (b, SEQ) and batch[key].dtype == torch.float32, key
-    assert batch["attention_mask"].shape == (b, 1, SEQ, SEQ)
-    assert batch["attention_mask"].dtype == torch.bool
+    assert "attention_mask" not in batch  # segments travel as cu_seqlens (THD), no dense mask
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["cu_seqlens"].tolist() == _expected_cu_seqlens(tok, rows)
     for r, members in enumerate(rows):
         exp = _expected_row(tok, members)
         for key in ("tokens", "labels", "loss_mask", "eval_mask", "position_ids"):
             np.testing.assert_array_equal(batch[key][r].numpy(), exp[key], err_msg=f"row {r} {key}")
-        np.testing.assert_array_equal(batch["attention_mask"][r, 0].numpy(),
-                                      _expected_attention(exp["segment_ids"]), err_msg=f"row {r} mask")
     assert batch["images"].shape == (len(images), 3, IMAGE_SIZE, IMAGE_SIZE)
     assert batch["images"].dtype == torch.float32
     assert _image_blocks_row_major(batch["tokens"], tok.image_token_id) == len(images)
@@ -362,28 +361,21 @@ def test_labels_shift_within_samples_only(reader, encoder, tok, plan):
         assert bool((tokens[r, used:] == tok.pad_id).all())
 
 
-def test_attention_mask_blocks_cross_sample(reader, encoder, tok, plan):
+def test_cu_seqlens_separate_samples(reader, encoder, tok, plan):
+    """Each sample is one THD segment of its own, in its row; position ids
+    restart at each segment start (what RoPE and learned positions read)."""
     id_map, packs = plan
     mb = packs[:ROWS]
     batch = LlavaBatcher(reader, encoder, SEQ, tok.pad_id, IMAGE_SIZE).microbatch(mb, id_map)
-    mask = batch["attention_mask"]
-    p = mb[0]
-    (o0, o1), (l0, l1) = p.offsets[:2], p.lengths[:2]
-    assert mask[0, 0, o1, o1 - 1].item() is True          # sample 1 cannot see sample 0's eos
-    assert mask[0, 0, o1 + l1 - 1, o0].item() is True     # nor sample 0's bos
-    assert mask[0, 0, o0 + l0 - 1, o0].item() is False    # causal, same sample
-    assert mask[0, 0, o1 + l1 - 1, o1].item() is False
-    assert mask[0, 0, o0, o0 + 1].item() is True          # no looking ahead
-    assert mask[0, 0, o1, o1].item() is False
-    used = p.num_tokens
-    if used < SEQ:
-        assert mask[0, 0, used, used].item() is False      # pads see themselves only
-        assert mask[0, 0, used, 0].item() is True
-        assert bool(mask[0, 0, :used, used:].all())       # real tokens never see pads
-    # pick a row with at least two padding positions for the pad-to-pad check
-    r, q = next((r, p.num_tokens) for r, p in enumerate(mb) if p.num_tokens < SEQ - 1)
-    assert mask[r, 0, SEQ - 1, q].item() is True            # a pad does not see earlier pads
-    assert mask[r, 0, SEQ - 1, SEQ - 1].item() is False
+    cu = batch["cu_seqlens"].tolist()
+    starts = {r * SEQ + off for r, p in enumerate(mb) for off in p.offsets}
+    ends = {r * SEQ + off + n for r, p in enumerate(mb) for off, n in zip(p.offsets, p.lengths)}
+    assert starts <= set(cu[:-1]) and ends <= set(cu[1:])
+    assert len(cu) - 1 == sum(p.num_samples + (p.num_tokens < SEQ) for p in mb)
+    positions = batch["position_ids"].reshape(-1)
+    for start, end in zip(cu[:-1], cu[1:]):
+        assert start // SEQ == (end - 1) // SEQ, "a segment crosses a row boundary"
+        assert positions[start:end].tolist() == list(range(end - start))
 
 
 # ------------------------------------------------------- 3. bad samples
@@ -481,7 +473,7 @@ def test_image_donor_replaces_images_keeps_text(reader, encoder, tok, samples, p
     batcher = LlavaBatcher(reader, encoder, SEQ, tok.pad_id, IMAGE_SIZE)
     swapped = batcher.microbatch(mb, id_map, image_sources=sources)
     assert batcher.counter.seen == sum(p.num_samples for p in mb) and batcher.counter.skipped == 0
-    for key in ("tokens", "labels", "loss_mask", "eval_mask", "position_ids", "attention_mask"):
+    for key in ("tokens", "labels", "loss_mask", "eval_mask", "position_ids", "cu_seqlens"):
         assert torch.equal(plain[key], swapped[key]), key
     expected = []
     for members in rows:

@@ -9,9 +9,9 @@ import torch
 from megascale_omni.data.packing import (
     PAD_SEGMENT_ID,
     Pack,
-    build_packed_causal_mask,
     collate_pack,
     pack_samples,
+    packed_cu_seqlens,
     packing_efficiency,
     packing_report,
     pad_to_max_efficiency,
@@ -23,16 +23,16 @@ def _synthetic_lengths(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(10, 81, size=n)
 
 
-def _brute_force_mask(segment_ids: list[int]) -> torch.Tensor:
-    """Reference mask built element by element: True = masked out."""
-    s = len(segment_ids)
-    mask = torch.ones(s, s, dtype=torch.bool)
-    for i in range(s):
-        for j in range(s):
-            same_real_segment = segment_ids[i] == segment_ids[j] and segment_ids[i] >= 0
-            if (same_real_segment and j <= i) or i == j:
-                mask[i, j] = False
-    return mask
+def _brute_force_cu_seqlens(rows: list[list[int]]) -> list[int]:
+    """Reference THD boundaries, run by run: each maximal run of one segment
+    id inside a row is a segment; rows follow each other."""
+    bounds, start = [0], 0
+    for seg in rows:
+        for i in range(1, len(seg) + 1):
+            if i == len(seg) or seg[i] != seg[i - 1]:
+                bounds.append(start + i)
+        start += len(seg)
+    return bounds
 
 
 def _check_partition(packs: list[Pack], expected_ids: set[int], lengths: dict[int, int], cap: int):
@@ -212,24 +212,30 @@ def test_labels_never_cross_boundaries_randomized(seed: int):
         assert (msk[pack.num_tokens :] == 0).all()
 
 
-# ---------------------------------------------------------------- attention mask
+# ---------------------------------------------------------------- THD segments
 
 
-def test_mask_hand_example_matches_brute_force():
+def test_cu_seqlens_hand_example():
     pack, tokens, labels, masks = _hand_pack()
     seg = collate_pack(pack, tokens, labels, masks, seq_length=9, pad_id=0)["segment_ids"]
-    mask = build_packed_causal_mask(seg.unsqueeze(0))
-    assert mask.shape == (1, 1, 9, 9) and mask.dtype == torch.bool
-    assert torch.equal(mask[0, 0], _brute_force_mask(seg.tolist()))
-    # Spot checks of the convention: True = masked out.
-    assert not mask[0, 0, 4, 3]  # same sample, earlier key: visible
-    assert mask[0, 0, 3, 2]  # previous sample: hidden
-    assert mask[0, 0, 3, 4]  # future key: hidden
-    assert mask[0, 0, 8, 7] and not mask[0, 0, 8, 8]  # pad sees only itself
+    assert seg.tolist() == [0, 0, 0, 1, 1, 1, 1, PAD_SEGMENT_ID, PAD_SEGMENT_ID]
+    # Two rows: the second row's first sample starts a new segment although
+    # the first row ends in padding, and its padding tail is a segment too.
+    cu = packed_cu_seqlens(torch.stack([seg, seg]))
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == [0, 3, 7, 9, 12, 16, 18]
+
+
+def test_cu_seqlens_rows_without_padding_or_one_sample_each():
+    assert packed_cu_seqlens(torch.zeros(3, 5, dtype=torch.int64)).tolist() == [0, 5, 10, 15]
+    full = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 2, 2, 2]])
+    assert packed_cu_seqlens(full).tolist() == [0, 2, 5, 6, 7, 10]
+    empty_row = torch.full((1, 4), PAD_SEGMENT_ID)  # an evaluation filler row
+    assert packed_cu_seqlens(empty_row).tolist() == [0, 4]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mask_randomized_batch_matches_brute_force(seed: int):
+def test_cu_seqlens_randomized_batch_matches_brute_force(seed: int):
     rng = np.random.default_rng(seed)
     batch = []
     for _ in range(3):
@@ -242,20 +248,17 @@ def test_mask_randomized_batch_matches_brute_force(seed: int):
         pad = int(rng.integers(0, 5))
         seg[24 - pad :] = [PAD_SEGMENT_ID] * pad
         batch.append(seg)
-    seg_t = torch.tensor(batch, dtype=torch.int64)
-    mask = build_packed_causal_mask(seg_t)
-    assert mask.shape == (3, 1, 24, 24)
-    for b, seg in enumerate(batch):
-        assert torch.equal(mask[b, 0], _brute_force_mask(seg))
-    # Every query row keeps at least one visible key => softmax stays finite.
-    assert (~mask).any(dim=-1).all()
+    cu = packed_cu_seqlens(torch.tensor(batch, dtype=torch.int64)).tolist()
+    assert cu == _brute_force_cu_seqlens(batch)
+    flat = [x for row in batch for x in row]
+    for start, end in zip(cu[:-1], cu[1:]):
+        assert end > start and start // 24 == (end - 1) // 24  # non-empty, inside one row
+        assert len(set(flat[start:end])) == 1  # one sample (or one padding tail)
 
 
-def test_mask_softmax_is_finite_with_padding():
-    seg = torch.tensor([[0, 0, 1, -1, -1]])
-    mask = build_packed_causal_mask(seg)
-    scores = torch.zeros(1, 1, 5, 5).masked_fill(mask, float("-inf"))
-    assert torch.isfinite(torch.softmax(scores, dim=-1)).all()
+def test_cu_seqlens_rejects_non_rows():
+    with pytest.raises(ValueError, match=r"\[b, s\]"):
+        packed_cu_seqlens(torch.zeros(5, dtype=torch.int64))
 
 
 def test_collate_shifts_extra_masks_like_the_loss_mask():

@@ -28,7 +28,7 @@ import torch
 
 from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.image_preprocess import ImagePreprocessor
-from megascale_omni.data.packing import Pack, build_packed_causal_mask, collate_pack
+from megascale_omni.data.packing import Pack, collate_pack, packed_cu_seqlens
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample, SampleValidationError, validate_metadata
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
@@ -181,8 +181,10 @@ class LlavaBatcher:
 
         ``id_map`` maps a pack's sample ids to reader indices. Returns
         ``tokens, labels, loss_mask, eval_mask, position_ids: [b, s]``,
-        ``attention_mask: [b, 1, s, s]`` bool and ``images: [n, 3, H, W]``
-        float32 (``n`` counts tower inputs: anyres tiles each count).
+        ``cu_seqlens: [k + 1]`` int32 (the ``k`` samples and padding tails of
+        the rows flattened row-major, :func:`packed_cu_seqlens`; the model
+        attends within each only) and ``images: [n, 3, H, W]`` float32
+        (``n`` counts tower inputs: anyres tiles each count).
         """
         rows, images = [], []
         for pack in packs:
@@ -203,7 +205,7 @@ class LlavaBatcher:
             images.extend(img for e in encoded for img in e.images)
         keys = ("tokens", "labels", "loss_mask", "eval_mask", "position_ids")
         batch = {k: torch.stack([r[k] for r in rows]) for k in keys}
-        batch["attention_mask"] = build_packed_causal_mask(torch.stack([r["segment_ids"] for r in rows]))
+        batch["cu_seqlens"] = packed_cu_seqlens(torch.stack([r["segment_ids"] for r in rows]))
         if self.preprocess is None or not images:
             batch["images"] = images_to_tensor(images)
         else:

@@ -1,0 +1,219 @@
+"""Packed sequences as THD: one batch format and one attention contract for
+the local (CPU) and transformer-engine (GPU) layer specs.
+
+Layout (megatron-core's ``thd`` convention). A collated micro-batch holds
+``b`` packed rows of ``s`` tokens (``[b, s]``, see
+:mod:`megascale_omni.data.packing`) and ``cu_seqlens``, the segment
+boundaries of those rows flattened row-major. The language model sees it as
+*one* sequence of ``t = b * s`` tokens:
+
+* ``tokens``, ``position_ids``, ``labels``: ``[1, t]``; hidden states
+  ``[t, 1, h]``; pipeline p2p buffers ``[t, 1, h]``
+  (:func:`thd_pipeline_shape`).
+* ``PackedSeqParams(qkv_format="thd", cu_seqlens_q = cu_seqlens_kv)``, int32
+  ``[n + 1]`` from 0 to ``t``: one segment per sample, and one per non-empty
+  padding tail of a row. Segments never cross a row boundary.
+
+Why this layout: megatron's ``Attention`` squeezes the batch dimension for
+``thd`` (query ``[t, np, hn]``) and rebuilds ``[t, 1, np * hn]`` after core
+attention, so ``b`` must be 1; rows therefore become consecutive segments.
+Making each padding tail a segment of its own means the segments tile
+``[0, t)`` exactly, which is what megatron's unfused and fused THD RoPE
+(``apply_rotary_pos_emb(..., cu_seqlens=...)``, positions restart at 0 in
+every segment) and TE's ``padding_causal`` THD kernels expect without the
+``cu_seqlens_*_padded`` variants. Padding tokens attend only to their own
+tail and carry no loss. Learned absolute position embeddings read
+``position_ids``, which restart at 0 at every sample and padding tail, so
+both position schemes agree with the segments.
+
+Who consumes ``PackedSeqParams``:
+
+* local spec (CPU, and ``layer_impl: local`` on GPU): :class:`PackedCoreAttention`,
+  per-segment causal attention with torch SDPA;
+* transformer-engine spec: megatron's ``TEDotProductAttention``, which turns
+  the spec's ``causal`` into ``padding_causal`` for ``thd`` (TE >= 1.7).
+
+No dense ``[b, 1, s, s]`` mask exists anywhere on this path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Mapping, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor) -> PackedSeqParams:
+    """Self-attention ``PackedSeqParams`` for segments ``cu_seqlens``
+    (``[n + 1]`` integer, 0 first, ``t`` last), on ``cu_seqlens.device``."""
+    cu = cu_seqlens.to(torch.int32)
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {cu.tolist()}")
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+class ThdInputs(NamedTuple):
+    """A micro-batch as the language model consumes it (see the module docstring)."""
+
+    tokens: torch.Tensor  #: ``[1, t]`` int64
+    position_ids: torch.Tensor  #: ``[1, t]`` int64, restarting at every segment
+    labels: Optional[torch.Tensor]  #: ``[1, t]`` int64, or None when the batch has none
+    packed_seq_params: PackedSeqParams
+
+
+def thd_inputs(batch: Mapping[str, torch.Tensor]) -> ThdInputs:
+    """Flatten a collated micro-batch (``tokens``, ``position_ids`` and
+    optionally ``labels``: ``[b, s]``; ``cu_seqlens``: ``[n + 1]`` over the
+    row-major flattening) into :class:`ThdInputs`."""
+    tokens = batch["tokens"]
+    t = tokens.numel()
+    cu = batch["cu_seqlens"]
+    if int(cu[-1]) != t:
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the micro-batch has {t} tokens")
+    labels = batch.get("labels")
+    return ThdInputs(
+        tokens.reshape(1, t),
+        batch["position_ids"].reshape(1, t),
+        None if labels is None else labels.reshape(1, t),
+        packed_seq_params(cu),
+    )
+
+
+def thd_pipeline_shape(seq_length: int, micro_batch_size: int) -> tuple[int, int]:
+    """``(seq_length, micro_batch_size)`` to give megatron's schedules so that
+    their p2p buffers ``[seq, batch, hidden]`` match THD activations ``[t, 1, h]``."""
+    return seq_length * micro_batch_size, 1
+
+
+class PackedCoreAttention(MegatronModule):
+    """Core attention of the local layer spec: causal (or bidirectional)
+    attention inside each segment of ``PackedSeqParams``, never across.
+
+    Same constructor as megatron's ``DotProductAttention``, so it drops into a
+    ``SelfAttentionSubmodules(core_attention=...)`` spec. It holds no
+    parameters and reads head counts from its inputs, so the same code runs
+    for any TP degree (each rank sees its ``np / tp`` query heads and
+    ``ng / tp`` key/value groups) and on any pipeline stage.
+
+    Inputs (after megatron's ``Attention`` has applied RoPE):
+
+    * THD (``packed_seq_params.qkv_format == "thd"``): query ``[t, np, hn]``,
+      key/value ``[t, ng, hn]``; returns ``[t, np * hn]``.
+    * no ``packed_seq_params``: query ``[s, b, np, hn]``, key/value
+      ``[s, b, ng, hn]``, each batch row one segment; returns ``[s, b, np * hn]``.
+
+    Grouped-query attention: query head ``i`` uses key/value group
+    ``i // (np / ng)``, as in megatron. Attention dropout is applied in
+    training mode, under megatron's TP-aware RNG tracker like
+    ``DotProductAttention``. Dense attention masks are refused rather than
+    ignored: segments come only from ``cu_seqlens``. Not supported (raise at
+    construction): context parallelism (ring attention is separate work),
+    sliding windows, non-vanilla softmax.
+
+    Softmax scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``.
+    megatron's ``apply_query_key_layer_scaling`` divides the scores by the
+    layer number and multiplies them back inside its softmax, so the result
+    is the same scale and it needs no handling here.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("PackedCoreAttention does not implement context parallelism (parallel.cp must be 1)")
+        if config.window_size is not None:
+            raise ValueError("PackedCoreAttention does not implement sliding-window attention")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"PackedCoreAttention supports the vanilla softmax only, not {config.softmax_type!r}")
+        if attn_mask_type not in _CAUSAL + _BIDIRECTIONAL:
+            raise ValueError(f"PackedCoreAttention has no {attn_mask_type.name} masks; segments come from cu_seqlens")
+        self.layer_number = max(1, layer_number)
+        self.attention_type = attention_type
+        self.causal = attn_mask_type in _CAUSAL
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("PackedCoreAttention takes no dense mask or bias; pass PackedSeqParams (cu_seqlens)")
+        causal = self.causal if attn_mask_type is None else attn_mask_type in _CAUSAL
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
+        with rng:
+            if packed_seq_params is None:
+                s, b = query.shape[:2]
+                # [s, b, n, d] -> [b, n, s, d]: every row is one segment.
+                out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), causal, dropout_p)
+                return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            return self._attend_thd(query, key, value, packed_seq_params, causal, dropout_p)
+
+    def _attend_thd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams,
+        causal: bool, dropout_p: float,
+    ) -> torch.Tensor:
+        """``[t, np, hn]`` query, ``[t, ng, hn]`` key/value -> ``[t, np * hn]``."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"PackedCoreAttention reads qkv_format='thd' only, got {params.qkv_format!r}")
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+            raise ValueError("PackedCoreAttention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
+        t = query.shape[0]
+        bounds = cu_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != t:
+            raise ValueError(f"cu_seqlens span [{bounds[0]}, {bounds[-1]}) but the sequence has {t} tokens")
+        parts = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            # [L, n, d] -> [1, n, L, d]
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            parts.append(self._attend(q, k, v, causal, dropout_p)[0].transpose(0, 1))  # [L, np, hn]
+        return torch.cat(parts).reshape(t, -1)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float
+    ) -> torch.Tensor:
+        """SDPA on ``[n, np, L, hn]`` query and ``[n, ng, L, hn]`` key/value."""
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+        )
