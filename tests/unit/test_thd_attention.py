@@ -252,4 +252,6 @@ def test_vision_tower_attends_both_ways_without_a_mask(one_rank):
     changed[..., size - patch :, size - patch :] += 1.0  # the last patch only
     with torch.no_grad():
         before, after = model.vision_model(image), model.vision_model(changed)  # [1, c + p, vh]
-    assert (after[:, 0] - before[:, 0]).abs().max() > 1e-3
+    # Causal attention would leave the first token exactly unchanged (0.0); the size of the change
+    # depends on the random init, so any change well above fp32 rounding proves bidirectional attention.
+    assert (after[:, 0] - before[:, 0]).abs().max() > 1e-5
