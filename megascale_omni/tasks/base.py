@@ -101,6 +101,10 @@ class Task(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict` (loaded tensors are in this rank's layout)."""
 
+    def close(self) -> None:
+        """Release background resources (data loader workers); every rank, once,
+        at teardown after training or a failure."""
+
     # ------------------------------------------------------- shared helpers
     def padded_vocab_size(self, vocab: int) -> int:
         return self.cfg.model.padded_vocab_size(vocab)
