@@ -195,6 +195,18 @@ class PackedEpochPlan:
         # dataset too small for one global batch) surface at construction.
         self.steps_in_epoch(0)
 
+    def __getstate__(self) -> dict:
+        # The bound LRU wrapper does not pickle (data loader workers get a
+        # copy of the plan): send its size, rebuild it empty on arrival.
+        state = self.__dict__.copy()
+        state["_packs_lru"] = state["_packs_lru"].cache_parameters()["maxsize"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        maxsize = state.pop("_packs_lru")
+        self.__dict__.update(state)
+        self._packs_lru = functools.lru_cache(maxsize=maxsize)(self._pack_epoch)
+
     @property
     def num_samples(self) -> int:
         return int(self._lengths.shape[0])

@@ -108,6 +108,10 @@ class Task(ABC):
         for THD micro-batches (:func:`megascale_omni.models.attention.thd_pipeline_shape`)."""
         return self.seq_length, self.cfg.train.micro_batch_size
 
+    def close(self) -> None:
+        """Release background resources (data loader workers); every rank, once,
+        at teardown after training or a failure."""
+
     # ------------------------------------------------------- shared helpers
     def padded_vocab_size(self, vocab: int) -> int:
         return self.cfg.model.padded_vocab_size(vocab)

@@ -22,13 +22,15 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.data.balance import microbatch_shares, sample_cost, split_balanced_counts
+from megascale_omni.data.balance import sample_cost
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
+from megascale_omni.data.llava.steps import LlavaSteps
+from megascale_omni.data.loader import StepLoader
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
@@ -155,6 +157,9 @@ class LlavaTask(Task):
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
             counter=self.bad_samples.counter, preprocess=self.preprocess,
         )
+        self.steps = LlavaSteps(self.plan, self.train_ids, self.train_batcher, cfg.train.micro_batch_size)
+        self.loader = StepLoader(self.steps, cfg.data.num_workers, cfg.data.prefetch_steps, cfg.train.steps,
+                                 pin_memory=platform.is_cuda, log_level=cfg.logging.level)
         packs0 = self.plan.epoch_packs(0)
         self.packing_efficiency = packing_efficiency(packs0, self.seq_length)
         self.pad_to_max_efficiency = pad_to_max_efficiency(lengths)
@@ -211,23 +216,16 @@ class LlavaTask(Task):
         return int(sum(self.train_images[sid] for p in self.plan.global_batch(step) for sid in p.sample_ids))
 
     def _share(self, step: int, dp_rank: int, dp_size: int) -> list[Pack]:
-        """DP rank ``dp_rank``'s packed rows of global batch ``step``: whole
-        micro-batches (``microbatch_shares``), cost-balanced."""
-        packs = self.plan.global_batch(step)
-        counts = microbatch_shares(len(packs), self.cfg.train.micro_batch_size, dp_size)
-        parts = split_balanced_counts(list(range(len(packs))), [p.cost for p in packs], counts)
-        return [packs[i] for i in parts[dp_rank]]
+        """DP rank ``dp_rank``'s packed rows of global batch ``step`` (:meth:`LlavaSteps.share`)."""
+        return self.steps.share(step, dp_rank, dp_size)
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
         """Dataset indices of the samples packed into DP rank ``dp_rank``'s share of step ``step``."""
         return [int(self.train_ids[sid]) for pack in self._share(step, dp_rank, dp_size) for sid in pack.sample_ids]
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
-        mine = self._share(step, dp_rank, dp_size)
-        mbs = self.cfg.train.micro_batch_size
-        batches = [
-            self.train_batcher.microbatch(mine[i : i + mbs], self.train_ids) for i in range(0, len(mine), mbs)
-        ]
+        # Built ahead in data.num_workers processes, or here (0); skip counts land in bad_samples.counter.
+        batches = self.loader.get(step, dp_rank, dp_size)
         # Abort on every rank together when bad samples exceed the limit (collective).
         self.bad_samples.update()
         return batches
@@ -242,6 +240,9 @@ class LlavaTask(Task):
 
     def load_state_dict(self, state: dict) -> None:
         self.bad_samples.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
 
     # ----------------------------------------------------------------- model
     def _images(self, batch: dict) -> Optional[torch.Tensor]:

@@ -24,6 +24,7 @@ FEATURES = {
     "context_parallel": ("parallel.cp", "1"),
     "elastic": ("elastic.enabled", "false"),
     "data_blend": ("data.blend", "[]"),
+    "data_workers": ("data.num_workers", "0"),
 }
 
 
@@ -141,6 +142,8 @@ def _features_used(cfg: JobConfig) -> list[str]:
         used.append("elastic")
     if cfg.data.blend:
         used.append("data_blend")
+    if cfg.data.num_workers:
+        used.append("data_workers")
     return used
 
 
@@ -179,12 +182,15 @@ FAMILIES: dict[str, ModelFamily] = {
             features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             profiler="megascale_omni.models.component_profile:profile_gpt_components",
-            notes=(("context_parallel", "ring attention is not implemented yet"),),
+            notes=(
+                ("context_parallel", "ring attention is not implemented yet"),
+                ("data_workers", "its tokens are synthetic, generated in the training process"),
+            ),
         ),
         ModelFamily(
             name="llava",
             task="megascale_omni.tasks.llava:LlavaTask",
-            features=frozenset({"vpp", "explicit_partition", "elastic", "data_blend"}),
+            features=frozenset({"vpp", "explicit_partition", "elastic", "data_blend", "data_workers"}),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
@@ -204,6 +210,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("context_parallel", "ring attention is not implemented yet"),
                 ("elastic", "the sample ledger and job-wide skip counters are not wired for DiT yet"),
+                ("data_workers", "its batcher is not wired to the worker loader yet"),
             ),
         ),
     )

@@ -291,7 +291,9 @@ class Trainer:
                     dynamic_ncols=True, disable=not show)
 
     def close(self) -> None:
-        """Stop background writers and the control server, destroy process groups (every rank)."""
+        """Stop data workers, background writers and the control server, destroy
+        process groups (every rank)."""
+        self.task.close()
         self.checkpointer.close()
         self.control.close()
         destroy_parallel()

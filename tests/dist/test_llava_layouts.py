@@ -4,7 +4,9 @@ Same seed, same data, fp32: the per-step loss of 20 steps must agree within
 1e-6 relative with the single-process run (measured: below 1e-7), the grad
 norm within 1e-5 (measured: below 3.1e-6, PP2). The ViT and projector live on
 pipeline stage 0, so PP2 checks that image features cross the stage boundary
-correctly, and TP2 that the ViT/projector/LM shards recombine exactly.
+correctly, and TP2 that the ViT/projector/LM shards recombine exactly;
+``pp2-workers`` that micro-batches built in ``data.num_workers`` processes
+train the same model as those built in the training process.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"]),
     "tp2-dp2": (4, ["parallel.tp=2"]),
     "pp2-dp2": (4, ["parallel.pp=2"]),
+    # Micro-batches built in a worker process per rank (data.num_workers): the same training.
+    "pp2-workers": (2, ["parallel.pp=2", "data.num_workers=1"]),
 }
 
-SLOW = {'pp2-dp2', 'tp2-dp2'}
+SLOW = {'pp2-dp2', 'tp2-dp2', 'pp2-workers'}
 
 
 def _train(tmp_path_factory, llava_dataset, name, nproc, overrides):

@@ -71,6 +71,13 @@ EXPECTED = {
         r"^latency: cold join [\d.]+ s, standby join [\d.]+ s, restart\+reload [\d.]+ s",
         r"^survivor lost step times at the join: cold -?[\d.]+, standby -?[\d.]+",
     ],
+    "loader_throughput": [
+        r"^\(a\) loader alone: 6 steps of 8 packed rows, DP rank 0 of 1",
+        r"^\| in-process \| \d+ \| \d+ \| 1\.00x \| [\d.]+ s \| [\d.]+ ms \|$",
+        r"^\| 1 \| \d+ \| \d+ \| [\d.]+x \| [\d.]+ s \| [\d.]+ ms \|$",
+        r"^\(b\) demo training, 2 processes \(DP2\), 5 steps",
+        *(rf"^\| {workers} \| 2 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \|$" for workers in (0, 1)),
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -84,13 +91,14 @@ TIMEOUT_S = {
     "metrics_overhead": 300,
     "scheduler_sim": 240,
     "elastic_join": 1200,
+    "loader_throughput": 600,
 }
 #: Benchmarks that start several torchrun jobs.
-DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join"}
+DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse); `make test-all` runs them. The
 #: single-process benchmarks stay in `make test`.
-SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead"}
+SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput"}
 
 
 def documented_commands() -> dict[str, list[str]]:

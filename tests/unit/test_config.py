@@ -49,6 +49,8 @@ INVALID = {
     "vocab-multiple-vs-tp": (["parallel.tp=2", "model.make_vocab_size_divisible_by=3"], 2,
                              ["model.make_vocab_size_divisible_by=3", "parallel.tp=2"]),
     "bad-sample-fraction": (["data.max_bad_sample_fraction=1.5"], 1, ["data.max_bad_sample_fraction=1.5", "[0, 1]"]),
+    "negative-data-workers": (["data.num_workers=-1"], 1, ["data.num_workers=-1", "must be >= 0"]),
+    "no-prefetch": (["data.num_workers=1", "data.prefetch_steps=0"], 1, ["data.prefetch_steps=0", "must be > 0"]),
 }
 
 # Settings that are valid on GPU but not on this CPU-only host: rejected after

@@ -47,6 +47,7 @@ UNSUPPORTED = [
     ("llava", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
      ["parallel.sequence_parallel=True", "does not support sequence parallel"]),
     ("gpt", ["parallel.cp=2"], 2, ["parallel.cp=2", "does not support context parallel"]),
+    ("dit", ["data.num_workers=2"], 1, ["data.num_workers=2", "does not support data workers", "set data.num_workers: 0"]),
 ]
 
 
