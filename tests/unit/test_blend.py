@@ -90,3 +90,21 @@ def test_blend_config_is_validated_and_only_llava_supports_it():
     gpt = from_dict(JobConfig, {"data": {"blend": [{"path": "a"}]}})
     with pytest.raises(ConfigError, match="does not support data blend"):
         get_family("gpt").validate(gpt, 1)
+
+
+def test_blend_pieces_cross_to_loader_workers(tmp_path):
+    """data.num_workers sends the plan and the reader to worker processes:
+    both pickle and keep answering the same."""
+    import pickle
+
+    from megascale_omni.data.blend import ConcatReader
+    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, open_shapes_split
+
+    order = BlendedOrder(_sources([30, 12]), [1, 2], seed=4)
+    assert (pickle.loads(pickle.dumps(order))(2) == order(2)).all()
+    for name, seed in (("a", 1), ("b", 2)):
+        make_shapes_dataset(tmp_path / name, num_train=6, num_val=2, seed=seed, samples_per_shard=3)
+    reader = ConcatReader([open_shapes_split(tmp_path / "a", "train"), open_shapes_split(tmp_path / "b", "train")])
+    copy = pickle.loads(pickle.dumps(reader))
+    assert len(copy) == 12 and copy.read_metadata(7) == reader.read_metadata(7)
+    assert copy[7].conversation == reader[7].conversation and copy.locate(7) == (1, 1)
