@@ -96,11 +96,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        code = failure.exitcode
+        rank, code = first_failure(e.failures)
         sys.stderr.write(f"omni-run: {len(e.failures)} worker(s) failed; first: rank {rank} exited with code "
                          f"{code} (its message is above)\n")
         sys.exit(code if code in USER_ERROR_CODES else 1)
+
+
+def first_failure(failures: dict) -> tuple[int, int]:
+    """``(rank, exit code)`` of the worker whose failure caused the others':
+    the earliest one that exited on its own (code > 0); torchrun then
+    terminates the rest (negative codes: killed by a signal). Falls back to
+    the earliest failure of all."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    own = [(rank, f) for rank, f in ordered if f.exitcode > 0]
+    rank, failure = (own or ordered)[0]
+    return rank, failure.exitcode
 
 
 if __name__ == "__main__":

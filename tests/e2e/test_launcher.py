@@ -4,6 +4,7 @@ in one line, with no launcher traceback."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -47,5 +48,19 @@ def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
     assert res.returncode == 4, res.output[-3000:]
     assert "is not a checkpoint directory" in res.stderr
     assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
-    assert res.stderr.rstrip().splitlines()[-1].startswith("omni-run: 2 worker(s) failed; first: rank 0 exited "
-                                                           "with code 4")
+    # Whichever rank failed first; torchrun then terminates the other (code -15), which must not be reported.
+    assert re.match(r"omni-run: [12] worker\(s\) failed; first: rank [01] exited with code 4 ",
+                    res.stderr.rstrip().splitlines()[-1])
+
+
+def test_the_first_failure_is_the_worker_that_exited_on_its_own():
+    from types import SimpleNamespace
+
+    from megascale_omni.launch import first_failure
+
+    failures = {0: SimpleNamespace(exitcode=-15, timestamp=12), 1: SimpleNamespace(exitcode=4, timestamp=10),
+                2: SimpleNamespace(exitcode=3, timestamp=11)}
+    assert first_failure(failures) == (1, 4)
+    # Only signals: the earliest.
+    assert first_failure({0: SimpleNamespace(exitcode=-9, timestamp=5), 1: SimpleNamespace(exitcode=-15,
+                                                                                           timestamp=3)}) == (1, -15)
