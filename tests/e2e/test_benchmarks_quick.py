@@ -96,9 +96,11 @@ TIMEOUT_S = {
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
-#: each: elastic_join 7 plus a lighthouse); `make test-all` runs them. The
+#: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
+#: several times, 35 s); `make test-all` runs them. The other
 #: single-process benchmarks stay in `make test`.
-SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput"}
+SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
+        "checkpoint_async"}
 
 
 def documented_commands() -> dict[str, list[str]]:
