@@ -42,8 +42,13 @@ class ParallelConfig:
     tp: int = 1
     #: Pipeline-parallel size.
     pp: int = 1
-    #: Context-parallel size.
+    #: Context-parallel size: every sequence is split over ``cp`` ranks
+    #: (load-balanced, 2*cp chunks) and attention runs as ring attention
+    #: (docs/context_parallel.md).
     cp: int = 1
+    #: transformer-engine's CP communication (``p2p`` ring, ``a2a``,
+    #: ``allgather``, ``a2a+p2p``); the local layer spec always runs the p2p ring.
+    cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = "p2p"
     #: Virtual pipeline stages (model chunks) per pipeline rank; ``None`` = no interleaving.
     vpp: Optional[int] = None
     #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).
@@ -195,6 +200,11 @@ class DataConfig:
     #: With ``num_workers`` > 0: steps built ahead of the one training,
     #: rounded up to a multiple of ``num_workers``.
     prefetch_steps: int = 2
+    #: LLaVA: pad every sample (with loss-free padding at its end) to a
+    #: multiple of this many tokens before packing. ``0``: ``2 * parallel.cp``
+    #: (what context parallelism needs), 1 without CP. Set it explicitly to
+    #: compare a CP run with a CP1 run on identical packs.
+    pad_to_multiple_of: int = 0
 
     def __post_init__(self) -> None:
         for i, source in enumerate(self.blend):
@@ -207,6 +217,7 @@ class DataConfig:
             raise ConfigError("data.image_token", self.image_token, "must name a token of the tokenizer")
         require_positive("data", "num_workers", self.num_workers, allow_zero=True)
         require_positive("data", "prefetch_steps", self.prefetch_steps)
+        require_positive("data", "pad_to_multiple_of", self.pad_to_multiple_of, allow_zero=True)
         if not 0.0 <= self.max_bad_sample_fraction <= 1.0:
             raise ConfigError("data.max_bad_sample_fraction", self.max_bad_sample_fraction, "must be in [0, 1]")
 

@@ -51,6 +51,8 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(
             "model.seq_length", model.seq_length, f"must be divisible by parallel.tp={par.tp} with sequence_parallel"
         )
+    if par.cp > 1:
+        _validate_context_parallel(cfg)
     dp = world_size // mp
     per_step = train.micro_batch_size * dp
     if cfg.elastic.enabled:
@@ -113,6 +115,40 @@ def _validate_pipeline_partition(cfg: JobConfig) -> None:
                 partition,
                 f"sums to {sum(partition)} but model.num_layers={layers}; the counts must add up to it",
             )
+
+
+def sequence_multiple(cfg: JobConfig) -> int:
+    """What every LLaVA sample is padded to before packing (``data.pad_to_multiple_of``, resolved)."""
+    return cfg.data.pad_to_multiple_of or (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
+
+
+def _validate_context_parallel(cfg: JobConfig) -> None:
+    """CP splits each sequence into ``2 * cp`` equal chunks (docs/context_parallel.md)."""
+    par, model = cfg.parallel, cfg.model
+    chunks = 2 * par.cp
+    if cfg.data.pad_to_multiple_of and cfg.data.pad_to_multiple_of % chunks:
+        raise ConfigError(
+            "data.pad_to_multiple_of", cfg.data.pad_to_multiple_of,
+            f"must be a multiple of 2*parallel.cp={chunks} (each sample is cut into 2*cp chunks); "
+            "use 0 for that default",
+        )
+    if model.attention_dropout and model.layer_impl != "transformer_engine":
+        raise ConfigError(
+            "model.attention_dropout", model.attention_dropout,
+            "ring attention (parallel.cp > 1 with the local layer spec) has no attention dropout; set it to 0, "
+            "or use model.layer_impl: transformer_engine on a GPU",
+        )
+
+
+def require_cp_seq_length(cfg: JobConfig) -> None:
+    """Language-model families: packed rows must split into ``2 * cp`` chunks."""
+    model, multiple = cfg.model, sequence_multiple(cfg)
+    if model.seq_length % multiple:
+        raise ConfigError(
+            "model.seq_length", model.seq_length,
+            f"must be a multiple of {multiple} (2*parallel.cp, or data.pad_to_multiple_of) "
+            f"under context parallelism; use {max(model.seq_length // multiple, 1) * multiple}",
+        )
 
 
 def _validate_elastic(cfg: JobConfig) -> None:

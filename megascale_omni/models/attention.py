@@ -75,15 +75,19 @@ class ThdInputs(NamedTuple):
     packed_seq_params: PackedSeqParams
 
 
-def thd_inputs(batch: Mapping[str, torch.Tensor]) -> ThdInputs:
+def thd_inputs(batch: Mapping[str, torch.Tensor], cp_size: int = 1) -> ThdInputs:
     """Flatten a collated micro-batch (``tokens``, ``position_ids`` and
     optionally ``labels``: ``[b, s]``; ``cu_seqlens``: ``[n + 1]`` over the
-    row-major flattening) into :class:`ThdInputs`."""
+    row-major flattening) into :class:`ThdInputs`.
+
+    Under context parallelism the per-token tensors are already this CP
+    rank's ``t / cp_size`` tokens (:func:`cp_shard_batch`) while
+    ``cu_seqlens`` stays global."""
     tokens = batch["tokens"]
     t = tokens.numel()
     cu = batch["cu_seqlens"]
-    if int(cu[-1]) != t:
-        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the micro-batch has {t} tokens")
+    if int(cu[-1]) != t * cp_size:
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the micro-batch has {t} x cp={cp_size} tokens")
     labels = batch.get("labels")
     return ThdInputs(
         tokens.reshape(1, t),
@@ -91,6 +95,27 @@ def thd_inputs(batch: Mapping[str, torch.Tensor]) -> ThdInputs:
         None if labels is None else labels.reshape(1, t),
         packed_seq_params(cu),
     )
+
+
+#: Per-token entries of a THD micro-batch, split along the sequence under CP.
+THD_TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "eval_mask")
+
+
+def cp_shard_batch(batch: Mapping[str, torch.Tensor], cp_size: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """This CP rank's share of a collated THD micro-batch: the per-token
+    tensors (:data:`THD_TOKEN_KEYS`) become ``[1, t / cp_size]`` in the
+    load-balanced split of :mod:`megascale_omni.parallel.context`;
+    ``cu_seqlens`` and everything else stay whole. Adds ``cp_index``
+    (``[t / cp_size]``, the global positions kept). Every segment must be a
+    multiple of ``2 * cp_size`` long (``data.pad_to_multiple_of``)."""
+    from megascale_omni.parallel.context import cp_token_index, shard_tokens
+
+    if cp_size == 1:
+        return dict(batch)
+    index = cp_token_index(batch["cu_seqlens"], cp_size, cp_rank)
+    out = shard_tokens(batch, THD_TOKEN_KEYS, index)
+    out["cp_index"] = index
+    return out
 
 
 def thd_pipeline_shape(seq_length: int, micro_batch_size: int) -> tuple[int, int]:
@@ -121,8 +146,17 @@ class PackedCoreAttention(MegatronModule):
     training mode, under megatron's TP-aware RNG tracker like
     ``DotProductAttention``. Dense attention masks are refused rather than
     ignored: segments come only from ``cu_seqlens``. Not supported (raise at
-    construction): context parallelism (ring attention is separate work),
-    sliding windows, non-vanilla softmax.
+    construction): sliding windows, non-vanilla softmax, and attention
+    dropout under context parallelism.
+
+    Context parallelism (``config.context_parallel_size > 1``): inputs are
+    this rank's tokens in the load-balanced split of
+    :mod:`megascale_omni.parallel.context`, and attention runs as ring
+    attention over the CP group (:mod:`megascale_omni.models.ring_attention`).
+    For THD the ``PackedSeqParams`` stay *global*: ``cu_seqlens_q`` holds the
+    real segment boundaries of the whole micro-batch and
+    ``cu_seqlens_q_padded`` (optional) the padded ones, each a multiple of
+    ``2 * cp``, transformer-engine's convention.
 
     Softmax scale: ``softmax_scale`` or ``1 / sqrt(kv_channels)``.
     megatron's ``apply_query_key_layer_scaling`` divides the scores by the
@@ -142,8 +176,10 @@ class PackedCoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("PackedCoreAttention does not implement context parallelism (parallel.cp must be 1)")
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1 and (attention_dropout if attention_dropout is not None else config.attention_dropout):
+            raise ValueError("ring attention (parallel.cp > 1) has no attention dropout; set attention_dropout: 0")
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if config.window_size is not None:
             raise ValueError("PackedCoreAttention does not implement sliding-window attention")
         if config.softmax_type != "vanilla":
@@ -175,6 +211,8 @@ class PackedCoreAttention(MegatronModule):
             if dropout_p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
+        if self.cp_size > 1:
+            return self._ring(query, key, value, packed_seq_params, causal)
         with rng:
             if packed_seq_params is None:
                 s, b = query.shape[:2]
@@ -182,6 +220,39 @@ class PackedCoreAttention(MegatronModule):
                 out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), causal, dropout_p)
                 return out.permute(2, 0, 1, 3).reshape(s, b, -1)
             return self._attend_thd(query, key, value, packed_seq_params, causal, dropout_p)
+
+    def _ring(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Optional[PackedSeqParams],
+        causal: bool,
+    ) -> torch.Tensor:
+        """Context parallelism: this rank's tokens in the load-balanced split
+        (:mod:`megascale_omni.parallel.context`) attend over the CP group
+        (:func:`~megascale_omni.models.ring_attention.ring_attention`).
+        THD: ``[t / cp, n, d]`` -> ``[t / cp, n * d]``, segments from the
+        global ``cu_seqlens_q`` (real) and ``cu_seqlens_q_padded``; ``[s / cp,
+        b, n, d]`` -> ``[s / cp, b, n * d]``, each row one segment."""
+        from megatron.core import parallel_state as mpu
+
+        from megascale_omni.models.ring_attention import ring_attention
+        from megascale_omni.parallel.context import LocalSegment, local_segments
+
+        group = self.cp_group or mpu.get_context_parallel_group()
+        if params is None:
+            s, b = query.shape[:2]
+            if s % 2:
+                raise ValueError(f"ring attention: {s} local tokens per row, not the two chunks of a 2*cp split")
+            segments = [LocalSegment(0, s // 2, s * self.cp_size)]
+            heads_first = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d]
+            out = ring_attention(*heads_first, segments, causal=causal, scale=self.softmax_scale, group=group)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if params.qkv_format != "thd":
+            raise ValueError(f"PackedCoreAttention reads qkv_format='thd' only, got {params.qkv_format!r}")
+        padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        segments = local_segments(params.cu_seqlens_q, padded, self.cp_size)
+        t = query.shape[0]
+        heads_first = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, n, t, d]
+        out = ring_attention(*heads_first, segments, causal=causal, scale=self.softmax_scale, group=group)
+        return out[0].transpose(0, 1).reshape(t, -1)
 
     def _attend_thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams,

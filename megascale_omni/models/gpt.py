@@ -131,6 +131,7 @@ def transformer_config(
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         context_parallel_size=parallel.cp,
+        cp_comm_type=parallel.cp_comm_type,
         sequence_parallel=parallel.sequence_parallel,
         **pipeline_kwargs(parallel),
         **recompute_kwargs(model.recompute),

@@ -92,6 +92,8 @@ class LlavaChunk(MegatronModule):
       images: ``[n, 3, H, W]`` float, one row per placeholder block in
         token order; only read on the first stage.
       labels: ``[1, t]`` int64 (last stage), or None to return logits ``[1, t, vocab/tp]``.
+      image_rows: context parallelism only (``t`` is then this CP rank's
+        share): the image-feature row of each local placeholder (:meth:`embed`).
     """
 
     def __init__(
@@ -167,19 +169,30 @@ class LlavaChunk(MegatronModule):
         """Pipeline hook: activations from the previous stage go to the LM."""
         self.language_model.set_input_tensor(input_tensor)
 
-    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, images: Optional[torch.Tensor]) -> torch.Tensor:
+    def embed(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor, images: Optional[torch.Tensor],
+        image_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """First stage: token embeddings with image features written over the
         placeholder positions. ``tokens``, ``position_ids``: ``[b, s]``
-        (``b = 1`` for THD). Returns ``[s, b, h]``."""
+        (``b = 1`` for THD). Returns ``[s, b, h]``.
+
+        ``image_rows`` (context parallelism): ``tokens`` are this CP rank's
+        share and hold only some placeholders; entry ``i`` is the row of the
+        image features (``[n * tokens_per_image]``, image-major over *all*
+        ``images``) that the ``i``-th local placeholder takes."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
         is_image = tokens == self.image_token_id  # [b, s]
         n_slots = int(is_image.sum())
         n_images = 0 if images is None else images.shape[0]
-        if n_slots != n_images * self.tokens_per_image:
+        expected = n_images * self.tokens_per_image if image_rows is None else image_rows.numel()
+        if n_slots != expected:
             raise ValueError(
                 f"micro-batch has {n_slots} image placeholder tokens but {n_images} images "
-                f"x {self.tokens_per_image} tokens per image"
+                f"x {self.tokens_per_image} tokens per image" + ("" if image_rows is None else
+                                                               f" ({expected} on this CP rank)")
             )
+        # Under CP the ViT runs even on a rank holding no placeholder: every rank has the same graph.
         if n_images == 0:
             return emb
         # Images are not packed: each is one [c + p]-token sequence, attended
@@ -188,6 +201,8 @@ class LlavaChunk(MegatronModule):
         feats = feats[:, self.class_tokens :]  # the class token never reaches the LM
         feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
         feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
+        if image_rows is not None:
+            feats = feats[image_rows]  # this CP rank's placeholders, in token order
         pos_table = getattr(self.language_model.embedding, "position_embeddings", None)
         if pos_table is not None:
             # Overwriting the whole embedding would also drop the LM's learned
@@ -206,8 +221,9 @@ class LlavaChunk(MegatronModule):
         packed_seq_params: PackedSeqParams,
         images: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        image_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        decoder_input = self.embed(tokens, position_ids, images) if self.pre_process else None
+        decoder_input = self.embed(tokens, position_ids, images, image_rows) if self.pre_process else None
         return self.language_model(
             tokens, position_ids, None, decoder_input=decoder_input, labels=labels,
             packed_seq_params=packed_seq_params,

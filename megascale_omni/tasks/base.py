@@ -116,6 +116,17 @@ class Task(ABC):
     def padded_vocab_size(self, vocab: int) -> int:
         return self.cfg.model.padded_vocab_size(vocab)
 
+    def cp_local(self, batch: dict) -> dict:
+        """This CP rank's share of a THD micro-batch (``batch`` itself without
+        CP; see :func:`megascale_omni.models.attention.cp_shard_batch`)."""
+        if self.dims.cp == 1:
+            return batch
+        from megatron.core import parallel_state as mpu
+
+        from megascale_omni.models.attention import cp_shard_batch
+
+        return cp_shard_batch(batch, self.dims.cp, mpu.get_context_parallel_rank())
+
     def forward_only(
         self, chunks: Sequence[torch.nn.Module], forward_step: Callable, microbatches: Sequence[dict]
     ) -> list[dict]:

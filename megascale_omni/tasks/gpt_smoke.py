@@ -94,8 +94,8 @@ class GptSmokeTask(Task):
 
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):
-        batch = next(data_iterator)
-        tokens, position_ids, labels, packed = thd_inputs(batch)
+        batch = self.cp_local(next(data_iterator))
+        tokens, position_ids, labels, packed = thd_inputs(batch, self.dims.cp)
         output = model(tokens, position_ids, None, labels=labels, packed_seq_params=packed)
         return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.config.validate import sequence_multiple
 from megascale_omni.data.balance import sample_cost
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
-from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, padded_length, plan_sample
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.llava.steps import LlavaSteps
@@ -142,6 +143,8 @@ class LlavaTask(Task):
                 f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
             )
         self.vocab_size = self.padded_vocab_size(vocab)
+        #: Samples are padded to a multiple of this many tokens (2*cp under CP).
+        self.multiple = sequence_multiple(cfg)
         self.bad_samples = BadSampleAccount(cfg, dims)
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -155,7 +158,7 @@ class LlavaTask(Task):
                                     order=order)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
-            counter=self.bad_samples.counter, preprocess=self.preprocess,
+            counter=self.bad_samples.counter, preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
         )
         self.steps = LlavaSteps(self.plan, self.train_ids, self.train_batcher, cfg.train.micro_batch_size)
         self.loader = StepLoader(self.steps, cfg.data.num_workers, cfg.data.prefetch_steps, cfg.train.steps,
@@ -184,6 +187,7 @@ class LlavaTask(Task):
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
                 continue
+            n = padded_length(n, self.multiple)
             if n > self.seq_length:
                 bad += 1
                 logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
@@ -248,16 +252,30 @@ class LlavaTask(Task):
     def _images(self, batch: dict) -> Optional[torch.Tensor]:
         return batch["images"].to(self.dtype) if batch["images"].shape[0] else None
 
+    def _local(self, batch: dict) -> dict:
+        """This CP rank's tokens (:meth:`Task.cp_local`), plus ``image_rows``:
+        which rows of the micro-batch's image features (all images, every CP
+        rank runs the ViT on all of them) its image placeholders take."""
+        local = self.cp_local(batch)
+        if self.dims.cp > 1:
+            is_image = batch["tokens"].reshape(-1) == self.tokenizer.image_token_id
+            feature_row = torch.cumsum(is_image, 0) - 1
+            mine = local["cp_index"]
+            local["image_rows"] = feature_row[mine][is_image[mine]]
+        return local
+
     def forward_step(self, data_iterator: Any, model):
-        batch = next(data_iterator)
-        tokens, pos, labels, packed = thd_inputs(batch)
-        output = model(tokens, pos, packed, images=self._images(batch), labels=labels)
+        batch = self._local(next(data_iterator))
+        tokens, pos, labels, packed = thd_inputs(batch, self.dims.cp)
+        output = model(tokens, pos, packed, images=self._images(batch), labels=labels,
+                       image_rows=batch.get("image_rows"))
         return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 
     def eval_forward_step(self, data_iterator: Any, model):
-        batch = next(data_iterator)
-        tokens, pos, _, packed = thd_inputs(batch)
-        logits = model(tokens, pos, packed, images=self._images(batch), labels=None)
+        batch = self._local(next(data_iterator))
+        tokens, pos, _, packed = thd_inputs(batch, self.dims.cp)
+        logits = model(tokens, pos, packed, images=self._images(batch), labels=None,
+                       image_rows=batch.get("image_rows"))
         return logits, partial(_eval_loss, batch=batch, categories=self._word_categories())
 
     def _word_categories(self) -> dict[str, torch.Tensor]:
@@ -311,7 +329,7 @@ class LlavaTask(Task):
             self._val = (ids, packs, _shuffled_image_sources(self.val_reader, ids))
             self.val_batcher = LlavaBatcher(
                 self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size,
-                preprocess=self.preprocess,
+                preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
             )
         ids, packs, sources = self._val
         dp, rank = self.dims.dp, data_parallel_rank()

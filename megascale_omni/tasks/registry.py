@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from megascale_omni.config import ConfigError, JobConfig, validate_job
-from megascale_omni.config.validate import require_divisible_by_tp, validate_paths
+from megascale_omni.config.validate import require_cp_seq_length, require_divisible_by_tp, validate_paths
 
 #: Features a family may support; a config that uses one its family lacks exits 2.
 FEATURES = {
@@ -150,8 +150,13 @@ def _features_used(cfg: JobConfig) -> list[str]:
 # ------------------------------------------------------------ family checks
 
 
+def _check_gpt(cfg: JobConfig) -> None:
+    require_cp_seq_length(cfg)
+
+
 def _check_llava(cfg: JobConfig) -> None:
     vision, par = cfg.vision, cfg.parallel
+    require_cp_seq_length(cfg)
     require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
     require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:
@@ -179,24 +184,25 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="gpt",
             task="megascale_omni.tasks.gpt_smoke:GptSmokeTask",
-            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "elastic"}),
+            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             profiler="megascale_omni.models.component_profile:profile_gpt_components",
+            check=_check_gpt,
             notes=(
-                ("context_parallel", "ring attention is not implemented yet"),
                 ("data_workers", "its tokens are synthetic, generated in the training process"),
             ),
         ),
         ModelFamily(
             name="llava",
             task="megascale_omni.tasks.llava:LlavaTask",
-            features=frozenset({"vpp", "explicit_partition", "elastic", "data_blend", "data_workers"}),
+            features=frozenset(
+                {"vpp", "explicit_partition", "context_parallel", "elastic", "data_blend", "data_workers"}
+            ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
             notes=(
                 ("sequence_parallel", "packed sequences are not split across TP ranks"),
-                ("context_parallel", "ring attention is not implemented yet"),
             ),
         ),
         ModelFamily(

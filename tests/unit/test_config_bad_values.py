@@ -115,3 +115,21 @@ def test_overlap_grad_reduce_resolves_and_wires_megatrons_sync_hooks():
         [ddp] = wrap_ddp([model], model.config, cfg.parallel, overlap=True)
         assert ddp.ddp_config.overlap_grad_reduce
         assert model.config.no_sync_func == ddp.no_sync and model.config.grad_sync_func == ddp.start_grad_sync
+
+
+# Context parallelism cuts every sequence into 2*cp equal chunks (world size 2: cp=2).
+CP_BAD = [
+    (["parallel.cp=2", "model.seq_length=30"], "model.seq_length", "multiple of 4"),
+    (["parallel.cp=2", "data.pad_to_multiple_of=6"], "data.pad_to_multiple_of", "multiple of 2*parallel.cp=4"),
+    (["parallel.cp=2", "data.pad_to_multiple_of=8", "model.seq_length=36"], "model.seq_length", "multiple of 8"),
+    (["parallel.cp=2", "model.attention_dropout=0.1"], "model.attention_dropout", "no attention dropout"),
+    (["data.pad_to_multiple_of=-1"], "data.pad_to_multiple_of", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,hint", CP_BAD, ids=[" ".join(c[0]) for c in CP_BAD])
+def test_context_parallel_settings_are_checked_before_start(overrides, field, hint):
+    with pytest.raises(ConfigError) as e:
+        cfg = from_dict(JobConfig, apply_overrides(load_yaml(BASE), overrides))
+        get_family(cfg.model.family).validate(cfg, world_size=2)
+    assert e.value.field == field and hint in e.value.hint, str(e.value)

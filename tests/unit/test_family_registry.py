@@ -46,7 +46,7 @@ UNSUPPORTED = [
      ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
     ("llava", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
      ["parallel.sequence_parallel=True", "does not support sequence parallel"]),
-    ("gpt", ["parallel.cp=2"], 2, ["parallel.cp=2", "does not support context parallel"]),
+    ("gpt", ["data.num_workers=1"], 1, ["data.num_workers=1", "does not support data workers"]),
     ("dit", ["data.num_workers=2"], 1, ["data.num_workers=2", "does not support data workers", "set data.num_workers: 0"]),
 ]
 

@@ -112,6 +112,26 @@ def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int) 
         raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name, str(err)) from None
 
 
+def padded_length(num_tokens: int, multiple: int) -> int:
+    """Tokens a sample of ``num_tokens`` occupies in a packed row after :func:`pad_encoded`."""
+    return -(-num_tokens // multiple) * multiple
+
+
+def pad_encoded(enc: EncodedSample, multiple: int, pad_id: int) -> EncodedSample:
+    """``enc`` with ``pad_id`` tokens appended up to a multiple of ``multiple``.
+
+    The padding stays in the sample's THD segment (it is not a segment of its
+    own, so segment lengths stay multiples); it has no loss and, attention
+    being causal, no real token attends to it."""
+    extra = padded_length(len(enc.tokens), multiple) - len(enc.tokens)
+    if extra == 0:
+        return enc
+    return EncodedSample(
+        enc.sample_id, enc.tokens + [pad_id] * extra, enc.target_mask + [0.0] * extra,
+        enc.eval_mask + [0.0] * extra, enc.images,
+    )
+
+
 def images_to_tensor(images: Sequence[np.ndarray], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``n x [H, W, 3] uint8`` -> ``[n, 3, H, W]`` scaled to [-1, 1]."""
     if not images:
@@ -132,6 +152,7 @@ class LlavaBatcher:
         image_size: int,
         counter: Optional[SkipCounter] = None,
         preprocess: Optional[ImagePreprocessor] = None,
+        pad_to_multiple_of: int = 1,
     ):
         self.reader = reader
         #: A :class:`LlavaEncoder` or anything with its ``encode`` (the chat format's encoder).
@@ -142,6 +163,10 @@ class LlavaBatcher:
         #: Tower preprocessing (``data.image_mode``); None: images must be
         #: ``image_size`` square already and are scaled to [-1, 1].
         self.preprocess = preprocess
+        #: Every sample is padded at its end to a multiple of this many tokens
+        #: (context parallelism cuts each into ``2 * cp`` equal chunks); the
+        #: plan must have packed the padded lengths (:func:`padded_length`).
+        self.pad_to_multiple_of = pad_to_multiple_of
         #: Where skipped samples are counted (shared with the task's job-wide account).
         self.counter = counter if counter is not None else SkipCounter()
 
@@ -166,7 +191,7 @@ class LlavaBatcher:
             self.counter.record_skip(err)
             return None
         self.counter.seen += 1
-        return enc
+        return pad_encoded(enc, self.pad_to_multiple_of, self.pad_id)
 
     def _preprocess(self, sample_id: int, image: np.ndarray) -> torch.Tensor:
         try:
