@@ -1,7 +1,7 @@
 """Every parallel layout trains the same model to the same per-step losses.
 
 The strongest guard against fake parallelism: a tiny megatron GPT trains 10
-steps on identical global batches under (TP, PP, DP) layouts on gloo, and
+steps on identical global batches under (TP, PP, CP, DP) layouts on gloo, and
 every layout's loss curve must equal the single-process run within 1e-6
 relative (fp32; measured: below 6e-8) and the grad norm within 1e-5 (measured:
 below 6e-7). Layout-invariant init makes step 0 identical; equality
@@ -32,6 +32,9 @@ LAYOUTS = {
     "dp2-overlap": (2, ["parallel.overlap_grad_reduce=true"]),
     "dp2-distopt-overlap": (2, ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # Context parallelism: learned absolute positions (LLaVA's layouts cover RoPE).
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp4": (4, ["parallel.cp=4"]),
 }
 
 
@@ -48,9 +51,9 @@ def baseline(tmp_path_factory) -> list[dict]:
     return records
 
 
-# tp2-pp2 (4 processes) and dp2-distopt-overlap run in make test-all; the tied-embeddings TP2xPP2 case
+# tp2-pp2 and cp4 (4 processes) and dp2-distopt-overlap run in make test-all; the tied-embeddings TP2xPP2 case
 # below stays in make test.
-SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap")
+SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap", "cp4")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n

@@ -1,4 +1,5 @@
-"""LLaVA under TP2, PP2 and 4-process layouts with DP matches TP1/PP1.
+"""LLaVA under TP2, PP2, CP2 and 4-process layouts (with DP, or TP2xCP2 and
+PP2xCP2) matches TP1/PP1/CP1.
 
 Same seed, same data, fp32: the per-step loss of 20 steps must agree within
 1e-6 relative with the single-process run (measured: below 1e-7), the grad
@@ -6,7 +7,9 @@ norm within 1e-5 (measured: below 3.1e-6, PP2). The ViT and projector live on
 pipeline stage 0, so PP2 checks that image features cross the stage boundary
 correctly, and TP2 that the ViT/projector/LM shards recombine exactly;
 ``pp2-workers`` that micro-batches built in ``data.num_workers`` processes
-train the same model as those built in the training process.
+train the same model as those built in the training process. CP layouts
+split every packed row over the CP ranks (ring attention; each CP rank runs
+the ViT on all images and keeps the features of its placeholders).
 """
 
 from __future__ import annotations
@@ -27,14 +30,21 @@ LAYOUTS = {
     "pp2-dp2": (4, ["parallel.pp=2"]),
     # Micro-batches built in a worker process per rank (data.num_workers): the same training.
     "pp2-workers": (2, ["parallel.pp=2", "data.num_workers=1"]),
+    # Context parallelism: every packed row split over 2 ranks, ring attention,
+    # the ViT on all images on each CP rank.
+    "cp2": (2, ["parallel.cp=2"]),
+    "tp2-cp2": (4, ["parallel.tp=2", "parallel.cp=2"]),
+    "pp2-cp2": (4, ["parallel.pp=2", "parallel.cp=2"]),
 }
 
-SLOW = {'pp2-dp2', 'tp2-dp2', 'pp2-workers'}
+SLOW = {'pp2-dp2', 'tp2-dp2', 'pp2-workers', 'tp2-cp2', 'pp2-cp2'}
 
 
 def _train(tmp_path_factory, llava_dataset, name, nproc, overrides):
+    # Every layout pads samples to a multiple of 4 tokens, what CP2 needs, so
+    # all of them pack identical rows.
     args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_dataset}", f"train.steps={STEPS}",
-            "train.eval_interval=0", *overrides]
+            "train.eval_interval=0", "data.pad_to_multiple_of=4", *overrides]
     out = tmp_path_factory.mktemp(f"llava-{name}")
     return train_and_read("pretrain_llava.py", nproc, args, out, STEPS, timeout=400)
 
