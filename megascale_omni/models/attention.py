@@ -54,15 +54,21 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor) -> PackedSeqParams:
+def packed_seq_params(cu_seqlens: torch.Tensor, with_padded: bool = False) -> PackedSeqParams:
     """Self-attention ``PackedSeqParams`` for segments ``cu_seqlens``
-    (``[n + 1]`` integer, 0 first, ``t`` last), on ``cu_seqlens.device``."""
+    (``[n + 1]`` integer, 0 first, ``t`` last), on ``cu_seqlens.device``.
+
+    ``with_padded`` also sets ``cu_seqlens_{q,kv}_padded`` to the same
+    boundaries (segments already padded for context parallelism), which
+    transformer-engine's THD context parallelism reads."""
     cu = cu_seqlens.to(torch.int32)
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {cu.tolist()}")
     longest = int((cu[1:] - cu[:-1]).max())
+    padded = cu if with_padded else None
     return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
     )
 
 
@@ -93,7 +99,7 @@ def thd_inputs(batch: Mapping[str, torch.Tensor], cp_size: int = 1) -> ThdInputs
         tokens.reshape(1, t),
         batch["position_ids"].reshape(1, t),
         None if labels is None else labels.reshape(1, t),
-        packed_seq_params(cu),
+        packed_seq_params(cu, with_padded=cp_size > 1),
     )
 
 

@@ -56,7 +56,7 @@ def test_shard_batch_splits_per_token_tensors_and_keeps_cu_seqlens_global():
     assert local["labels"].tolist() == [[101, 102, 105, 106, 110, 111, 112, 113]]
     assert local["cu_seqlens"] is batch["cu_seqlens"] and local["images"] is batch["images"]
     tokens, position_ids, labels, packed = thd_inputs(local, cp_size=2)
-    assert tokens.shape == (1, 8) and packed.max_seqlen_q == 8
+    assert tokens.shape == (1, 8) and packed.max_seqlen_q == 8 and packed.cu_seqlens_q_padded is packed.cu_seqlens_q
     with pytest.raises(ValueError, match="cu_seqlens ends at 16"):
         thd_inputs(local)
 
