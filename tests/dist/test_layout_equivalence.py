@@ -32,8 +32,10 @@ LAYOUTS = {
     "dp2-overlap": (2, ["parallel.overlap_grad_reduce=true"]),
     "dp2-distopt-overlap": (2, ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
-    # Context parallelism: learned absolute positions (LLaVA's layouts cover RoPE).
-    "cp2": (2, ["parallel.cp=2"]),
+    # Context parallelism, learned absolute positions (LLaVA's layouts cover RoPE); with the
+    # distributed optimizer and overlapped reduction, both sharded over the DP x CP group.
+    "cp2-distopt-overlap": (2, ["parallel.cp=2", "parallel.use_distributed_optimizer=true",
+                                "parallel.overlap_grad_reduce=true"]),
     "cp4": (4, ["parallel.cp=4"]),
 }
 
