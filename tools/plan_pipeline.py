@@ -1,6 +1,7 @@
 """Print the pipeline partition of a config: uniform beside auto (and the
 configured explicit split, if any), per pp rank: layers, predicted time per
-micro-batch and memory, with the imbalance (slowest rank / mean).
+micro-batch and memory, with the imbalance (slowest rank / mean). Under
+context parallelism (parallel.cp) times and memory are one CP rank's.
 
     python tools/plan_pipeline.py --config examples/llava/pp4_vit_heavy.yaml [section.field=value ...]
         [--world-size N] [--device cpu|cuda]
@@ -54,8 +55,12 @@ def main() -> None:
         plans.append(configured)
     par = cfg.parallel
     vpp = f" vpp={par.vpp}" if par.vpp else ""
-    print(f"pp={par.pp}{vpp} tp={par.tp} world={world}; times per micro-batch from the {configured.source}; "
-          f"configured: {par.pipeline_partition}")
+    dp = max(world // par.model_parallel_size, 1)
+    print(f"pp={par.pp}{vpp} tp={par.tp} cp={par.cp} dp={dp} world={world}; times per micro-batch from the "
+          f"{configured.source}; configured: {par.pipeline_partition}")
+    if par.cp > 1:
+        print(f"context parallel: each rank holds {cfg.model.seq_length // par.cp} of {cfg.model.seq_length} "
+              "tokens per sequence (LM time and activations 1/cp); the first stage's ViT runs on all images")
     print(format_plan_table(plans))
     for plan in plans:
         print(f"{plan.mode:>9}: layers per chunk {list(plan.counts)}  max/mean {plan.imbalance:.3f}")

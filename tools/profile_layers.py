@@ -6,7 +6,9 @@ output layer + loss) on this device and write the profile JSON that
 
 On CPU it times one thread (torch.set_num_threads(1), like torchrun's
 OMP_NUM_THREADS=1 per process). With parallel.tp > 1 run it under
-``torchrun --nproc-per-node <tp>``. The profile records the shape of the
+``torchrun --nproc-per-node <tp>``; parallel.cp does not count (whole
+sequences are timed, and the planner divides the language model's times by
+cp). The profile records the shape of the
 cost model ``model.family`` declares; a family whose cost model has no
 profile shape (DiT) exits 2.
 """

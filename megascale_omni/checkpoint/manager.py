@@ -39,7 +39,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.errors import CheckpointError
-from megascale_omni.checkpoint.state import incompatibilities, shape_mismatches, stage_to_host
+from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches, stage_to_host
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
@@ -172,10 +172,9 @@ class Checkpointer:
         loaded = dist_checkpointing.load(template, str(path))
         state.load_sharded_state_dict(loaded)
         logger.info(
-            "resumed from %s at step %d in %.2f s (saved with tp%d pp%d dp%d, now tp%d pp%d dp%d%s)",
-            path, state.step, time.perf_counter() - t0,
-            saved_layout.get("tp", 0), saved_layout.get("pp", 0), saved_layout.get("dp", 0),
-            now["tp"], now["pp"], now["dp"], "" if same_mp else "; RNG state not restored across a tp/pp change",
+            "resumed from %s at step %d in %.2f s (saved with %s, now %s%s)",
+            path, state.step, time.perf_counter() - t0, describe_layout(saved_layout), describe_layout(now),
+            "" if same_mp else "; RNG state not restored across a tp/pp change",
         )
 
     # ----------------------------------------------------------------- save

@@ -31,7 +31,10 @@ RESUMABLE_MODEL_FIELDS = frozenset(
 
 def rng_object() -> ShardedObject:
     """This rank's RNG streams (Python, numpy, torch, CUDA, megatron's tracker)
-    as one ShardedObject over (pp, tp); DP rank 0 of each writes it."""
+    as one ShardedObject over (pp, tp). The ranks of a (pp, tp) coordinate
+    across DP and CP replicate it; the first of its DP x CP group writes it
+    (``replica_id`` 0, as megatron numbers its own replicas) and all of them
+    load it."""
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -44,7 +47,7 @@ def rng_object() -> ShardedObject:
         state,
         (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
-        replica_id=mpu.get_data_parallel_rank(),
+        replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
     )
 
 
@@ -135,6 +138,14 @@ def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RE
             if old.get(key) != new.get(key):
                 diffs.append(f"{section}.{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")
     return diffs
+
+
+def describe_layout(layout: dict) -> str:
+    """A checkpoint's or a job's ``layout`` as ``tp1 pp2 dp4``; ``cp`` is
+    named when it is not 1 (``tp1 pp1 cp2 dp1``)."""
+    cp = layout.get("cp", 1)
+    return (f"tp{layout.get('tp', 0)} pp{layout.get('pp', 0)}" + (f" cp{cp}" if cp != 1 else "")
+            + f" dp{layout.get('dp', 0)}")
 
 
 def shape_mismatches(template: dict[str, Any], saved_metadata: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ Clock: on CPU the CPU time of the calling thread (``time.thread_time``), so
 waiting for a core does not count; on CUDA wall time between device
 synchronisations. Each component reports its fastest of ``repeats`` passes:
 on a shared host, interference only ever adds time. Call after megatron's parallel state exists (TP as
-configured, pp = 1).
+configured, pp = cp = 1).
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from megascale_omni.parallel.pipeline_cost import EMBEDDING, LM_LAYER, OUTPUT, P
 
 
 def single_stage_config(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with one LM layer and no pipeline: the model whose pieces are timed."""
+    """``cfg`` with one LM layer, no pipeline and no context parallelism: the
+    model whose pieces are timed, on whole sequences (the planner scales
+    them to a CP rank's share)."""
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, num_layers=1),
-        parallel=dataclasses.replace(cfg.parallel, pp=1, vpp=None, pipeline_partition="uniform"),
+        parallel=dataclasses.replace(cfg.parallel, pp=1, vpp=None, cp=1, pipeline_partition="uniform"),
     )
 
 

@@ -10,6 +10,14 @@ The pipeline partitioner needs, for one micro-batch on one TP rank:
   optimizer state) and the activation bytes it keeps from forward to
   backward for each micro-batch in flight.
 
+Context parallelism (``parallel.cp``): each CP rank holds ``seq_length / cp``
+tokens of every language-model sequence, so the LM components' FLOPs and
+activations per rank are ``1/cp`` of the whole sequence's (attention too:
+a rank's queries attend over the whole sequence, ``1/cp`` of the score
+matrix). Their weights are whole on every CP rank. LLaVA's ViT and projector
+are not split: every CP rank of the first stage runs them on all images of
+the micro-batch. Ring attention's communication is not modelled.
+
 A model family declares which cost model describes it
 (``megascale_omni.tasks.registry``): :func:`lm_cost_model` (GPT),
 :func:`llava_cost_model` (ViT + projector + LM) or
@@ -40,7 +48,7 @@ PROFILE_VERSION = 1
 
 @dataclass(frozen=True)
 class ComponentCost:
-    """Cost of one component for one micro-batch on one TP rank.
+    """Cost of one component for one micro-batch on one TP (and CP) rank.
 
     ``flops``: forward+backward FLOPs. ``seconds``: measured forward+backward
     seconds, or None without a profile. ``params``/``trainable_params``:
@@ -129,16 +137,20 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 def _transformer_layer(
     tokens: float, seq: int, sequences: float, hidden: int, ffn: int, heads: int, groups: int,
     dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
+    cp: int = 1,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     = ``sequences * seq`` positions, split over ``tp`` ranks. ``grad_flows``:
     backward passes through it (something before it trains). ``gated``: a
-    SwiGLU MLP (gate, up and down matrices instead of two)."""
+    SwiGLU MLP (gate, up and down matrices instead of two). ``cp``: every
+    sequence is split over that many context-parallel ranks; the cost is one
+    rank's, whose ``seq / cp`` queries attend over all ``seq`` keys."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
     matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
+    tokens, queries = tokens / cp, seq / cp  # this CP rank's share
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*s*s*h each.
-    forward = 2.0 * tokens * matmul_params + 4.0 * sequences * seq * seq * hidden
+    forward = 2.0 * tokens * matmul_params + 4.0 * sequences * queries * seq * hidden
     backward = trainable or grad_flows
     passes = _passes(trainable, grad_flows) + (1.0 if recompute and backward else 0.0)
     params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
@@ -150,7 +162,7 @@ def _transformer_layer(
     else:
         # Inputs of both norms, QKV, the projection, fc1; Q, K, V; fc1 and
         # GELU outputs; softmax probabilities (and their pre-mask scores).
-        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * sequences * heads * seq * seq
+        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * sequences * heads * queries * seq
     return ComponentCost(
         flops=passes * forward / tp,
         params=params // tp,
@@ -196,7 +208,7 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
     else:  # fp32 weights + grad + Adam m, v
         weights, grads, optim = 4.0, 4.0, 8.0
     if par.use_distributed_optimizer:
-        optim /= dp
+        optim /= dp * par.cp  # megatron shards it over the DP x CP group
     return MemoryConventions(
         bytes_per_trainable_param=weights + grads + optim,
         bytes_per_frozen_param=weights,
@@ -207,11 +219,12 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
 def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, ComponentCost]:
     """Token embedding, one decoder layer and the output layer + loss of the
     language model, per micro-batch of ``micro_batch_size`` rows of
-    ``seq_length`` tokens. ``head_trains``: something before the embedding
+    ``seq_length`` tokens, on one of ``parallel.cp`` context-parallel ranks
+    (``1/cp`` of the tokens). ``head_trains``: something before the embedding
     (a ViT or projector) trains, so input gradients flow through every layer."""
-    m, tp = cfg.model, cfg.parallel.tp
+    m, tp, cp = cfg.model, cfg.parallel.tp, cfg.parallel.cp
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
-    tokens = float(b * s)
+    tokens = float(b * s) / cp  # this CP rank's
     vocab = padded_vocab_size(cfg)
     lm_trainable = not m.freeze
     emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
@@ -224,10 +237,10 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
             activation_bytes=tokens * h * nbytes,
         ),
         LM_LAYER: _transformer_layer(
-            tokens, s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
+            float(b * s), s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
-            lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu",
+            lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
@@ -243,7 +256,8 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
 
 def _vision_components(cfg: JobConfig, nbytes: int) -> dict[str, ComponentCost]:
     """LLaVA's ViT (patch embedding + layers) and projector for the
-    ``micro_batch_size * vision.images_per_sequence`` images of a micro-batch."""
+    ``micro_batch_size * vision.images_per_sequence`` images of a micro-batch:
+    all of them on every CP rank (images are not split by context parallelism)."""
     m, v, tp = cfg.model, cfg.vision, cfg.parallel.tp
     images = cfg.train.micro_batch_size * v.images_per_sequence
     p = v.tokens_per_image
@@ -314,7 +328,9 @@ def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[in
 
 def lm_profile_shape(cfg: JobConfig) -> dict[str, object]:
     """Every setting a measured profile of a language model depends on; a
-    profile only applies to a config with the same shape."""
+    profile only applies to a config with the same shape. ``parallel.cp`` is
+    not part of it: a profile times whole sequences (:func:`load_profile`
+    scales them to one CP rank's share)."""
     m, par = cfg.model, cfg.parallel
     return {
         "family": m.family,
@@ -351,7 +367,10 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
 
     The profile stores seconds per micro-batch for every component except the
     vision encoder and projector, which are stored per image and scaled by
-    ``micro_batch_size * vision.images_per_sequence`` here. Raises ConfigError
+    ``micro_batch_size * vision.images_per_sequence`` here. The language
+    model's times are for whole sequences; under context parallelism each
+    rank computes ``1/cp`` of them (ring communication not counted), the
+    ViT and projector all of theirs. Raises ConfigError
     if the file is missing, malformed or measured for another model shape, or
     if ``model`` has no profile shape (its family has no profiler).
     """
@@ -385,7 +404,7 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         key = f"{name}_per_image" if name in (VISION, PROJECTOR) else name
         if key not in seconds:
             raise ConfigError(field_name, path, f"has no time for {key!r}; re-run tools/profile_layers.py")
-        t = float(seconds[key]) * (images if name in (VISION, PROJECTOR) else 1.0)
+        t = float(seconds[key]) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
         comps[name] = ComponentCost(c.flops, c.params, c.trainable_params, c.activation_bytes, seconds=t)
     return dataclasses.replace(
         model, components=comps, unit="s", source=f"profile {path} ({data.get('device', 'unknown device')})"

@@ -130,10 +130,12 @@ class ElasticMembership:
         self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state)
         for chunk in self.state.chunks:
             chunk.config.finalize_model_grads_func = self._finalize_model_grads
+        # One writer per inner DP rank: its TP ranks and CP ranks compute the same samples.
         writes_ledger = (
             bool(self.cfg.ledger_dir)
             and mpu.is_pipeline_first_stage(ignore_virtual=True)
             and mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0
         )
         if writes_ledger:
             self.ledger = SampleLedger(self.cfg.ledger_dir, self.cfg.replica_id, self.dp_rank)

@@ -1,7 +1,7 @@
 """Sample ledger: which samples each committed elastic step consumed.
 
 One JSONL file per (replica group, inner DP rank), written by that DP rank's
-first-stage TP-rank-0 process. Two kinds of line::
+first-stage process of TP rank 0 and CP rank 0. Two kinds of line::
 
     {"event": "attempt", "step": s, "quorum": q, "replica": "r1",
      "participant": p, "participants": P, "dp_rank": d, "dp_size": D,

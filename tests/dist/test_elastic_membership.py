@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -61,18 +62,25 @@ def drain(run_dir: Path) -> int:
 
 
 class Job:
-    """A lighthouse, replica groups and a fixed-membership reference run."""
+    """A lighthouse, replica groups and a fixed-membership reference run.
 
-    def __init__(self, tmp_path: Path, timeout: float):
+    ``layout``: overrides of every replica group's layout (default: CONFIG's
+    TP1 x PP2); ``reference``: processes and overrides of the reference run
+    (default: one such group, not elastic)."""
+
+    def __init__(self, tmp_path: Path, timeout: float, layout: Sequence[str] = (),
+                 reference: tuple[int, Sequence[str]] = (2, ())):
         self.tmp, self.timeout = tmp_path, timeout
         self.run, self.ledger = tmp_path / "run", tmp_path / "ledger"
         # Replicas wait in their quorum while a paused peer holds it (see join).
-        self.args = [f"elastic.ledger_dir={self.ledger}", "elastic.quorum_timeout_s=1200", *COMMON]
+        self.args = [f"elastic.ledger_dir={self.ledger}", "elastic.quorum_timeout_s=1200", *COMMON, *layout]
         self.lighthouse, self.addr = start_lighthouse(timeout)
         self.procs = {}
         self.results = {}
-        self.reference = spawn(torchrun_cmd(2, "megascale_omni.smoke", [
-            "--config", CONFIG, "elastic.enabled=false", *COMMON, f"logging.output_dir={tmp_path / 'reference'}",
+        nproc, ref_args = reference
+        self.reference = spawn(torchrun_cmd(nproc, "megascale_omni.smoke", [
+            "--config", CONFIG, "elastic.enabled=false", *COMMON, *ref_args,
+            f"logging.output_dir={tmp_path / 'reference'}",
         ]), timeout=timeout)
 
     def start(self, rid: str, *extra: str) -> None:
