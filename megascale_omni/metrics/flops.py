@@ -34,12 +34,19 @@ DEVICE_PEAK_TFLOPS = (
 
 def model_flops_per_step(cfg: JobConfig, cost_model_fn: Callable, world_size: int) -> float:
     """Model FLOPs of one optimizer step of the whole job (all replicas of
-    the inner DP; every TP/PP rank's share summed)."""
-    no_recompute = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=False))
-    m = cost_model_fn(no_recompute, cuda=False, world_size=world_size)
+    the inner DP; every TP/PP rank's share summed).
+
+    Counted on the model without context parallelism: CP splits the same
+    work over more ranks (and repeats LLaVA's ViT on each CP rank, which is
+    not model work), so the job's model FLOPs do not depend on ``cp``."""
+    cp = cfg.parallel.cp
+    no_recompute = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, recompute=False), parallel=dataclasses.replace(cfg.parallel, cp=1)
+    )
+    m = cost_model_fn(no_recompute, cuda=False, world_size=world_size // cp)
     per_microbatch = sum(m.components[n].flops for n in (*m.head, *m.tail))
     per_microbatch += cfg.model.num_layers * m.components[m.layer].flops
-    dp = max(world_size // cfg.parallel.model_parallel_size, 1)
+    dp = max(world_size // cfg.parallel.model_parallel_size, 1)  # replicas of the model (CP ranks share one)
     # Component costs are per TP rank.
     return per_microbatch * cfg.parallel.tp * m.num_microbatches * dp
 

@@ -45,6 +45,10 @@ def test_gpt_model_flops_by_hand():
     # Recomputation is work, not model FLOPs.
     recompute = _cfg("examples/gpt/tiny.yaml", "model.recompute=true")
     assert model_flops_per_step(recompute, lm_cost_model, world_size=1) == 4 * per_microbatch
+    # Context parallelism splits the same work over more ranks.
+    cp2 = _cfg("examples/gpt/tiny.yaml", "parallel.cp=2")
+    assert model_flops_per_step(cp2, lm_cost_model, world_size=2) == 4 * per_microbatch
+    assert model_flops_per_step(cp2, lm_cost_model, world_size=4) == 4 * per_microbatch  # and DP2
 
 
 def test_swiglu_layer_counts_three_matrices():
@@ -71,6 +75,9 @@ def test_llava_stage1_model_flops_by_hand():
     output = 2 * 2 * tokens * 128 * vocab + 5 * tokens * vocab
     per_microbatch = vit + projector + 3 * tokens * 128 + 4 * lm_layer + output
     assert model_flops_per_step(cfg, llava_cost_model, world_size=1) == pytest.approx(4 * per_microbatch, rel=1e-12)
+    # Under CP every CP rank runs the ViT on all images: redundant work, not model FLOPs.
+    cp2 = _cfg("examples/llava/tiny_cpu.yaml", "model.freeze=true", "vision.freeze=true", "parallel.cp=2")
+    assert model_flops_per_step(cp2, llava_cost_model, world_size=2) == pytest.approx(4 * per_microbatch, rel=1e-12)
 
 
 def test_mfu_and_throughput_fields():
