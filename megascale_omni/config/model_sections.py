@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megascale_omni.config.errors import ConfigError, require_positive, require_range
+from megascale_omni.config.constraints import check_fields, checked
+from megascale_omni.config.errors import ConfigError
 
 #: Upper bounds that catch a typo'd size (an extra zero or two) before any memory is spent.
 MAX_SEQ_LENGTH = 1 << 20
@@ -24,28 +25,28 @@ class ModelConfig:
     #: Which trainer this config is for: ``gpt`` (smoke), ``llava`` or ``dit``.
     family: Literal["gpt", "llava", "dit"] = "gpt"
     #: Number of transformer layers of the language model.
-    num_layers: int = 4
+    num_layers: int = checked(4, gt=0)
     #: Model width (hidden size), elements.
-    hidden_size: int = 64
+    hidden_size: int = checked(64, gt=0)
     #: Attention heads; must divide ``hidden_size`` and be divisible by TP.
-    num_attention_heads: int = 4
+    num_attention_heads: int = checked(4, gt=0)
     #: GQA groups; ``None`` means multi-head attention (groups = heads).
-    num_query_groups: Optional[int] = None
+    num_query_groups: Optional[int] = checked(None, gt=0)
     #: MLP width; ``None`` means ``4 * hidden_size``.
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = checked(None, gt=0)
     #: Vocabulary size. For LLaVA it is taken from the tokenizer when 0.
-    vocab_size: int = 256
+    vocab_size: int = checked(256, ge=0, le=MAX_VOCAB_SIZE)
     #: Pad the vocabulary to a multiple of this (must be divisible by TP).
     #: Independent of TP so every layout builds the same output layer.
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = checked(128, gt=0)
     #: Tokens per sequence fed to the language model.
-    seq_length: int = 64
+    seq_length: int = checked(64, gt=0, le=MAX_SEQ_LENGTH, note="tokens per sequence")
     #: ``learned_absolute`` or ``rope``.
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     #: ``LayerNorm`` or ``RMSNorm``.
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     #: Epsilon of every norm of the language model.
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = checked(1e-5, gt=0)
     #: MLP activation: ``gelu`` (GPT-2 style) or ``swiglu`` (Llama/Qwen/Mistral:
     #: ``down(silu(gate(x)) * up(x))``, megatron's gated linear unit).
     activation: Literal["gelu", "swiglu"] = "gelu"
@@ -54,19 +55,19 @@ class ModelConfig:
     #: Bias on the fused QKV projection even when ``add_bias_linear`` is false (Qwen2).
     add_qkv_bias: bool = False
     #: RoPE base (HF ``rope_theta``); only with ``position_embedding_type: rope``.
-    rotary_base: float = 10000.0
+    rotary_base: float = checked(10000.0, gt=0)
     #: RoPE frequency scaling: ``none``; ``linear`` (positions divided by
     #: ``rope_scaling_factor``); ``llama3`` (Llama-3.1 banded scaling with
     #: low/high frequency factors 1/4 and 8192 original positions).
     rope_scaling: Literal["none", "linear", "llama3"] = "none"
     #: Factor of ``rope_scaling`` (ignored for ``none``).
-    rope_scaling_factor: float = 1.0
+    rope_scaling_factor: float = checked(1.0, gt=0)
     #: Dropout after attention/MLP blocks (0 makes layouts bitwise comparable).
-    hidden_dropout: float = 0.0
+    hidden_dropout: float = checked(0.0, ge=0, lt=1)
     #: Dropout on attention probabilities.
-    attention_dropout: float = 0.0
+    attention_dropout: float = checked(0.0, ge=0, lt=1)
     #: Std of the normal weight initialisation.
-    init_method_std: float = 0.02
+    init_method_std: float = checked(0.02, ge=0)
     #: Tie the input embedding and the output layer.
     share_embeddings_and_output_weights: bool = False
     #: Layer implementation: ``auto`` picks transformer-engine on CUDA when installed.
@@ -79,19 +80,9 @@ class ModelConfig:
     recompute: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            require_positive("model", name, getattr(self, name))
-        require_positive("model", "vocab_size", self.vocab_size, allow_zero=self.family != "gpt")
-        for name in ("num_query_groups", "ffn_hidden_size"):
-            if getattr(self, name) is not None:
-                require_positive("model", name, getattr(self, name))
-        require_positive("model", "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
-        require_positive("model", "init_method_std", self.init_method_std, allow_zero=True)
-        if self.seq_length > MAX_SEQ_LENGTH:
-            raise ConfigError("model.seq_length", self.seq_length,
-                              f"must be <= {MAX_SEQ_LENGTH} tokens per sequence (longer needs context parallelism)")
-        if self.vocab_size > MAX_VOCAB_SIZE:
-            raise ConfigError("model.vocab_size", self.vocab_size, f"must be <= {MAX_VOCAB_SIZE} tokens")
+        check_fields(self, "model")
+        if self.family == "gpt" and self.vocab_size == 0:
+            raise ConfigError("model.vocab_size", 0, "must be > 0 for the gpt family (it has no tokenizer to take it from)")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 "model.hidden_size",
@@ -104,12 +95,6 @@ class ModelConfig:
                 self.num_query_groups,
                 f"must divide model.num_attention_heads={self.num_attention_heads}",
             )
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model.{name}", getattr(self, name), "must be in [0, 1)")
-        require_positive("model", "norm_epsilon", self.norm_epsilon)
-        require_positive("model", "rotary_base", self.rotary_base)
-        require_positive("model", "rope_scaling_factor", self.rope_scaling_factor)
         uses_rope = self.position_embedding_type == "rope"
         if uses_rope and (self.hidden_size // self.num_attention_heads) % 2:
             raise ConfigError(
@@ -144,16 +129,16 @@ class VisionConfig:
     """ViT encoder + projector of a LLaVA model (ignored by other families)."""
 
     #: Square input resolution, pixels.
-    image_size: int = 32
+    image_size: int = checked(32, gt=0)
     #: Patch side, pixels; tokens per image = (image_size / patch_size) ** 2.
-    patch_size: int = 8
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    patch_size: int = checked(8, gt=0)
+    num_layers: int = checked(2, gt=0)
+    hidden_size: int = checked(64, gt=0)
+    num_attention_heads: int = checked(4, gt=0)
     #: ViT MLP width; ``None`` = 4 * hidden_size.
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = checked(None, gt=0)
     #: Hidden width of the 2-layer MLP projector; ``None`` = LM hidden size.
-    projector_hidden_size: Optional[int] = None
+    projector_hidden_size: Optional[int] = checked(None, gt=0)
     #: Tower architecture: ``clip`` (pre-norm ``ln_pre`` after the patch
     #: embedding, bias-free patch conv) or ``siglip`` (patch conv with bias,
     #: no pre-norm, no class token).
@@ -164,7 +149,7 @@ class VisionConfig:
     #: MLP activation: ``gelu`` (exact), ``gelu_tanh`` (SigLIP) or ``quick_gelu`` (OpenAI CLIP).
     activation: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
     #: Epsilon of the tower's norms.
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = checked(1e-5, gt=0)
     #: Which layer's output feeds the projector: -1 the last of ``num_layers``,
     #: -2 the penultimate (LLaVA-1.5), ... Layers after it are not built.
     feature_layer: int = -1
@@ -177,16 +162,10 @@ class VisionConfig:
     #: Images per packed ``model.seq_length`` row that the pipeline cost model
     #: assumes (the ViT's share of pipeline stage 0 grows with it). The
     #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
-    images_per_sequence: float = 9.8
+    images_per_sequence: float = checked(9.8, ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads"):
-            require_positive("vision", name, getattr(self, name))
-        require_positive("vision", "images_per_sequence", self.images_per_sequence, allow_zero=True)
-        require_positive("vision", "norm_epsilon", self.norm_epsilon)
-        for name in ("ffn_hidden_size", "projector_hidden_size"):
-            if getattr(self, name) is not None:
-                require_positive("vision", name, getattr(self, name))
+        check_fields(self, "vision")
         if self.model_type == "siglip" and self.class_token:
             raise ConfigError("vision.class_token", True, "SigLIP towers have no class token; set it to false")
         if not -self.num_layers <= self.feature_layer <= -1:
@@ -234,51 +213,41 @@ class DitConfig:
     """
 
     #: Side of a square patch; one patch is one transformer token.
-    patch_size: int = 2
+    patch_size: int = checked(2, gt=0)
     #: Channels of the training tensor: 3 for RGB pixels, 4 for SD-style VAE latents.
-    in_channels: int = 3
+    in_channels: int = checked(3, gt=0)
     #: Aspect-ratio bucket table, ``[height, width]`` pairs; each side a multiple of patch_size.
     buckets: list[list[int]] = field(default_factory=_default_buckets)
     #: Latent tokens per micro-batch ("package"): a bucket of N tokens gets
     #: ``token_budget // N`` images, so small images come in large batches.
-    token_budget: int = 512
+    token_budget: int = checked(512, gt=0)
     #: ``learned``: captions are tokenized and embedded by the model;
     #: ``precomputed``: shards carry text-encoder states of width ``text_dim``.
     text_encoder: Literal["learned", "precomputed"] = "learned"
     #: Width of the caption embeddings (``0`` = ``model.hidden_size`` for learned).
-    text_dim: int = 0
+    text_dim: int = checked(0, ge=0)
     #: Caption tokens kept (longer captions are truncated), including <bos>.
-    max_text_length: int = 8
+    max_text_length: int = checked(8, gt=0)
     #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
     #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
     logit_mean: float = 0.0
-    logit_std: float = 1.0
+    logit_std: float = checked(1.0, gt=0)
     #: Probability of training a sample with the empty caption (enables CFG).
-    caption_dropout: float = 0.1
+    caption_dropout: float = checked(0.1, ge=0, lt=1)
     #: EMA decay of the weights used for sampling; 0 disables EMA.
-    ema_decay: float = 0.999
+    ema_decay: float = checked(0.999, ge=0, lt=1, note="(0 disables EMA)")
     #: Euler steps of the ODE sampler.
-    sample_steps: int = 25
+    sample_steps: int = checked(25, gt=0)
     #: Classifier-free guidance scale (1 = no guidance).
-    guidance_scale: float = 4.0
+    guidance_scale: float = checked(4.0, ge=0)
     #: Images sampled per colour prompt and resolution in evaluation.
-    eval_samples_per_prompt: int = 4
+    eval_samples_per_prompt: int = checked(4, gt=0)
     #: ``[height, width]`` resolutions sampled in evaluation.
     eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "in_channels", "token_budget", "max_text_length", "sample_steps",
-                     "eval_samples_per_prompt"):
-            require_positive("dit", name, getattr(self, name))
-        require_positive("dit", "text_dim", self.text_dim, allow_zero=True)
-        if not 0.0 <= self.caption_dropout < 1.0:
-            raise ConfigError("dit.caption_dropout", self.caption_dropout, "must be in [0, 1)")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError("dit.ema_decay", self.ema_decay, "must be in [0, 1) (0 disables EMA)")
-        require_positive("dit", "logit_std", self.logit_std)
-        require_range("dit", "caption_dropout", self.caption_dropout, 0.0, 1.0)
-        require_range("dit", "ema_decay", self.ema_decay, 0.0, 1.0)
+        check_fields(self, "dit")
         if not self.buckets:
             raise ConfigError("dit.buckets", self.buckets, "needs at least one [height, width] bucket")
         for name in ("buckets", "eval_resolutions"):

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megascale_omni.config.errors import ConfigError, require_positive
+from megascale_omni.config.constraints import check_fields, checked
+from megascale_omni.config.errors import ConfigError
 
 
 @dataclass
@@ -23,22 +24,22 @@ class LoggingConfig:
     output_dir: str = "runs/default"
     #: Log one line (and write TensorBoard scalars) every N steps; JSONL and
     #: Prometheus get every step.
-    log_interval: int = 1
+    log_interval: int = checked(1, gt=0)
     #: Write TensorBoard event files under ``output_dir/tensorboard``.
     tensorboard: bool = True
     #: Peak TFLOP/s of one device for MFU; 0 = the dense bf16 peak of a known
     #: CUDA device (H100/H200/A100/...), and no MFU where unknown (e.g. CPU).
-    peak_tflops: float = 0.0
+    peak_tflops: float = checked(0.0, ge=0)
     #: CUDA only: cap this process's caching allocator at this fraction of
     #: device memory (``torch.cuda.set_per_process_memory_fraction``); 0 = no cap.
-    memory_fraction_cap: float = 0.0
+    memory_fraction_cap: float = checked(0.0, ge=0, le=1, note="(0 = no cap)")
     #: Flag a rank whose busy time (data + compute, no waits) exceeds this
     #: multiple of the other ranks' median ...
-    straggler_factor: float = 2.0
+    straggler_factor: float = checked(2.0, gt=1, note="(e.g. 2.0)")
     #: ... for this many consecutive steps ...
-    straggler_patience: int = 3
+    straggler_patience: int = checked(3, gt=0)
     #: ... and the median by at least this many seconds.
-    straggler_min_excess_s: float = 0.01
+    straggler_min_excess_s: float = checked(0.01, ge=0)
     #: Python logging level.
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Show a progress bar on the logging rank.
@@ -46,26 +47,15 @@ class LoggingConfig:
     #: Serve the step record as Prometheus gauges at ``http://<prometheus_host>:<port>/metrics``
     #: from the loss-owning rank (one endpoint per replica group); 0 = off.
     #: Several jobs or replica groups on one host need one port each.
-    prometheus_port: int = 0
+    prometheus_port: int = checked(0, ge=0, le=65535, note="(0 turns the exporter off)")
     #: Bind address of that endpoint; loopback by default. Anything else exposes
     #: the metrics to the network (step numbers only: no secrets, no config).
     prometheus_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        require_positive("logging", "log_interval", self.log_interval)
-        require_positive("logging", "peak_tflops", self.peak_tflops, allow_zero=True)
-        require_positive("logging", "straggler_patience", self.straggler_patience)
-        require_positive("logging", "straggler_min_excess_s", self.straggler_min_excess_s, allow_zero=True)
+        check_fields(self, "logging")
         if not self.output_dir.strip():
             raise ConfigError("logging.output_dir", self.output_dir, "must name a directory, e.g. runs/my-job")
-        if self.straggler_factor <= 1.0:
-            raise ConfigError("logging.straggler_factor", self.straggler_factor, "must be > 1 (e.g. 2.0)")
-        if not 0.0 <= self.memory_fraction_cap <= 1.0:
-            raise ConfigError("logging.memory_fraction_cap", self.memory_fraction_cap, "must be in [0, 1] (0 = no cap)")
-        if not 0 <= self.prometheus_port <= 65535:
-            raise ConfigError(
-                "logging.prometheus_port", self.prometheus_port, "must be in [1, 65535], or 0 to turn the exporter off"
-            )
         if not self.prometheus_host:
             raise ConfigError("logging.prometheus_host", self.prometheus_host, "must be an address, e.g. 127.0.0.1")
 
@@ -88,7 +78,7 @@ class ControlConfig:
     socket_path: Optional[str] = None
     #: Also listen on TCP at this port (0 = any free port); ``null`` = no TCP.
     #: TCP requests must carry the token (``token_file`` or ``token_env``).
-    tcp_port: Optional[int] = None
+    tcp_port: Optional[int] = checked(None, ge=0, le=65535, note="(0 = any free port) or null")
     #: TCP bind address; loopback by default. Anything else exposes the job to the network.
     tcp_host: str = "127.0.0.1"
     #: File holding the shared secret for TCP clients (first line; >= 16 characters).
@@ -98,32 +88,26 @@ class ControlConfig:
     #: While paused, ranks meet in one small collective every this many
     #: seconds (keeps them far from the collective timeout), and rank 0
     #: notices ``resume`` at most this late.
-    pause_poll_s: float = 0.5
+    pause_poll_s: float = checked(0.5, gt=0)
     #: Concurrent client connections; more are answered ``busy`` and closed.
-    max_connections: int = 16
+    max_connections: int = checked(16, gt=0)
     #: Close a client connection idle for this long, seconds (between
     #: requests, once it has sent a complete one).
-    idle_timeout_s: float = 300.0
+    idle_timeout_s: float = checked(300.0, gt=0)
     #: A new connection must deliver its first whole request within this many
     #: seconds of connecting, and every later request within this many
     #: seconds of its first byte; otherwise it is answered ``request_timeout``
     #: and closed, so slow or silent clients cannot hold connection slots.
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = checked(10.0, gt=0)
     #: Deferred commands waiting for a step boundary (identical ones coalesce
     #: and count once, each answering at most this many requests); more are
     #: answered ``busy`` and their connection is closed.
-    max_pending: int = 64
+    max_pending: int = checked(64, gt=0)
 
     def __post_init__(self) -> None:
-        if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
-            raise ConfigError("control.tcp_port", self.tcp_port, "must be in [0, 65535] (0 = any free port) or null")
+        check_fields(self, "control")
         if not self.token_env:
             raise ConfigError("control.token_env", self.token_env, "must name an environment variable")
-        require_positive("control", "pause_poll_s", self.pause_poll_s)
-        require_positive("control", "max_connections", self.max_connections)
-        require_positive("control", "idle_timeout_s", self.idle_timeout_s)
-        require_positive("control", "request_timeout_s", self.request_timeout_s)
-        require_positive("control", "max_pending", self.max_pending)
 
 
 @dataclass
@@ -139,11 +123,11 @@ class CheckpointConfig:
     #: of the job (one node, or a shared fast file system).
     local_dir: str = ""
     #: Save every N optimizer steps (0 = off).
-    interval: int = 0
+    interval: int = checked(0, ge=0)
     #: Also save when this many minutes passed since the last save (0 = off).
-    interval_minutes: float = 0.0
+    interval_minutes: float = checked(0.0, ge=0)
     #: Complete checkpoints kept per tier; older ones are pruned.
-    keep_last: int = 3
+    keep_last: int = checked(3, gt=0)
     #: Training blocks only for the host copy; a background writer does the rest.
     async_save: bool = True
     #: Save when training finishes.
@@ -152,7 +136,7 @@ class CheckpointConfig:
     #: vote that saved for it treats its own SIGUSR1, received within this
     #: many seconds after that vote, as the same burst. 0 = every signal
     #: seen at a different boundary saves again.
-    signal_coalesce_s: float = 60.0
+    signal_coalesce_s: float = checked(60.0, ge=0)
     #: ``auto`` = newest complete checkpoint of either tier (fresh start if
     #: none), ``none`` = always fresh, or a checkpoint directory path.
     resume: str = "auto"
@@ -165,10 +149,7 @@ class CheckpointConfig:
     pretrained: str = ""
 
     def __post_init__(self) -> None:
-        require_positive("checkpoint", "interval", self.interval, allow_zero=True)
-        require_positive("checkpoint", "interval_minutes", self.interval_minutes, allow_zero=True)
-        require_positive("checkpoint", "keep_last", self.keep_last)
-        require_positive("checkpoint", "signal_coalesce_s", self.signal_coalesce_s, allow_zero=True)
+        check_fields(self, "checkpoint")
         if self.local_dir and not self.dir:
             raise ConfigError(
                 "checkpoint.local_dir", self.local_dir,
@@ -207,11 +188,11 @@ class ElasticConfig:
     #: This replica group's id: letters, digits, ``-`` and ``_``; unique among live groups.
     replica_id: str = ""
     #: Fewest participating replica groups with which a step may commit.
-    min_replicas: int = 1
+    min_replicas: int = checked(1, gt=0)
     #: Seconds a step waits for the quorum (covers a join or a dead peer's heartbeat timeout).
-    quorum_timeout_s: float = 120.0
+    quorum_timeout_s: float = checked(120.0, gt=0)
     #: Seconds for each cross-replica collective and peer state transfer before the step is abandoned.
-    timeout_s: float = 60.0
+    timeout_s: float = checked(60.0, gt=0)
     #: Directory for the sample ledger (JSONL per replica and inner DP rank); empty disables it.
     ledger_dir: str = ""
     #: Start as a warm standby: build everything, serve the control socket, but
@@ -219,9 +200,7 @@ class ElasticConfig:
     standby: bool = False
 
     def __post_init__(self) -> None:
-        require_positive("elastic", "min_replicas", self.min_replicas)
-        require_positive("elastic", "quorum_timeout_s", self.quorum_timeout_s)
-        require_positive("elastic", "timeout_s", self.timeout_s)
+        check_fields(self, "elastic")
         if not self.enabled:
             return
         if not re.fullmatch(r"https?://[^\s/:]+:[0-9]+/?", self.lighthouse):

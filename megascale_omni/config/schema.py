@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from megascale_omni.config.errors import ConfigError, require_positive, require_range
+from megascale_omni.config.constraints import check_fields, checked
+from megascale_omni.config.errors import ConfigError, require_positive
 from megascale_omni.config.model_sections import DitConfig, ModelConfig, VisionConfig
 from megascale_omni.config.runtime_sections import (
     OUTPUT_DIR_PLACEHOLDER,
@@ -39,13 +40,13 @@ class ParallelConfig:
     """
 
     #: Tensor-parallel size.
-    tp: int = 1
+    tp: int = checked(1, gt=0)
     #: Pipeline-parallel size.
-    pp: int = 1
+    pp: int = checked(1, gt=0)
     #: Context-parallel size: every sequence is split over ``cp`` ranks
     #: (load-balanced, 2*cp chunks) and attention runs as ring attention
     #: (docs/context_parallel.md).
-    cp: int = 1
+    cp: int = checked(1, gt=0)
     #: transformer-engine's CP communication (``p2p`` ring, ``a2a``,
     #: ``allgather``, ``a2a+p2p``); the local layer spec always runs the p2p ring.
     cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = "p2p"
@@ -75,13 +76,10 @@ class ParallelConfig:
     #: Memory capacity of one pipeline rank, GiB (weights, gradients,
     #: optimizer state and in-flight activations as the cost model estimates
     #: them); ``null`` leaves memory unchecked.
-    pipeline_memory_gib: Optional[float] = None
+    pipeline_memory_gib: Optional[float] = checked(None, gt=0)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
-            require_positive("parallel", name, getattr(self, name))
-        if self.pipeline_memory_gib is not None:
-            require_positive("parallel", "pipeline_memory_gib", self.pipeline_memory_gib)
+        check_fields(self, "parallel")
         if self.vpp is not None:
             if self.vpp < 2:
                 raise ConfigError("parallel.vpp", self.vpp, "must be >= 2, or null to disable interleaving")
@@ -102,45 +100,35 @@ class TrainConfig:
     #: Seed for init, data order and dropout.
     seed: int = 1234
     #: Optimizer steps to run.
-    steps: int = 10
+    steps: int = checked(10, gt=0)
     #: Samples (or packed sequences) per optimizer step, summed over DP ranks.
-    global_batch_size: int = 8
+    global_batch_size: int = checked(8, gt=0)
     #: Samples per micro-batch on one DP rank.
-    micro_batch_size: int = 2
+    micro_batch_size: int = checked(2, gt=0)
     #: Peak learning rate.
-    lr: float = 1.0e-3
+    lr: float = checked(1.0e-3, gt=0)
     #: Final learning rate of the decay.
-    min_lr: float = 1.0e-4
+    min_lr: float = checked(1.0e-4, ge=0)
     #: Linear warm-up steps.
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = checked(0, ge=0)
     #: ``cosine``, ``linear`` or ``constant``.
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     #: Decoupled weight decay.
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
+    weight_decay: float = checked(0.01, ge=0)
+    adam_beta1: float = checked(0.9, ge=0, lt=1)
+    adam_beta2: float = checked(0.95, ge=0, lt=1)
+    adam_eps: float = checked(1.0e-8, gt=0)
     #: Global gradient-norm clip; 0 disables.
-    clip_grad: float = 1.0
+    clip_grad: float = checked(1.0, ge=0)
     #: ``auto`` = bf16 on CUDA, fp32 on CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: Evaluate every N steps (0 = only at the end, if an eval split exists).
-    eval_interval: int = 0
+    eval_interval: int = checked(0, ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
-            require_positive("train", name, getattr(self, name))
-        require_positive("train", "lr", self.lr)
-        require_positive("train", "min_lr", self.min_lr, allow_zero=True)
+        check_fields(self, "train")
         if self.min_lr > self.lr:
             raise ConfigError("train.min_lr", self.min_lr, f"must be <= train.lr={self.lr}")
-        for name in ("lr_warmup_steps", "eval_interval"):
-            require_positive("train", name, getattr(self, name), allow_zero=True)
-        require_positive("train", "clip_grad", self.clip_grad, allow_zero=True)
-        require_positive("train", "weight_decay", self.weight_decay, allow_zero=True)
-        for name in ("adam_beta1", "adam_beta2"):
-            require_range("train", name, getattr(self, name), 0.0, 1.0)
-        require_positive("train", "adam_eps", self.adam_eps)
 
 
 @dataclass
@@ -162,10 +150,10 @@ class DataConfig:
     #: Tokenizer file or directory; ``null`` uses the dataset's ``tokenizer.json``.
     tokenizer: Optional[str] = None
     #: Size of the embedded shapes dataset generated when ``path`` is null.
-    default_num_train: int = 20000
-    default_num_val: int = 500
+    default_num_train: int = checked(20000, gt=0)
+    default_num_val: int = checked(500, gt=0)
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.
-    max_bad_sample_fraction: float = 0.01
+    max_bad_sample_fraction: float = checked(0.01, ge=0, le=1)
     #: How LLaVA conversations become tokens. ``words``: the word-level
     #: tokenizer of the shapes demo (one token per word, ``<bos>`` user words,
     #: answer words ``<eos>``). ``chat``: a Hugging Face tokenizer directory
@@ -196,30 +184,24 @@ class DataConfig:
     #: of the next steps while the current one trains (in plan order; each
     #: training process starts its own). ``0``: built in the training process
     #: between steps (docs/data.md has the measured trade-off).
-    num_workers: int = 0
+    num_workers: int = checked(0, ge=0)
     #: With ``num_workers`` > 0: steps built ahead of the one training,
     #: rounded up to a multiple of ``num_workers``.
-    prefetch_steps: int = 2
+    prefetch_steps: int = checked(2, gt=0)
     #: LLaVA: pad every sample (with loss-free padding at its end) to a
     #: multiple of this many tokens before packing. ``0``: ``2 * parallel.cp``
     #: (what context parallelism needs), 1 without CP. Set it explicitly to
     #: compare a CP run with a CP1 run on identical packs.
-    pad_to_multiple_of: int = 0
+    pad_to_multiple_of: int = checked(0, ge=0)
 
     def __post_init__(self) -> None:
+        check_fields(self, "data")
         for i, source in enumerate(self.blend):
             if not source.path.strip():
                 raise ConfigError(f"data.blend[{i}].path", source.path, "must name a dataset directory")
             require_positive("data", f"blend[{i}].weight", source.weight)
-        require_positive("data", "default_num_train", self.default_num_train)
-        require_positive("data", "default_num_val", self.default_num_val)
         if not self.image_token.strip():
             raise ConfigError("data.image_token", self.image_token, "must name a token of the tokenizer")
-        require_positive("data", "num_workers", self.num_workers, allow_zero=True)
-        require_positive("data", "prefetch_steps", self.prefetch_steps)
-        require_positive("data", "pad_to_multiple_of", self.pad_to_multiple_of, allow_zero=True)
-        if not 0.0 <= self.max_bad_sample_fraction <= 1.0:
-            raise ConfigError("data.max_bad_sample_fraction", self.max_bad_sample_fraction, "must be in [0, 1]")
 
 
 @dataclass

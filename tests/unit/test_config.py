@@ -45,7 +45,7 @@ INVALID = {
                         ["parallel.use_distributed_optimizer='maybe'", "true or false"]),
     "wrong-choice": (["train.precision=fp8"], 1, ["train.precision='fp8'", "must be one of"]),
     "vpp-without-pp": (["parallel.vpp=2"], 1, ["parallel.vpp=2", "pp >= 2"]),
-    "context-parallel": (["parallel.cp=2"], 2, ["parallel.cp=2", "does not support context parallel"]),
+    "context-parallel": (["parallel.cp=2", "model.seq_length=30"], 2, ["model.seq_length=30", "multiple of 4"]),
     "vocab-multiple-vs-tp": (["parallel.tp=2", "model.make_vocab_size_divisible_by=3"], 2,
                              ["model.make_vocab_size_divisible_by=3", "parallel.tp=2"]),
     "bad-sample-fraction": (["data.max_bad_sample_fraction=1.5"], 1, ["data.max_bad_sample_fraction=1.5", "[0, 1]"]),

@@ -24,8 +24,13 @@ BAD_VALUES = [
     ("model.num_query_groups=0", "model.num_query_groups", "> 0"),
     ("model.num_query_groups=-2", "model.num_query_groups", "> 0"),
     ("model.ffn_hidden_size=-4", "model.ffn_hidden_size", "> 0"),
-    ("model.seq_length=100000000", "model.seq_length", "<= 1048576"),
-    ("model.vocab_size=1000000000", "model.vocab_size", "<= 16777216"),
+    ("model.seq_length=100000000", "model.seq_length", "in (0, 1048576]"),
+    ("model.vocab_size=1000000000", "model.vocab_size", "in [0, 16777216]"),
+    ("model.vocab_size=0", "model.vocab_size", "> 0 for the gpt family"),
+    ("parallel.cp=0", "parallel.cp", "> 0"),
+    ("data.max_bad_sample_fraction=1.5", "data.max_bad_sample_fraction", "in [0, 1]"),
+    ("control.tcp_port=70000", "control.tcp_port", "in [0, 65535] (0 = any free port) or null"),
+    ("logging.memory_fraction_cap=2", "logging.memory_fraction_cap", "in [0, 1] (0 = no cap)"),
     ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by", "> 0"),
     ("vision.projector_hidden_size=-1", "vision.projector_hidden_size", "> 0"),
     ("dit.ema_decay=1.5", "dit.ema_decay", "[0, 1)"),
@@ -133,3 +138,28 @@ def test_context_parallel_settings_are_checked_before_start(overrides, field, hi
         cfg = from_dict(JobConfig, apply_overrides(load_yaml(BASE), overrides))
         get_family(cfg.model.family).validate(cfg, world_size=2)
     assert e.value.field == field and hint in e.value.hint, str(e.value)
+
+
+def test_every_numeric_field_of_every_section_declares_its_range():
+    """Ranges live in the field declarations (config/constraints.py): a new
+    numeric field without one fails here, so it cannot silently accept
+    negative sizes or probabilities above 1."""
+    import dataclasses
+    import typing
+
+    from megascale_omni.config import schema
+    from megascale_omni.config.constraints import declared_bounds
+
+    # Fields whose every value is meaningful (seeds, signed layer indices) or
+    # checked against another field in __post_init__.
+    free = {"TrainConfig.seed", "VisionConfig.feature_layer", "ParallelConfig.vpp", "DitConfig.logit_mean"}
+    missing = []
+    for section in dataclasses.fields(schema.JobConfig):
+        cls = section.type if isinstance(section.type, type) else getattr(schema, str(section.type))
+        hints = typing.get_type_hints(cls)
+        bounds = declared_bounds(cls)
+        for f in dataclasses.fields(cls):
+            base = {a for a in typing.get_args(hints[f.name]) if a is not type(None)} or {hints[f.name]}
+            if base <= {int, float} and f.name not in bounds and f"{cls.__name__}.{f.name}" not in free:
+                missing.append(f"{section.name}.{f.name}")
+    assert not missing, f"numeric config fields without a declared range: {missing}"
