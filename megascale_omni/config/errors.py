@@ -27,9 +27,3 @@ def require_positive(section: str, name: str, value: int | float, allow_zero: bo
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{section}.{name}", value, f"must be {bound}")
-
-
-def require_range(section: str, name: str, value: float, low: float, high: float, high_open: bool = True) -> None:
-    """Raise ConfigError for ``section.name`` unless ``low <= value < high`` (``<= high`` if not ``high_open``)."""
-    if not (low <= value < high if high_open else low <= value <= high):
-        raise ConfigError(f"{section}.{name}", value, f"must be in [{low:g}, {high:g}{')' if high_open else ']'}")
