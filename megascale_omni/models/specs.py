@@ -79,12 +79,20 @@ def vit_layer_spec(impl: str) -> ModuleSpec:
     return spec
 
 
-def dit_layer_specs(impl: str) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:
+def dit_layer_specs(impl: str, context_parallel: bool = False) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:
     """``(self_attention, cross_attention, mlp)`` specs of a DiT block.
 
     The adaLN modulation sits between the norm and the first linear of each
     branch, so the fused norm+linear modules of transformer-engine's GPT spec
     cannot be used; the unfused TE linears and TE attention can.
+
+    ``context_parallel``: the image tokens are split over the CP group. The
+    local spec's self-attention core is then
+    :class:`~megascale_omni.models.attention.PackedCoreAttention`, which runs
+    ring attention (megatron's ``DotProductAttention`` refuses CP); without
+    CP it stays ``DotProductAttention``, so CP1 numerics do not change. TE
+    attention does its own CP from the config's ``context_parallel_size``
+    and ``cp_comm_type``.
     """
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import (
@@ -107,12 +115,14 @@ def dit_layer_specs(impl: str) -> tuple[ModuleSpec, ModuleSpec, ModuleSpec]:
         )
 
         column, row, core = TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+    self_core = PackedCoreAttention if context_parallel and impl != "transformer_engine" else core
     self_attention = ModuleSpec(
         module=SelfAttention,
         # Image tokens attend to each other in both directions.
         params={"attn_mask_type": AttnMaskType.no_mask},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=column, core_attention=core, linear_proj=row, q_layernorm=IdentityOp, k_layernorm=IdentityOp
+            linear_qkv=column, core_attention=self_core, linear_proj=row, q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
         ),
     )
     cross_attention = ModuleSpec(

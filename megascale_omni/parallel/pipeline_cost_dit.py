@@ -18,6 +18,15 @@ Components, in pipeline order (see :class:`~megascale_omni.parallel.pipeline_cos
   image tokens, cross-attention to the caption, MLP);
 - tail (last stage): ``dit_output`` (final adaLN + linear + MSE loss).
 
+Context parallelism (``parallel.cp``): the costs are those of one CP rank,
+which holds ``N / cp`` image tokens (``n / cp`` of each image). Everything
+per image token (patch embedding, linears, MLP, output) scales by ``1 /
+cp``; self-attention takes the local queries against all ``n`` keys of
+their image (``1 / cp`` of the score FLOPs and probabilities); the caption
+states, their cross-attention keys and values, and the condition are
+computed whole on every CP rank. The ring's key/value traffic is not
+counted (FLOPs and bytes only).
+
 Every DiT weight trains (the DiT ignores ``model.freeze`` and
 ``model.recompute``); with ``dit.ema_decay > 0`` each parameter also keeps
 an EMA copy in the weights' dtype. Activation bytes follow the same rough
@@ -78,10 +87,13 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     one bucket package of ``dit.token_budget`` image tokens and
     ``dit.max_text_length`` caption tokens per image (module docstring).
     No measured profile applies (``shape`` is None)."""
-    m, d, tp = cfg.model, cfg.dit, cfg.parallel.tp
+    m, d, tp, cp = cfg.model, cfg.dit, cfg.parallel.tp, cfg.parallel.cp
     nbytes = _dtype_bytes(cfg, cuda)
     h, ffn, heads = m.hidden_size, m.ffn_size, m.num_attention_heads
-    tokens, n, images = dit_package(cfg)
+    package_tokens, n, images = dit_package(cfg)
+    # This CP rank's image tokens; `images / cp` "sequences" of n queries
+    # against n keys count the attention of n / cp queries per image.
+    tokens, query_images = package_tokens / cp, images / cp
     text_tokens = images * d.max_text_length
     patch_dim = d.in_channels * d.patch_size**2
     learned_text = d.text_encoder == "learned"
@@ -119,7 +131,7 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     # One block: self-attention + MLP as a pre-norm transformer layer without
     # norm weights (the adaLN norms are affine-free), plus cross-attention and
     # the modulation linear. Gradients flow through every block (the head trains).
-    base = _transformer_layer(tokens, n, images, h, ffn, heads, heads, nbytes, False, True, True, tp)
+    base = _transformer_layer(tokens, n, query_images, h, ffn, heads, heads, nbytes, False, True, True, tp)
     passes = _passes(True, True)
     q_flops, q_params = _linear(tokens, h, h, passes, tp)
     kv_flops, kv_params = _linear(text_tokens, h, 2 * h, passes, tp)
@@ -131,7 +143,7 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     # Beyond the layer's own: the third norm's input, three modulated-norm
     # outputs and three gated branch outputs; the cross-attention's query
     # input, Q and projection input; K and V of the caption; its softmax.
-    extra_elems = 10.0 * tokens * h + 2.0 * text_tokens * h + 2.0 * images * heads * n * d.max_text_length
+    extra_elems = 10.0 * tokens * h + 2.0 * text_tokens * h + 2.0 * query_images * heads * n * d.max_text_length
     block = ComponentCost(
         flops=base.flops + q_flops + kv_flops + o_flops + cross_core + mod_flops,
         params=block_params, trainable_params=block_params,

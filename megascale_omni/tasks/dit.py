@@ -28,6 +28,7 @@ from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_repo
 from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
 from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.shards import BadSampleError
+from megascale_omni.models.dit.context import image_token_index
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
 from megascale_omni.models.loss import masked_token_loss
@@ -183,14 +184,27 @@ class DitTask(Task):
     def forward_step(self, data_iterator: Any, model):
         b = next(data_iterator)
         out = model(b["x_t"].to(self.dtype), b["t"], b["text"], b["text_mask"], target=b["target"].to(self.dtype))
-        return out, partial(masked_token_loss, loss_mask=b["loss_mask"])
+        return out, partial(masked_token_loss, loss_mask=self._local_tokens(b["loss_mask"]))
+
+    def _local_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
+        """``[B, N]`` -> this CP rank's ``[B, N / cp]`` (the tokens the model
+        computes on this rank, :func:`image_token_index`); itself without CP.
+        Loss sums and token counts are then summed over DP x CP by megatron,
+        so the objective is the CP1 one."""
+        if self.dims.cp == 1:
+            return per_token
+        from megatron.core import parallel_state as mpu
+
+        index = image_token_index(per_token.shape[1], self.dims.cp, mpu.get_context_parallel_rank())
+        return per_token[:, index.to(per_token.device)]
 
     # ------------------------------------------------------------ evaluation
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
         """Sample the colour prompts with the EMA weights; write the PNG grid and
         the colour accuracy into the run directory (loss rank). Pixel-space
         data with learned captions only (latents need a VAE decoder: use
-        tools/sample_dit.py)."""
+        tools/sample_dit.py). Runs under the training layout, CP included
+        (``dit.eval_resolutions`` are checked like the buckets)."""
         d = self.cfg.dit
         if not d.eval_resolutions:
             return None

@@ -5,7 +5,11 @@ end of training and ``tools/sample_dit.py`` both call it with model chunks.
 Each Euler step is one forward-only pass of megatron's schedule over the
 pipeline (conditional and empty-caption rows in one micro-batch for CFG);
 the last stage then broadcasts the velocity to the other stages of its
-pipeline, so every rank holds the same image tensor after every step.
+pipeline, so every rank holds the same image tensor after every step. Under
+context parallelism each CP rank computes its share of the image tokens and
+the last stage gathers the whole velocity over the CP group
+(:class:`~megascale_omni.models.dit.model.DiTChunk`); every image size must
+then have a multiple of ``2 * cp`` tokens.
 All ranks of a replica must call it with the same arguments.
 """
 

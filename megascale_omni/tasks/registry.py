@@ -10,6 +10,7 @@ the task module is imported only when a task is built.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -175,6 +176,37 @@ def _check_dit(cfg: JobConfig) -> None:
     require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
     if dit.text_encoder == "precomputed" and dit.text_dim == 0:
         raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
+    if par.cp > 1:
+        _check_dit_context_parallel(cfg)
+
+
+def _check_dit_context_parallel(cfg: JobConfig) -> None:
+    """Context parallelism cuts every image into ``2 * cp`` equal chunks of
+    tokens: each bucket, and each resolution the end-of-training evaluation
+    samples under the training layout, needs a multiple of ``2 * cp`` tokens."""
+    dit, chunks = cfg.dit, 2 * cfg.parallel.cp
+    p = dit.patch_size
+    for field, sizes, what in (("dit.buckets", dit.buckets, "bucket"),
+                               ("dit.eval_resolutions", dit.eval_resolutions, "resolution")):
+        for i, (height, width) in enumerate(sizes):
+            rows, cols = height // p, width // p
+            if (rows * cols) % chunks:
+                r, c = _nearest_grid(rows, cols, chunks)
+                raise ConfigError(
+                    f"{field}[{i}]", f"{height}x{width}",
+                    f"has {rows * cols} tokens ({rows}x{cols} patches of dit.patch_size={p}), not a multiple of "
+                    f"2*parallel.cp={chunks}: context parallelism cuts every image into 2*cp equal chunks; "
+                    f"use a {what} such as {r * p}x{c * p} ({r * c} tokens) or remove it",
+                )
+
+
+def _nearest_grid(rows: int, cols: int, multiple: int) -> tuple[int, int]:
+    """The patch grid with one side of ``rows x cols`` changed whose token
+    count is a multiple of ``multiple``: fewest tokens changed, then the
+    closest aspect ratio, then the first (rows changed before columns)."""
+    candidates = [(r, cols) for r in range(1, rows + multiple + 1)] + [(rows, c) for c in range(1, cols + multiple + 1)]
+    fits = [(r, c) for r, c in candidates if (r * c) % multiple == 0]
+    return min(fits, key=lambda g: (abs(g[0] * g[1] - rows * cols), round(abs(math.log(g[1] / g[0] * rows / cols)), 9)))
 
 
 #: Every model family, by ``model.family``.
@@ -208,13 +240,12 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="dit",
             task="megascale_omni.tasks.dit:DitTask",
-            features=frozenset({"explicit_partition"}),
+            features=frozenset({"explicit_partition", "context_parallel"}),
             cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,
             notes=(
                 ("vpp", "the DiT stage is one chunk per pp rank"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
-                ("context_parallel", "ring attention is not implemented yet"),
                 ("elastic", "the sample ledger and job-wide skip counters are not wired for DiT yet"),
                 ("data_workers", "its batcher is not wired to the worker loader yet"),
             ),

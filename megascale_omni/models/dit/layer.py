@@ -4,6 +4,7 @@ megatron attention)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -55,6 +56,12 @@ class DiTLayer(MegatronModule):
     [B, 1, 1, L] bool, True = padding)`` returns ``[N, B, h]``. The modulation
     linear starts at zero, so every gate is 0 and the block is the identity
     at initialisation.
+
+    Context parallelism (``config.context_parallel_size > 1``): ``x`` holds
+    this CP rank's tokens; the self-attention spec attends over the CP group
+    (:func:`~megascale_omni.models.specs.dit_layer_specs`), while the
+    cross-attention is built with CP switched off, since every rank holds
+    the whole caption and its local queries need nothing from other ranks.
     """
 
     def __init__(self, config: TransformerConfig, specs: tuple[ModuleSpec, ModuleSpec, ModuleSpec], layer_number: int):
@@ -63,8 +70,10 @@ class DiTLayer(MegatronModule):
         self_spec, cross_spec, mlp_spec = specs
         self.adaln = modulation_linear(config, h, 3 * _BRANCHES * h)
         mark_zero_init(self.adaln)
-        self.self_attention = build_module(self_spec, config=config, layer_number=layer_number)
-        self.cross_attention = build_module(cross_spec, config=config, layer_number=layer_number)
+        self.self_attention = build_module(
+            self_spec, config=config, layer_number=layer_number, cp_comm_type=config.cp_comm_type
+        )
+        self.cross_attention = build_module(cross_spec, config=_without_cp(config), layer_number=layer_number)
         self.mlp = build_module(mlp_spec, config=config)
 
     def forward(
@@ -78,6 +87,16 @@ class DiTLayer(MegatronModule):
         x = x + g2 * _with_bias(self.cross_attention(y, attention_mask=context_mask, key_value_states=context))
         y = modulate(layer_norm(x), s3, c3)
         return x + g3 * _with_bias(self.mlp(y))
+
+
+def _without_cp(config: TransformerConfig) -> TransformerConfig:
+    """``config`` with ``context_parallel_size`` 1 (megatron's attention then
+    never touches the CP group; the CP group itself stays as it is)."""
+    if config.context_parallel_size == 1:
+        return config
+    local = copy.copy(config)
+    local.context_parallel_size = 1
+    return local
 
 
 class DiTLayerStack(MegatronModule):

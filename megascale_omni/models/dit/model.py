@@ -25,6 +25,16 @@ Stage ``r`` holds the blocks ``[first, first + count)`` of
 ``resolve_partition`` (explicit counts, or ``uniform``: an even split).
 Blocks keep their global index, so parameter keys, the layout-invariant
 init and checkpoints are the same under any split.
+
+Context parallelism (``parallel.cp > 1``, :mod:`megascale_omni.models.dit.context`):
+each CP rank holds ``N / cp`` tokens of every image (load-balanced split).
+Stage 0 patchifies the whole image and embeds only its local patches (with
+their 2-D positions); the pipeline tensor is ``[N / cp + L + 1, B, h] =
+cat(x_local, ctx, c)``; caption and condition stay whole on every CP rank.
+Self-attention runs as ring attention over the CP group, cross-attention
+takes the local queries against the full caption without communication.
+The last stage returns the error of its local tokens, or gathers the
+velocity of all tokens over the CP group (sampling).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from megascale_omni.config import JobConfig
+from megascale_omni.models.dit.context import gather_image_tokens, image_token_index
 from megascale_omni.models.dit.embed import patchify, sincos_2d, timestep_features, unpatchify
 from megascale_omni.models.dit.layer import (
     DiTLayerStack,
@@ -76,7 +87,7 @@ def stage_layers(num_layers: int, pp: int, partition: Union[str, Sequence[int]],
 
 def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
     """megatron config of the DiT blocks; shapes vary per bucket across stages."""
-    m = cfg.model
+    m, par = cfg.model, cfg.parallel
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -86,7 +97,9 @@ def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerCon
         attention_dropout=0.0,
         add_bias_linear=True,
         bias_activation_fusion=False,
-        pipeline_model_parallel_size=cfg.parallel.pp,
+        pipeline_model_parallel_size=par.pp,
+        context_parallel_size=par.cp,
+        cp_comm_type=par.cp_comm_type,
         variable_seq_lengths=True,
         # No MoE here; megatron rejects variable_seq_lengths with the default
         # (allgather) dispatcher even when it is unused.
@@ -106,6 +119,11 @@ class DiTChunk(MegatronModule):
     Returns, on the last stage, per-token squared error ``[B, N]`` (mean over
     the ``C p p`` values of a token) when ``target`` is given, else the
     predicted velocity ``[B, C, H, W]``; on other stages the pipeline tensor.
+
+    Under context parallelism every CP rank receives the whole micro-batch
+    too; the error is then ``[B, N / cp]``, over this rank's tokens in the
+    order of :func:`~megascale_omni.models.dit.context.image_token_index`,
+    and the velocity (gathered over the CP group, no gradient) is whole.
     """
 
     def __init__(
@@ -118,6 +136,7 @@ class DiTChunk(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         d, h = cfg.dit, config.hidden_size
         self.patch, self.channels = d.patch_size, d.in_channels
+        self.cp = config.context_parallel_size
         patch_dim = d.in_channels * d.patch_size**2
         self.input_tensor: Optional[torch.Tensor] = None
         if pre_process:
@@ -136,7 +155,7 @@ class DiTChunk(MegatronModule):
         rank = mpu.get_pipeline_model_parallel_rank()
         first, count = stage_layers(config.num_layers, cfg.parallel.pp, cfg.parallel.pipeline_partition, rank)
         logger.info("DiT stage %d: layers [%d, %d)", rank, first, first + count)
-        self.layers = DiTLayerStack(config, dit_layer_specs(impl), first, count)
+        self.layers = DiTLayerStack(config, dit_layer_specs(impl, context_parallel=self.cp > 1), first, count)
         if post_process:
             self.final_adaln = modulation_linear(config, h, 2 * h)
             self.final_linear = _linear(config, h, patch_dim)
@@ -149,12 +168,21 @@ class DiTChunk(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def embed(self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor):
-        """Stage 0: ``(x [N, B, h], ctx [L, B, h], c [B, h])``."""
+    def embed(
+        self, x_t: torch.Tensor, t: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor,
+        index: Optional[torch.Tensor] = None,
+    ):
+        """Stage 0: ``(x [N, B, h], ctx [L, B, h], c [B, h])``; with ``index``
+        (context parallelism) ``x`` holds only those tokens, ``[len(index), B, h]``."""
         _, _, height, width = x_t.shape
-        x, _ = self.x_embedder(patchify(x_t, self.patch))
-        pos = sincos_2d(height // self.patch, width // self.patch, x.shape[-1]).to(x.dtype)
-        x = x + pos[:, None, :]
+        patches = patchify(x_t, self.patch)  # [N, B, C p p]
+        pos = sincos_2d(height // self.patch, width // self.patch, self.config.hidden_size)
+        if index is not None:
+            # The embedding is per token: embedding only the local patches
+            # gives the same tokens for 1/cp of the work.
+            patches, pos = patches[index], pos[index.cpu()]
+        x, _ = self.x_embedder(patches)
+        x = x + pos.to(device=x.device, dtype=x.dtype)[:, None, :]
         emb = self.text_embedding(text) if self.text_embedding is not None else text.to(x.dtype)  # [B, L, D]
         ctx, _ = self.text_proj(emb.transpose(0, 1).contiguous())  # [L, B, h]
         keep = text_mask.transpose(0, 1).unsqueeze(-1).to(ctx.dtype)  # [L, B, 1]
@@ -174,21 +202,30 @@ class DiTChunk(MegatronModule):
     ) -> torch.Tensor:
         _, _, height, width = x_t.shape
         n = (height // self.patch) * (width // self.patch)
+        index = None
+        if self.cp > 1:
+            index = image_token_index(n, self.cp, mpu.get_context_parallel_rank()).to(x_t.device)
+        local = n if index is None else index.numel()
         if self.pre_process:
-            x, ctx, c = self.embed(x_t, t, text, text_mask)
+            x, ctx, c = self.embed(x_t, t, text, text_mask, index)
         else:
             hidden = self.input_tensor
-            x, ctx, c = hidden[:n], hidden[n:-1], hidden[-1]
+            x, ctx, c = hidden[:local], hidden[local:-1], hidden[-1]
         context_mask = ~text_mask[:, None, None, :]  # [B, 1, 1, L], True = masked
         x = self.layers(x, c, ctx, context_mask)
         if not self.post_process:
             return torch.cat([x, ctx, c.unsqueeze(0)], dim=0)
         shift, scale = self.final_adaln(torch.nn.functional.silu(c).unsqueeze(0))[0].chunk(2, dim=-1)
-        out, _ = self.final_linear(modulate(layer_norm(x), shift, scale))  # [N, B, C p p]
+        out, _ = self.final_linear(modulate(layer_norm(x), shift, scale))  # [N / cp, B, C p p]
         if target is None:
+            if index is not None:
+                out = gather_image_tokens(out, n, mpu.get_context_parallel_group())
             return unpatchify(out, self.patch, height, width, self.channels)
-        err = (out.float() - patchify(target, self.patch).float()) ** 2
-        return err.mean(-1).transpose(0, 1).contiguous()  # [B, N]
+        goal = patchify(target, self.patch)
+        if index is not None:
+            goal = goal[index]
+        err = (out.float() - goal.float()) ** 2
+        return err.mean(-1).transpose(0, 1).contiguous()  # [B, N / cp]
 
 
 def _linear(config: TransformerConfig, in_size: int, out_size: int) -> ColumnParallelLinear:
