@@ -77,3 +77,30 @@ def test_a_task_missing_a_required_method_cannot_be_built():
 
     with pytest.raises(TypeError, match="abstract"):
         Incomplete(None, None, None)
+
+
+# Context parallelism cuts every DiT image into 2*cp chunks: buckets (and the
+# resolutions sampled at the end under the training layout) need 2*cp | tokens.
+CP_BUCKETS = "dit.buckets=[[16,16],[24,24],[12,16],[16,12],[16,32],[32,16]]"
+DIT_CP_BAD = [
+    # The example's 12x20 bucket is 3x5 = 15 patches of 4 px; one side changed: 3x4.
+    (["parallel.cp=2"], "dit.buckets[1]", "12x20", ["has 15 tokens", "2*parallel.cp=4", "such as 12x16 (12 tokens)"]),
+    (["parallel.cp=2", CP_BUCKETS, "dit.eval_resolutions=[[16,16],[12,24]]"], "dit.eval_resolutions[1]", "12x24",
+     ["has 18 tokens", "resolution such as 16x24 (24 tokens)"]),
+    (["parallel.cp=4", CP_BUCKETS], "dit.buckets[1]", "24x24",
+     ["has 36 tokens", "2*parallel.cp=8", "such as 32x24 (48 tokens)"]),
+]
+
+
+@pytest.mark.parametrize("overrides,field,value,fragments", DIT_CP_BAD, ids=lambda v: str(v)[:40])
+def test_dit_token_counts_must_split_into_2cp_chunks(overrides, field, value, fragments):
+    with pytest.raises(ConfigError) as err:
+        get_family("dit").validate(_cfg("dit", *overrides), world_size=4)
+    assert (err.value.field, err.value.value) == (field, value)
+    for fragment in fragments:
+        assert fragment in err.value.hint, str(err.value)
+
+
+def test_dit_supports_context_parallel_with_divisible_buckets():
+    get_family("dit").validate(_cfg("dit", "parallel.cp=2", CP_BUCKETS), world_size=2)
+    get_family("dit").validate(_cfg("dit", "parallel.cp=2", "parallel.tp=2", CP_BUCKETS), world_size=4)
