@@ -91,9 +91,7 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     nbytes = _dtype_bytes(cfg, cuda)
     h, ffn, heads = m.hidden_size, m.ffn_size, m.num_attention_heads
     package_tokens, n, images = dit_package(cfg)
-    # This CP rank's image tokens; `images / cp` "sequences" of n queries
-    # against n keys count the attention of n / cp queries per image.
-    tokens, query_images = package_tokens / cp, images / cp
+    tokens = package_tokens / cp  # this CP rank's image tokens
     text_tokens = images * d.max_text_length
     patch_dim = d.in_channels * d.patch_size**2
     learned_text = d.text_encoder == "learned"
@@ -131,7 +129,7 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     # One block: self-attention + MLP as a pre-norm transformer layer without
     # norm weights (the adaLN norms are affine-free), plus cross-attention and
     # the modulation linear. Gradients flow through every block (the head trains).
-    base = _transformer_layer(tokens, n, query_images, h, ffn, heads, heads, nbytes, False, True, True, tp)
+    base = _transformer_layer(package_tokens, n, images, h, ffn, heads, heads, nbytes, False, True, True, tp, cp=cp)
     passes = _passes(True, True)
     q_flops, q_params = _linear(tokens, h, h, passes, tp)
     kv_flops, kv_params = _linear(text_tokens, h, 2 * h, passes, tp)
@@ -143,7 +141,7 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     # Beyond the layer's own: the third norm's input, three modulated-norm
     # outputs and three gated branch outputs; the cross-attention's query
     # input, Q and projection input; K and V of the caption; its softmax.
-    extra_elems = 10.0 * tokens * h + 2.0 * text_tokens * h + 2.0 * query_images * heads * n * d.max_text_length
+    extra_elems = 10.0 * tokens * h + 2.0 * text_tokens * h + 2.0 * images * heads * (n / cp) * d.max_text_length
     block = ComponentCost(
         flops=base.flops + q_flops + kv_flops + o_flops + cross_core + mod_flops,
         params=block_params, trainable_params=block_params,
