@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
         "llava": (_start("pretrain_llava.py", "examples/llava/tiny_cpu.yaml", root / "llava", f"data.path={llava_data}",
                          "train.micro_batch_size=4"), root / "llava"),
         "dit": (_start("pretrain_dit.py", "examples/dit/tiny_cpu.yaml", root / "dit", f"data.path={dit_data}",
-                       "train.lr=3e-3", "dit.ema_decay=0", "checkpoint.dir=''"), root / "dit"),
+                       "train.lr=3e-3", "dit.ema_decay=0", "checkpoint.dir=''", "checkpoint.interval=0"), root / "dit"),
     }
     yield started
     for proc, _ in started.values():
