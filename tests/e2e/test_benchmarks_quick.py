@@ -78,6 +78,14 @@ EXPECTED = {
         r"^\(b\) demo training, 2 processes \(DP2\), 5 steps",
         *(rf"^\| {workers} \| 2 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \|$" for workers in (0, 1)),
     ],
+    "context_parallel": [
+        r"^model: GPT 2 layers, .* one sequence of 2048 tokens",
+        r"^sanity, CP=1: loss plain THD path [\d.]+, ring of one rank [\d.]+, relative difference ",
+        r"^\| CP \| tokens per rank \| activations per rank",
+        *(rf"^\| {cp} \| {2048 // cp} \| [\d.]+ \| [\d.]+ \| {1 / cp:.3f} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| "
+          rf"[\d.]+ \| [\d.e+-]+ \|$" for cp in (1, 2)),
+        r"^activation ratio vs ideal: CP=1 [\d.]+x of 1/CP, CP=2 [\d.]+x of 1/CP$",
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -92,15 +100,18 @@ TIMEOUT_S = {
     "scheduler_sim": 240,
     "elastic_join": 1200,
     "loader_throughput": 600,
+    "context_parallel": 300,
 }
 #: Benchmarks that start several torchrun jobs.
-DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput"}
+DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
+        "context_parallel"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
-#: several times, 35 s); `make test-all` runs them. The other
+#: several times, 35 s; context_parallel starts 2 processes that each
+#: import megatron, over 20 s); `make test-all` runs them. The other
 #: single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async"}
+        "checkpoint_async", "context_parallel"}
 
 
 def documented_commands() -> dict[str, list[str]]:
