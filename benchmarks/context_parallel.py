@@ -112,16 +112,6 @@ class SavedActivations:
         return sum(self.storages.values())
 
 
-def _force_ring(module) -> None:
-    """Make a ``PackedCoreAttention`` run the ring even at CP = 1 (a ring of one rank)."""
-    from megascale_omni.models.attention import _CAUSAL
-
-    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        causal = module.causal if attn_mask_type is None else attn_mask_type in _CAUSAL
-        return module._ring(query, key, value, packed_seq_params, causal)
-
-    module.forward = forward
 
 
 def measure(cp: int, args: argparse.Namespace, out_dir: str) -> dict:
@@ -206,7 +196,7 @@ def measure(cp: int, args: argparse.Namespace, out_dir: str) -> dict:
     if cp == 1:  # a ring of one rank against the plain THD path (step 1), same weights and tokens
         for module in model.modules():
             if isinstance(module, PackedCoreAttention):
-                _force_ring(module)
+                module.force_ring = True
         with torch.no_grad():
             result["ring_loss"] = forward().item() / args.tokens
     return result

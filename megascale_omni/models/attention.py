@@ -186,6 +186,9 @@ class PackedCoreAttention(MegatronModule):
         if self.cp_size > 1 and (attention_dropout if attention_dropout is not None else config.attention_dropout):
             raise ValueError("ring attention (parallel.cp > 1) has no attention dropout; set attention_dropout: 0")
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        #: Run ring attention even when ``cp == 1`` (a ring of one rank): the
+        #: context-parallel benchmark compares it with the plain path.
+        self.force_ring = False
         if config.window_size is not None:
             raise ValueError("PackedCoreAttention does not implement sliding-window attention")
         if config.softmax_type != "vanilla":
@@ -217,7 +220,7 @@ class PackedCoreAttention(MegatronModule):
             if dropout_p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
-        if self.cp_size > 1:
+        if self.cp_size > 1 or self.force_ring:
             return self._ring(query, key, value, packed_seq_params, causal)
         with rng:
             if packed_seq_params is None:
