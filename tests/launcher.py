@@ -120,12 +120,27 @@ def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int
     ]
 
 
+def launch_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None) -> list[str]:
+    """:func:`torchrun_cmd`, except that one process runs under plain ``python``:
+    the entry points then start the same one-rank gloo group themselves
+    (``init_distributed``: RANK 0, WORLD_SIZE 1, a free loopback port), so the
+    same code runs without the torchrun agent's own interpreter and torch
+    import (~4 s per launch on the 2-core CI machine)."""
+    if nproc != 1:
+        return torchrun_cmd(nproc, target, args, fail_at_step)
+    entry = [target] if target.endswith(".py") else ["-m", target]
+    if fail_at_step is not None:
+        entry = ["-m", "tests.fault_injection", f"--fail-at-step={fail_at_step}", target]
+    return [sys.executable, *entry, *args]
+
+
 def torchrun(
     nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None,
     fail_at_step: int | None = None,
 ) -> Result:
-    """Run :func:`torchrun_cmd` to completion."""
-    return run(torchrun_cmd(nproc, target, args, fail_at_step), timeout=timeout, env=env)
+    """Run :func:`launch_cmd` to completion (``torchrun`` for ``nproc > 1``,
+    plain ``python`` for one process)."""
+    return run(launch_cmd(nproc, target, args, fail_at_step), timeout=timeout, env=env)
 
 
 @contextlib.contextmanager
@@ -158,8 +173,9 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 def train_and_read(
     target: str, nproc: int, args: Sequence[str], output_dir: str | Path, steps: int, timeout: float
 ) -> list[dict]:
-    """Run a training entry point under torchrun and return its per-step
-    records, asserting a clean exit and exactly ``steps`` consecutive steps."""
+    """Run a training entry point under :func:`torchrun` (plain ``python`` for
+    one process) and return its per-step records, asserting a clean exit and
+    exactly ``steps`` consecutive steps."""
     res = torchrun(nproc, target, [*args, f"logging.output_dir={output_dir}", "logging.tensorboard=false"],
                    timeout=timeout)
     assert res.returncode == 0, f"{target} x{nproc} {' '.join(args)} failed:\n{res.stderr[-5000:]}"
