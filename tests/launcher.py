@@ -120,6 +120,45 @@ def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int
     ]
 
 
+def run_tool_in_process(script: str | Path, *args) -> Result:
+    """Run a tool script (``tools/hf_import.py``) the way its command line
+    does, ``run_cli(main)`` (one-line errors, exit codes 2/3/4), but in this
+    process, without a new interpreter's torch/transformers import (5-15 s per
+    run here). For cases about what a tool answers, not about process
+    behaviour; each tool keeps at least one real command-line run elsewhere.
+
+    Returns the exit status (``SystemExit``; 0 if ``main`` returns) and what
+    was written to ``sys.stdout``/``sys.stderr``, log records of level WARNING
+    and above included (as an unconfigured subprocess prints them). Any other
+    exception escapes: where a subprocess would print a traceback, the test fails.
+    """
+    import importlib.util
+    import io
+    import logging
+
+    from megascale_omni.entry import run_cli
+
+    path = REPO / script
+    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(lambda: module.main([str(a) for a in args]))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):  # sys.exit("message"): the interpreter prints it
+            err.write(f"{e.code}\n")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
 def launch_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None) -> list[str]:
     """:func:`torchrun_cmd`, except that one process runs under plain ``python``:
     the entry points then start the same one-rank gloo group themselves
