@@ -130,7 +130,9 @@ def run_tool_in_process(script: str | Path, *args) -> Result:
     Returns the exit status (``SystemExit``; 0 if ``main`` returns) and what
     was written to ``sys.stdout``/``sys.stderr``, log records of level WARNING
     and above included (as an unconfigured subprocess prints them). Any other
-    exception escapes: where a subprocess would print a traceback, the test fails.
+    exception escapes: where a subprocess would print a traceback, the test
+    fails. Environment variables the tool sets (a one-process tool's
+    rendezvous: RANK, MASTER_PORT, ...) are undone afterwards.
     """
     import importlib.util
     import io
@@ -147,6 +149,7 @@ def run_tool_in_process(script: str | Path, *args) -> Result:
     handler.setLevel(logging.WARNING)
     logging.getLogger().addHandler(handler)
     code = 0
+    saved_env = dict(os.environ)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             run_cli(lambda: module.main([str(a) for a in args]))
@@ -156,6 +159,8 @@ def run_tool_in_process(script: str | Path, *args) -> Result:
             err.write(f"{e.code}\n")
     finally:
         logging.getLogger().removeHandler(handler)
+        os.environ.clear()
+        os.environ.update(saved_env)
     return Result(code, out.getvalue(), err.getvalue())
 
 
