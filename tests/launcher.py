@@ -120,12 +120,71 @@ def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int
     ]
 
 
+def run_tool_in_process(script: str | Path, *args) -> Result:
+    """Run a tool script (``tools/hf_import.py``) the way its command line
+    does, ``run_cli(main)`` (one-line errors, exit codes 2/3/4), but in this
+    process, without a new interpreter's torch/transformers import (5-15 s per
+    run here). For cases about what a tool answers, not about process
+    behaviour; each tool keeps at least one real command-line run elsewhere.
+
+    Returns the exit status (``SystemExit``; 0 if ``main`` returns) and what
+    was written to ``sys.stdout``/``sys.stderr``, log records of level WARNING
+    and above included (as an unconfigured subprocess prints them). Any other
+    exception escapes: where a subprocess would print a traceback, the test
+    fails. Environment variables the tool sets (a one-process tool's
+    rendezvous: RANK, MASTER_PORT, ...) are undone afterwards.
+    """
+    import importlib.util
+    import io
+    import logging
+
+    from megascale_omni.entry import run_cli
+
+    path = REPO / script
+    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    code = 0
+    saved_env = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(lambda: module.main([str(a) for a in args]))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):  # sys.exit("message"): the interpreter prints it
+            err.write(f"{e.code}\n")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def launch_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None) -> list[str]:
+    """:func:`torchrun_cmd`, except that one process runs under plain ``python``:
+    the entry points then start the same one-rank gloo group themselves
+    (``init_distributed``: RANK 0, WORLD_SIZE 1, a free loopback port), so the
+    same code runs without the torchrun agent's own interpreter and torch
+    import (~4 s per launch on the 2-core CI machine)."""
+    if nproc != 1:
+        return torchrun_cmd(nproc, target, args, fail_at_step)
+    entry = [target] if target.endswith(".py") else ["-m", target]
+    if fail_at_step is not None:
+        entry = ["-m", "tests.fault_injection", f"--fail-at-step={fail_at_step}", target]
+    return [sys.executable, *entry, *args]
+
+
 def torchrun(
     nproc: int, target: str, args: Sequence[str], timeout: float, env: dict | None = None,
     fail_at_step: int | None = None,
 ) -> Result:
-    """Run :func:`torchrun_cmd` to completion."""
-    return run(torchrun_cmd(nproc, target, args, fail_at_step), timeout=timeout, env=env)
+    """Run :func:`launch_cmd` to completion (``torchrun`` for ``nproc > 1``,
+    plain ``python`` for one process)."""
+    return run(launch_cmd(nproc, target, args, fail_at_step), timeout=timeout, env=env)
 
 
 @contextlib.contextmanager
@@ -158,8 +217,9 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 def train_and_read(
     target: str, nproc: int, args: Sequence[str], output_dir: str | Path, steps: int, timeout: float
 ) -> list[dict]:
-    """Run a training entry point under torchrun and return its per-step
-    records, asserting a clean exit and exactly ``steps`` consecutive steps."""
+    """Run a training entry point under :func:`torchrun` (plain ``python`` for
+    one process) and return its per-step records, asserting a clean exit and
+    exactly ``steps`` consecutive steps."""
     res = torchrun(nproc, target, [*args, f"logging.output_dir={output_dir}", "logging.tensorboard=false"],
                    timeout=timeout)
     assert res.returncode == 0, f"{target} x{nproc} {' '.join(args)} failed:\n{res.stderr[-5000:]}"

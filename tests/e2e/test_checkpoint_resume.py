@@ -97,7 +97,9 @@ def test_dp2_checkpoint_resumes_under_dp1(tmp_path, straight):
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     args = ["parallel.use_distributed_optimizer=true", f"checkpoint.dir={ckpt}"]
     res, _ = _train(2, args, out, fail_at_step=11)
-    assert res.returncode != 0
+    assert res.returncode != 0 and "injected failure at step 11" in res.stderr, res.stderr[-3000:]
+    [info] = layout.scan_tier(ckpt, "persistent")
+    assert info.complete and info.step == 10 and info.commit["reason"] == "failure"
     res, records = _train(1, args, out)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "saved with tp1 pp1 dp2, now tp1 pp1 dp1" in res.stderr
@@ -142,12 +144,17 @@ def _wait_for_step(out: Path, step: int, proc, timeout: float = 120.0) -> None:
     raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+def test_sigterm_saves_and_exits_cleanly_then_resumes_and_sigusr1_saves_once_and_training_continues(tmp_path):
     """SIGTERM to every process (as a batch scheduler sends it): the job
-    saves at the next step boundary and exits 0; the restart resumes there."""
+    saves at the next step boundary and exits 0; the restart resumes there.
+    SIGUSR1 to every worker of the resumed job: one save, and training
+    continues to the last step, saves at the end and exits 0. (One job for
+    both signals: each needs a running job with a long step budget; the
+    resumed run serves the SIGUSR1 half, one start-up less.)"""
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    steps = 300
     args = [*BASE, "parallel.use_distributed_optimizer=true", f"checkpoint.dir={ckpt}",
-            f"logging.output_dir={out}", "train.steps=400"]
+            f"logging.output_dir={out}", f"train.steps={steps}"]
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
     _wait_for_step(out, 3, proc)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -161,31 +168,23 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     stopped = info.step
     assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 1))
 
-    # Resume, and stop again two steps later through an injected failure.
-    res = torchrun(2, "megascale_omni.smoke", args, timeout=200,
-                   fail_at_step=stopped + 3)
-    assert f"at step {stopped}" in res.stderr, res.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))
-
-
-def test_sigusr1_saves_and_training_continues(tmp_path):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
-    args = [*BASE, f"checkpoint.dir={ckpt}", f"logging.output_dir={out}", "train.steps=300",
-            "checkpoint.save_at_end=false"]
+    # Resume; three steps later, SIGUSR1 to every worker, one after the
+    # other, as a scheduler does: the deliveries may straddle a step
+    # boundary, and the burst must still save once. Never the torchrun
+    # agent: SIGUSR1 would terminate it.
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
-    _wait_for_step(out, 3, proc)
-    # Every worker, one after the other, as a scheduler does: the deliveries
-    # may straddle a step boundary, and the burst must still save once.
-    # Never the torchrun agent: SIGUSR1 would terminate it.
+    _wait_for_step(out, stopped + 3, proc)
     workers = _worker_pids(proc.pid, "megascale_omni.smoke")
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(pid, signal.SIGUSR1)
     res = finish(proc, timeout=200)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"at step {stopped}" in res.stderr, res.stderr[-3000:]
     saves = [c for c in layout.scan_tier(ckpt, "persistent") if c.complete]
-    assert [c.commit["reason"] for c in saves] == ["sigusr1"]
-    assert len(read_metrics(out)) == 300
+    assert [c.commit["reason"] for c in saves] == ["sigterm", "sigusr1", "end"], [(c.step, c.commit) for c in saves]
+    assert saves[0].step == stopped and stopped + 2 < saves[1].step < steps and saves[2].step == steps
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
 
 
 def _worker_pids(agent_pid: int, target: str) -> list[int]:

@@ -111,38 +111,44 @@ def test_sample_tool_loads_tp2_checkpoint_in_one_process(tmp_path, straight):
           f"{np.abs(tool - in_process).max()}")
 
 
-#: Loads a checkpoint's EMA and trained weights into a one-process model the
-#: way tools/sample_dit.py does, and saves both state dicts.
-LOAD_BOTH = """
-import sys, torch
-from megascale_omni.models.dit.model import build_dit_chunks
-from megascale_omni.parallel import ParallelDims
-from megascale_omni.parallel.state import initialize_parallel
-from megascale_omni.platform import init_platform
-from megascale_omni.platform.device import init_distributed
-from megascale_omni.tasks.dit_checkpoint import load_dit_weights, open_dit_checkpoint
+def _load_both(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's EMA and trained weights, loaded into a one-process model
+    the way tools/sample_dit.py does (in this process: its one-rank group,
+    megatron state and rendezvous variables are undone afterwards)."""
+    import os
 
-ckpt = open_dit_checkpoint(sys.argv[1])
-cfg = ckpt.single_process_config()
-init_distributed(init_platform())
-initialize_parallel(ParallelDims.from_config(cfg.parallel, 1), 0)
-vocab = -(-ckpt.tokenizer().vocab_size // cfg.model.make_vocab_size_divisible_by) * cfg.model.make_vocab_size_divisible_by
-[chunk] = build_dit_chunks(cfg, torch.float32, vocab)
-out = {}
-for which in ("ema", "raw"):
-    load_dit_weights([chunk], ckpt, ema=which == "ema")
-    out[which] = {k: v.clone() for k, v in chunk.state_dict().items() if isinstance(v, torch.Tensor)}
-torch.save(out, sys.argv[2])
-"""
+    from megascale_omni.models.dit.model import build_dit_chunks
+    from megascale_omni.parallel import ParallelDims
+    from megascale_omni.parallel.state import destroy_parallel, initialize_parallel
+    from megascale_omni.platform import init_platform
+    from megascale_omni.platform.device import init_distributed
+    from megascale_omni.tasks.dit_checkpoint import load_dit_weights, open_dit_checkpoint
+
+    ckpt = open_dit_checkpoint(checkpoint)
+    cfg = ckpt.single_process_config()
+    saved_env = dict(os.environ)
+    init_distributed(init_platform())
+    try:
+        initialize_parallel(ParallelDims.from_config(cfg.parallel, 1), 0)
+        divisible = cfg.model.make_vocab_size_divisible_by
+        vocab = -(-ckpt.tokenizer().vocab_size // divisible) * divisible
+        [chunk] = build_dit_chunks(cfg, torch.float32, vocab)
+        out = {}
+        for which in ("ema", "raw"):
+            load_dit_weights([chunk], ckpt, ema=which == "ema")
+            out[which] = {k: v.clone() for k, v in chunk.state_dict().items() if isinstance(v, torch.Tensor)}
+        return out
+    finally:
+        destroy_parallel()
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def test_tp2_checkpoint_weights_load_whole_into_one_process(tmp_path, straight):
     """EMA and trained weights of a TP2 checkpoint, resharded to TP1, equal
     the checkpoint's tensors (TP shards joined)."""
     ref_dir, _ = straight
-    res = run([sys.executable, "-c", LOAD_BOTH, str(ref_dir / "checkpoints"), str(tmp_path / "w.pt")], timeout=200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    loaded = _load_both(ref_dir / "checkpoints")
     saved = _final_tensors(ref_dir, tmp_path)
     assert loaded["ema"].keys() == loaded["raw"].keys() and len(loaded["raw"]) > 20
     for name in loaded["raw"]:

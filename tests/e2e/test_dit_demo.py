@@ -11,7 +11,7 @@ from PIL import Image
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
-from tests.launcher import read_metrics, run, torchrun
+from tests.launcher import read_metrics, run, run_tool_in_process, torchrun
 
 CONFIG = "examples/dit/tiny_cpu.yaml"
 
@@ -31,20 +31,21 @@ def test_train_evaluate_and_sample_tool_run_end_to_end(tmp_path):
     assert result["color_samples"] == 14 and 0.0 <= result["color_accuracy"] <= 1.0
     grid = Image.open(out / "samples-step6.png")
     assert grid.width > 4 * 32 and grid.height > 14 * 16  # 7 colours x 2 resolutions, 4x upscaled
-    # The demo config checkpoints into the run directory; the tool samples from it.
+    # The demo config checkpoints into the run directory; the tool samples from it. In this process:
+    # its command line runs in tests/e2e/test_dit_checkpoint.py.
     [saved] = layout.scan_tier(out / "checkpoints", "persistent")
     assert saved.complete and saved.step == 6 and saved.commit["reason"] == "end"
 
-    res = run([sys.executable, "tools/sample_dit.py", "--checkpoint", str(out / "checkpoints"), "--prompt",
-               "a red circle", "--prompt", "a blue square", "--size", "12x20", "--per-prompt", "2", "--steps", "2",
-               "--out", str(tmp_path / "grid.png"), "--score-colors"], timeout=120)
+    res = run_tool_in_process("tools/sample_dit.py", "--checkpoint", out / "checkpoints", "--prompt",
+                              "a red circle", "--prompt", "a blue square", "--size", "12x20", "--per-prompt", "2",
+                              "--steps", "2", "--out", tmp_path / "grid.png", "--score-colors")
     assert res.returncode == 0, res.stderr[-4000:]
     assert Image.open(tmp_path / "grid.png").height > 2 * 12 * 4
     scores = json.loads(res.stdout[res.stdout.index("{"):])
     assert set(scores["per_prompt"]) == {"a red circle @ 12x20", "a blue square @ 12x20"}
 
-    res = run([sys.executable, "tools/sample_dit.py", "--checkpoint", str(out / "checkpoints"), "--prompt",
-               "a red circle", "--size", "10x20", "--out", str(tmp_path / "bad.png")], timeout=60)
+    res = run_tool_in_process("tools/sample_dit.py", "--checkpoint", out / "checkpoints", "--prompt",
+                              "a red circle", "--size", "10x20", "--out", tmp_path / "bad.png")
     assert res.returncode == 2 and "--size='10x20'" in res.stderr and "Traceback" not in res.stderr
 
 

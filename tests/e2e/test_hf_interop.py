@@ -24,7 +24,7 @@ import torch
 
 from tests import hf_models
 from tests.hf_models import our_logits, tool_main
-from tests.launcher import REPO, run
+from tests.launcher import REPO, run, run_tool_in_process
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,8 +33,17 @@ TOOLS = REPO / "tools"
 
 
 def tool(name: str, *args, timeout: float = 240):
-    """Run a tool as users do (its own process; exit code and stderr)."""
+    """Run a tool as users do (its own process; exit code and stderr). Once
+    per tool below (hf_import, hf_export, generate); the refusals run
+    :func:`tool_cli`."""
     return run([sys.executable, str(TOOLS / name), *map(str, args)], timeout=timeout)
+
+
+def tool_cli(name: str, *args):
+    """The tool's command line (``run_cli(main)``: exit code, one-line
+    stderr) in this process: no interpreter and torch/transformers start-up
+    per refusal."""
+    return run_tool_in_process(f"tools/{name}", *args)
 
 
 def imported(src: Path, out: Path, *flags) -> Path:
@@ -274,7 +283,7 @@ def test_bad_hf_directory_exits_with_one_line_and_writes_nothing(hf_dir, tmp_pat
         hf_models.causal_lm("llama", src)
     bad = _corrupt(kind, src, tmp_path / kind)
     out = tmp_path / "out"
-    r = tool("hf_import.py", "--llm", bad, "--out", out)
+    r = tool_cli("hf_import.py", "--llm", bad, "--out", out)
     assert r.returncode == code, r.output
     assert "Traceback" not in r.stderr and words in r.stderr, r.stderr
     assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
@@ -286,11 +295,11 @@ def test_tools_refuse_an_existing_output_and_a_missing_or_foreign_checkpoint(hf_
     src = hf_dir / "bad-src"
     if not src.exists():
         hf_models.causal_lm("llama", src)
-    r = tool("hf_import.py", "--llm", src, "--out", existing)
+    r = tool_cli("hf_import.py", "--llm", src, "--out", existing)
     assert r.returncode == 2 and "already exists" in r.stderr, r.output
-    r = tool("hf_export.py", "--checkpoint", tmp_path / "nowhere", "--out", tmp_path / "x")
+    r = tool_cli("hf_export.py", "--checkpoint", tmp_path / "nowhere", "--out", tmp_path / "x")
     assert r.returncode == 2 and "does not exist" in r.stderr, r.output
-    r = tool("generate.py", "--checkpoint", src, "--prompt", "x")  # an HF directory, not a checkpoint
+    r = tool_cli("generate.py", "--checkpoint", src, "--prompt", "x")  # an HF directory, not a checkpoint
     assert r.returncode == 4 and "Traceback" not in r.stderr and "no complete checkpoint" in r.stderr, r.output
 
 
