@@ -37,7 +37,7 @@ attention instead (:mod:`megascale_omni.models.specs`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,18 @@ def _plan(seg: LocalSegment, rank: int, source: int, cp: int, causal: bool) -> O
     return (slice(0, 2 * m), keys, False) if keys else None
 
 
+def _blocks(
+    segments: Sequence[LocalSegment], rank: int, source: int, cp: int, causal: bool
+) -> Iterator[tuple[slice, slice, bool]]:
+    """Every block computed at the ring step where this rank holds ``source``'s
+    keys: ``(local query rows, local key rows, causal)``, segment by segment."""
+    for seg in segments:
+        plan = _plan(seg, rank, source, cp, causal)
+        if plan is not None:
+            rows, keys, block_causal = plan
+            yield slice(seg.offset + rows.start, seg.offset + rows.stop), slice(seg.offset, seg.offset + keys), block_causal
+
+
 def _valid_in_chunk(seg: LocalSegment, chunk: int) -> int:
     return max(0, min(seg.chunk, seg.valid - chunk * seg.chunk))
 
@@ -190,14 +202,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.shift(kv) if step + 1 < ring.size else None
             source = (ring.rank - step) % ring.size
-            for seg in segments:
-                plan = _plan(seg, ring.rank, source, ring.size, causal)
-                if plan is None:
-                    continue
-                rows, keys, block_causal = plan
-                lo = seg.offset
-                qs = slice(lo + rows.start, lo + rows.stop)
-                ks = slice(lo, lo + keys)
+            for qs, ks, block_causal in _blocks(segments, ring.rank, source, ring.size, causal):
                 blk_out, blk_lse = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], block_causal, scale)
                 _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             if pending is not None:
@@ -225,14 +230,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.shift(kv) if step + 1 < ring.size else None
             source = (ring.rank - step) % ring.size
-            for seg in segments:
-                plan = _plan(seg, ring.rank, source, ring.size, causal)
-                if plan is None:
-                    continue
-                rows, keys, block_causal = plan
-                lo = seg.offset
-                qs = slice(lo + rows.start, lo + rows.stop)
-                ks = slice(lo, lo + keys)
+            for qs, ks, block_causal in _blocks(segments, ring.rank, source, ring.size, causal):
                 d_q, d_k, d_v = block_backward(
                     dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
                     block_causal, scale,
