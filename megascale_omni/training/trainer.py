@@ -72,6 +72,20 @@ class Trainer:
     """Owns the distributed set-up, the TrainState, the services and the loop."""
 
     def __init__(self, cfg: JobConfig, family: FamilySpec):
+        #: What close() undoes, last built first; also run when __init__ fails
+        #: part-way (a bad resume path exits 4 with its process groups and
+        #: workers shut down, not torn apart by interpreter exit).
+        self._teardown = contextlib.ExitStack()
+        try:
+            self._build(cfg, family)
+        except BaseException:
+            try:
+                self._teardown.close()
+            except Exception:  # the start-up error is the one to report
+                logger.exception("tear-down after a failed start-up also failed")
+            raise
+
+    def _build(self, cfg: JobConfig, family: FamilySpec) -> None:
         setup_logging(cfg.logging.level)
         self.platform = init_platform(cfg.platform.device)
         validate_platform(cfg, self.platform.is_cuda)
@@ -83,6 +97,7 @@ class Trainer:
         if self.platform.cpu_patches:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
+        self._teardown.callback(destroy_parallel)
         install_pipeline_timer()
         if cfg.logging.memory_fraction_cap:
             torch.cuda.set_per_process_memory_fraction(cfg.logging.memory_fraction_cap, self.platform.device)
@@ -91,6 +106,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.is_loss_rank = is_loss_rank()
         self.task = family.build_task(cfg, self.platform, self.dims)
+        self._teardown.callback(self.task.close)
         chunks, provenance = self._build_model()
         optimizer, scheduler = build_optimizer(
             chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision)
@@ -112,10 +128,12 @@ class Trainer:
         self.sink = MetricSink.from_config(cfg.logging, enabled=self.is_loss_rank,
                                            labels={"replica_group": cfg.elastic.replica_id}
                                            if cfg.elastic.enabled else None)
+        self._teardown.callback(self.sink.close)
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir, shared=cfg.elastic.enabled)
+        self._teardown.callback(self.checkpointer.close)
         self.checkpointer.resume(self.state)
         # A standby replica group enters the quorum only on `omni-ctl join` (train()).
         self.membership = build_membership(self.state, cfg.elastic, data_parallel_rank())
@@ -128,6 +146,7 @@ class Trainer:
             replica_info=self.membership.describe if self.membership.enabled else None,
             straggler_info=self.group_metrics.describe,
         )
+        self._teardown.callback(self.control.close)
 
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
         """The step recorder, with model FLOPs per step from the family's cost model."""
@@ -291,12 +310,9 @@ class Trainer:
                     dynamic_ncols=True, disable=not show)
 
     def close(self) -> None:
-        """Stop data workers, background writers and the control server, destroy
-        process groups (every rank)."""
-        self.task.close()
-        self.checkpointer.close()
-        self.control.close()
-        destroy_parallel()
+        """Stop the control server, background writers and data workers, destroy
+        process groups (every rank; idempotent)."""
+        self._teardown.close()
 
 
 def _idle_boundary() -> dict[str, float]:
