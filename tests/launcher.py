@@ -220,9 +220,26 @@ def train_and_read(
     """Run a training entry point under :func:`torchrun` (plain ``python`` for
     one process) and return its per-step records, asserting a clean exit and
     exactly ``steps`` consecutive steps."""
-    res = torchrun(nproc, target, [*args, f"logging.output_dir={output_dir}", "logging.tensorboard=false"],
-                   timeout=timeout)
-    assert res.returncode == 0, f"{target} x{nproc} {' '.join(args)} failed:\n{res.stderr[-5000:]}"
+    return read_training(start_training(target, nproc, args, output_dir, timeout), output_dir, steps, timeout)
+
+
+def start_training(
+    target: str, nproc: int, args: Sequence[str], output_dir: str | Path, timeout: float
+) -> subprocess.Popen:
+    """:func:`train_and_read`'s run, started in the background (pair with
+    :func:`read_training`): independent one-process runs can then share the
+    2 cores of the CI host."""
+    proc = spawn(launch_cmd(nproc, target, [*args, f"logging.output_dir={output_dir}", "logging.tensorboard=false"]),
+                 timeout)
+    proc._megascale_what = f"{target} x{nproc} {' '.join(args)}"  # type: ignore[attr-defined]
+    return proc
+
+
+def read_training(proc: subprocess.Popen, output_dir: str | Path, steps: int, timeout: float) -> list[dict]:
+    """Wait for a :func:`start_training` run; its per-step records, asserting a
+    clean exit and exactly ``steps`` consecutive steps."""
+    res = finish(proc, timeout)
+    assert res.returncode == 0, f"{proc._megascale_what} failed:\n{res.stderr[-5000:]}"  # type: ignore[attr-defined]
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     return records

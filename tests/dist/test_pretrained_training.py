@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import hf_models
-from tests.launcher import assert_same_training, run, train_and_read
+from tests.launcher import _kill_group, assert_same_training, read_training, run, start_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -40,16 +40,46 @@ def imported(tmp_path_factory, llava_dataset):
     return root / "imported"
 
 
-def _train(tmp_path_factory, dataset, imported, name, nproc, overrides, steps=STEPS):
-    args = ["--config", "examples/llava/tiny_cpu.yaml", "--config", str(imported / "model.yaml"),
+def _args(dataset, imported, overrides, steps=STEPS):
+    return ["--config", "examples/llava/tiny_cpu.yaml", "--config", str(imported / "model.yaml"),
             f"data.path={dataset}", f"train.steps={steps}", "train.eval_interval=0", *overrides]
+
+
+def _train(tmp_path_factory, dataset, imported, name, nproc, overrides, steps=STEPS):
     out = tmp_path_factory.mktemp(f"pretrained-{name}")
-    return train_and_read("pretrain_llava.py", nproc, args, out, steps, timeout=400), out
+    return train_and_read("pretrain_llava.py", nproc, _args(dataset, imported, overrides, steps), out, steps,
+                          timeout=400), out
+
+
+STAGE1_STEPS = 30
+STAGE1 = ["model.freeze=true", "vision.freeze=true", "train.lr=5e-3", "checkpoint.dir={output_dir}/checkpoints"]
+STAGE1_TEST = "test_stage1_from_imported_llava_trains_the_projector_only"
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, llava_dataset, imported):
-    records, _ = _train(tmp_path_factory, llava_dataset, imported, "base", 1, [])
+def one_process_runs(request, tmp_path_factory, llava_dataset, imported):
+    """The TP1 baseline and, when its test is selected, the stage-1 run
+    (records, run directory): both one process, started together so that
+    they share the 2 cores of the CI host."""
+    runs = {"base": ([], STEPS)}
+    if any(item.name == STAGE1_TEST for item in request.session.items):
+        runs["stage1"] = (STAGE1, STAGE1_STEPS)
+    started = {}
+    try:
+        for name, (overrides, steps) in runs.items():
+            out = tmp_path_factory.mktemp(f"pretrained-{name}")
+            started[name] = (start_training("pretrain_llava.py", 1, _args(llava_dataset, imported, overrides, steps),
+                                            out, timeout=400), out, steps)
+        return {name: (read_training(proc, out, steps, timeout=400), out) for name, (proc, out, steps) in started.items()}
+    finally:
+        for proc, _, _ in started.values():  # after a failure: no run outlives the fixture
+            _kill_group(proc)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def baseline(one_process_runs):
+    records, _ = one_process_runs["base"]
     return records
 
 
@@ -60,11 +90,9 @@ def test_pretrained_llava_under_tp2_and_pp2_matches_one_process(tmp_path_factory
     assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))
 
 
-def test_stage1_from_imported_llava_trains_the_projector_only(tmp_path_factory, llava_dataset, imported, baseline):
-    steps = 30
-    records, out = _train(tmp_path_factory, llava_dataset, imported, "stage1", 1, [
-        "model.freeze=true", "vision.freeze=true", "train.lr=5e-3", "checkpoint.dir={output_dir}/checkpoints",
-    ], steps=steps)
+def test_stage1_from_imported_llava_trains_the_projector_only(one_process_runs, baseline):
+    steps = STAGE1_STEPS
+    records, out = one_process_runs["stage1"]
     assert records[0]["loss"] == pytest.approx(baseline[0]["loss"], rel=1e-6)  # same weights, same first batch
     first, last = (sum(r["loss"] for r in part) / 5 for part in (records[:5], records[-5:]))
     print(f"\nstage 1: mean loss of steps 1-5 {first:.4f}, of steps {steps - 4}-{steps} {last:.4f}")

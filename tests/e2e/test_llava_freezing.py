@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
-from tests.launcher import read_metrics, run
+from tests.launcher import _kill_group, finish, read_metrics, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,10 +23,14 @@ def dataset(tmp_path_factory):
     return root
 
 
-def _counts(dataset, out, flags):
-    res = run([sys.executable, "pretrain_llava.py", "--config", "examples/llava/tiny_cpu.yaml",
-               f"data.path={dataset}", "train.steps=3", "train.eval_interval=0", f"logging.output_dir={out}",
-               "logging.tensorboard=false", *flags], timeout=200)
+def _start(dataset, out, flags):
+    return spawn([sys.executable, "pretrain_llava.py", "--config", "examples/llava/tiny_cpu.yaml",
+                  f"data.path={dataset}", "train.steps=3", "train.eval_interval=0", f"logging.output_dir={out}",
+                  "logging.tensorboard=false", *flags], timeout=200)
+
+
+def _counts(proc, out):
+    res = finish(proc, timeout=200)
     assert res.returncode == 0, res.stderr[-4000:]
     m = re.search(r"parameters on this rank: (\d+), trainable (\d+)", res.stderr)
     assert m, res.stderr[-2000:]
@@ -36,9 +40,19 @@ def _counts(dataset, out, flags):
 
 
 def test_freezing_stages(dataset, tmp_path):
-    total, full = _counts(dataset, tmp_path / "full", [])
+    # Three independent one-process runs, started together: one busy core each, so on the
+    # 2-core CI host none waits for another's interpreter and megatron start-up.
+    stages = {"full": [], "stage2": ["vision.freeze=true"], "stage1": ["vision.freeze=true", "model.freeze=true"]}
+    procs = {name: _start(dataset, tmp_path / name, flags) for name, flags in stages.items()}
+    try:
+        counts = {name: _counts(proc, tmp_path / name) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # after a failure: no run outlives the test
+            _kill_group(proc)
+            proc.wait()
+    total, full = counts["full"]
     assert full == total
-    _, stage2 = _counts(dataset, tmp_path / "stage2", ["vision.freeze=true"])
-    _, stage1 = _counts(dataset, tmp_path / "stage1", ["vision.freeze=true", "model.freeze=true"])
+    _, stage2 = counts["stage2"]
+    _, stage1 = counts["stage1"]
     assert stage1 == PROJECTOR_PARAMS
     assert stage1 < stage2 < full
