@@ -59,11 +59,11 @@ def finish(proc: subprocess.Popen, timeout: float) -> Result:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         proc.wait()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{_read(proc)[1][-4000:]}")
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     out, err = _read(proc)
     return Result(proc.returncode, out, err)
 
@@ -76,7 +76,7 @@ def _read(proc: subprocess.Popen) -> tuple[str, str]:
     return texts[0], texts[1]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``'s process group and every descendant's group.
 
     torchrun (torch >= 2.x) starts each worker in a session of its own, so
@@ -198,7 +198,7 @@ def spawn_torchrun(
     try:
         yield proc
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         proc.wait()
 
 

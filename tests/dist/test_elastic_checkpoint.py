@@ -16,7 +16,7 @@ from megascale_omni.checkpoint import layout
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import start_lighthouse, start_replica, step_records, wait_for
 from tests.dist.test_elastic_membership import REL_TOL, Job, drain
-from tests.launcher import _kill_group, finish
+from tests.launcher import kill_group, finish
 
 INTERVAL = 3
 
@@ -70,7 +70,7 @@ def test_one_writer_then_resume_after_every_group_died(tmp_path):
         job.close()
         for proc in (lighthouse2, resumed):
             if proc is not None:
-                _kill_group(proc)
+                kill_group(proc)
     # Resumed exactly after the checkpoint, every step once, on the reference curve.
     assert [r["step"] for r in records] == list(range(newest.step + 1, last + 1))
     reference = {r["step"]: r["loss"] for r in step_records(tmp_path / "reference")}

@@ -45,7 +45,7 @@ from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
-from tests.launcher import _kill_group, finish, spawn, torchrun_cmd
+from tests.launcher import kill_group, finish, spawn, torchrun_cmd
 
 GLOBAL_BATCH, SEED = 12, 1234
 #: Far above any test's needs: jobs end by drain, so pacing never depends on speed.
@@ -154,7 +154,7 @@ class Job:
         assert res.returncode == 0, f"{rid} after drain exited {res.returncode}:\n{res.stderr[-4000:]}"
 
     def kill(self, rid: str) -> None:
-        _kill_group(self.procs[rid])  # SIGKILL the whole replica group
+        kill_group(self.procs[rid])  # SIGKILL the whole replica group
         self.procs[rid].wait()
         self.results[rid] = None
 
@@ -192,7 +192,7 @@ class Job:
     def close(self) -> None:
         for p in [*self.procs.values(), self.reference, self.lighthouse]:
             if p is not None:
-                _kill_group(p)
+                kill_group(p)
 
     def check(self, last: int) -> dict[int, dict]:
         """The exactly-once / constant-batch / loss-equality checks over every

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import hf_models
-from tests.launcher import _kill_group, assert_same_training, read_training, run, start_training, train_and_read
+from tests.launcher import kill_group, assert_same_training, read_training, run, start_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
@@ -73,7 +73,7 @@ def one_process_runs(request, tmp_path_factory, llava_dataset, imported):
         return {name: (read_training(proc, out, steps, timeout=400), out) for name, (proc, out, steps) in started.items()}
     finally:
         for proc, _, _ in started.values():  # after a failure: no run outlives the fixture
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
 
 

@@ -33,7 +33,7 @@ from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import step_records, wait_for
-from tests.launcher import REPO, _kill_group, finish, spawn, torchrun_cmd
+from tests.launcher import REPO, kill_group, finish, spawn, torchrun_cmd
 
 CONFIG = REPO / "examples" / "scheduler" / "live_local.yaml"
 GLOBAL_BATCH, REL_TOL = 12, 1e-4
@@ -162,7 +162,7 @@ def test_live_scheduler_drains_for_a_reclaim_and_joins_standbys_when_the_pool_re
             assert done.returncode == 0, done.stderr[-3000:]
     finally:
         for p in [live.proc, *refs]:
-            _kill_group(p)
+            kill_group(p)
     decisions = live.decisions()
     for j in jobs:
         seed = 99 if j == "B" else 1234

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
-from tests.launcher import _kill_group, finish, read_metrics, spawn
+from tests.launcher import finish, kill_group, read_metrics, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,7 +48,7 @@ def test_freezing_stages(dataset, tmp_path):
         counts = {name: _counts(proc, tmp_path / name) for name, proc in procs.items()}
     finally:
         for proc in procs.values():  # after a failure: no run outlives the test
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
     total, full = counts["full"]
     assert full == total
