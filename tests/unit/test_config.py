@@ -24,7 +24,7 @@ def _cli(overrides: list[str], world_size: int = 1, config: str | None = CONFIG)
     args = [sys.executable, "-m", "megascale_omni.smoke"]
     if config:
         args += ["--config", config]
-    return run(args + overrides, timeout=60, env={"WORLD_SIZE": str(world_size), "RANK": "0"})
+    return run(args + overrides, timeout=180, env={"WORLD_SIZE": str(world_size), "RANK": "0"})
 
 
 # (overrides, world size, expected fragments of the one-line message)
