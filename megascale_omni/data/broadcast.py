@@ -37,7 +37,7 @@ which :meth:`~megascale_omni.tasks.base.Task.cp_local` then cuts.
 
 from __future__ import annotations
 
-import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,8 +46,6 @@ import torch.distributed as dist
 
 from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.health import SkipCounter
-
-logger = logging.getLogger(__name__)
 
 #: Entries of a micro-batch that only the first pipeline stage uses (the vision tower's input).
 IMAGE_KEYS = ("images",)
@@ -182,22 +180,16 @@ class BatchBroadcast:
                 out[i].update({k: batches[i][k] for k, _, _ in spec})
         if size == 1:
             return
-        sizes = [_nbytes(dtype, shape) for spec in specs for _, dtype, shape in spec]
-        total = sum(sizes)
-        if total == 0:
-            if not self.groups.reads:
-                for i, spec in enumerate(specs):
-                    out[i].update({k: torch.empty(shape, dtype=dtype) for k, dtype, shape in spec})
-            return
+        total = sum(_nbytes(dtype, shape) for spec in specs for _, dtype, shape in spec)
         if self.groups.reads:
-            flat = [batches[i][k].contiguous().reshape(-1).view(torch.uint8) for i, spec in enumerate(specs)
-                    for k, _, _ in spec]
-            buf = torch.cat(flat).to(self.device)
-        else:
-            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, src=src, group=group)
-        if self.groups.reads:
+            if total:
+                flat = [batches[i][k].contiguous().reshape(-1).view(torch.uint8) for i, spec in enumerate(specs)
+                        for k, _, _ in spec]
+                dist.broadcast(torch.cat(flat).to(self.device), src=src, group=group)
             return
+        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if total:
+            dist.broadcast(buf, src=src, group=group)
         buf = buf.cpu()
         offset = 0
         for i, spec in enumerate(specs):
@@ -209,10 +201,7 @@ class BatchBroadcast:
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def batch_broadcast(tp: int, pp: int, device: Optional[torch.device] = None) -> BatchBroadcast:
