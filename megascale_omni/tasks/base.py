@@ -175,7 +175,8 @@ class BadSampleAccount:
         (every rank; a collective)."""
         counts = torch.tensor([self.counter.skipped, self.counter.seen + self.counter.skipped], dtype=torch.float64)
         dist.all_reduce(counts)
-        # Every TP/PP/CP rank of a replica reads the same samples.
+        # Every TP/PP/CP rank of a replica counts the same samples (read there, or
+        # counted by the rank that read and broadcast them).
         per_sample = self.dims.tp * self.dims.pp * self.dims.cp
         self.skipped = int(counts[0]) // per_sample + self._resumed[0]
         self.seen = int(counts[1]) // per_sample + self._resumed[1]

@@ -6,7 +6,10 @@ tower's preprocessing (``data.image_mode``, :mod:`megascale_omni.data.image_prep
 
 Data position is the step: the global batch of step ``s`` is a pure function
 of (seed, s) through :class:`PackedEpochPlan`, split across DP ranks by
-estimated compute cost (ViT patches + LM tokens).
+estimated compute cost (ViT patches + LM tokens). Within a model replica
+only TP rank 0 of pipeline stage 0 reads and decodes a step's samples; the
+other TP ranks receive its micro-batches, later pipeline stages their
+token-level entries only (:mod:`megascale_omni.data.broadcast`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.config.validate import sequence_multiple
 from megascale_omni.data.balance import sample_cost
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
+from megascale_omni.data.broadcast import batch_broadcast
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, padded_length, plan_sample
@@ -161,8 +165,12 @@ class LlavaTask(Task):
             counter=self.bad_samples.counter, preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
         )
         self.steps = LlavaSteps(self.plan, self.train_ids, self.train_batcher, cfg.train.micro_batch_size)
-        self.loader = StepLoader(self.steps, cfg.data.num_workers, cfg.data.prefetch_steps, cfg.train.steps,
-                                 pin_memory=platform.is_cuda, log_level=cfg.logging.level)
+        #: Builds on TP rank 0 of stage 0, hands the batches to the rest of the model replica.
+        self.broadcast = batch_broadcast(dims.tp, dims.pp, platform.device)
+        # Only the reader builds: the other ranks start no loader workers.
+        self.loader = StepLoader(self.steps, cfg.data.num_workers if self.broadcast.reads else 0,
+                                 cfg.data.prefetch_steps, cfg.train.steps, pin_memory=platform.is_cuda,
+                                 log_level=cfg.logging.level)
         packs0 = self.plan.epoch_packs(0)
         self.packing_efficiency = packing_efficiency(packs0, self.seq_length)
         self.pad_to_max_efficiency = pad_to_max_efficiency(lengths)
@@ -228,8 +236,10 @@ class LlavaTask(Task):
         return [int(self.train_ids[sid]) for pack in self._share(step, dp_rank, dp_size) for sid in pack.sample_ids]
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        """DP rank ``dp_rank``'s micro-batches of step ``step`` (every rank;
+        read on TP rank 0 of stage 0 only, later stages get no ``images``)."""
         # Built ahead in data.num_workers processes, or here (0); skip counts land in bad_samples.counter.
-        batches = self.loader.get(step, dp_rank, dp_size)
+        batches = self.broadcast(partial(self.loader.get, step, dp_rank, dp_size), self.bad_samples.counter)
         # Abort on every rank together when bad samples exceed the limit (collective).
         self.bad_samples.update()
         return batches
@@ -250,7 +260,9 @@ class LlavaTask(Task):
 
     # ----------------------------------------------------------------- model
     def _images(self, batch: dict) -> Optional[torch.Tensor]:
-        return batch["images"].to(self.dtype) if batch["images"].shape[0] else None
+        """The tower's input (pipeline stage 0); None without images or on a later stage."""
+        images = batch.get("images")
+        return images.to(self.dtype) if images is not None and images.shape[0] else None
 
     def _local(self, batch: dict) -> dict:
         """This CP rank's tokens (:meth:`Task.cp_local`), plus ``image_rows``:
@@ -341,10 +353,10 @@ class LlavaTask(Task):
         # and rejects a partial last group: pad to whole groups.
         rows = mbs * (self.dims.pp if self.dims.num_model_chunks > 1 else 1)
         mine += [Pack((), (), ())] * (-len(mine) % rows or (rows if not mine else 0))
-        batches = [
+        batches = self.broadcast(lambda: [
             self.val_batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
             for i in range(0, len(mine), mbs)
-        ]
+        ], self.val_batcher.counter)
         return reduce_reports(self.forward_only(chunks, self.eval_forward_step, batches))
 
 

@@ -13,8 +13,9 @@ their features back.
 
 Bad samples (corrupt image, missing field, wrong types) are excluded when
 the plan is built (:func:`plan_sample`) or skipped when read, counted and
-logged. Every rank of one model replica builds the same micro-batches from
-the same plan, so all of them skip the same sample.
+logged. Within a model replica one rank builds the micro-batches and the
+others receive them (:mod:`megascale_omni.data.broadcast`), so all of them
+skip the same sample; data-parallel ranks build disjoint shares of the plan.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def images_to_tensor(images: Sequence[np.ndarray], dtype: torch.dtype = torch.fl
 
 
 class LlavaBatcher:
-    """Reads, encodes and collates packs into micro-batches (every rank)."""
+    """Reads, encodes and collates packs into micro-batches (the reader of each
+    model replica, :mod:`megascale_omni.data.broadcast`)."""
 
     def __init__(
         self,

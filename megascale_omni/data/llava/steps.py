@@ -18,8 +18,9 @@ from megascale_omni.data.sample_plan import PackedEpochPlan
 
 
 class LlavaSteps:
-    """Micro-batches of DP rank ``dp_rank`` of ``dp_size`` at a step (every
-    rank; all TP/PP ranks of a replica build the same ones).
+    """Micro-batches of DP rank ``dp_rank`` of ``dp_size`` at a step (called on
+    TP rank 0 of pipeline stage 0, which broadcasts them to the other TP and
+    PP ranks, :mod:`megascale_omni.data.broadcast`; :meth:`share` on any rank).
 
     Args:
         plan: the step-indexed packed plan (sample ids index ``id_map``).
