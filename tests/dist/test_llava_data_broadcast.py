@@ -30,7 +30,9 @@ import pytest
 
 from tests.launcher import free_port
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+# make test-all: four processes (~75 s, mostly start-up); the 2-process TP2 and PP2 LLaVA layouts in make
+# test run the same broadcast path and match one process.
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(240)]
 
 WORLD = 4
 
