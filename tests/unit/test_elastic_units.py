@@ -26,8 +26,6 @@ def _cfg(elastic: dict, **sections) -> JobConfig:
         ({**ELASTIC, "timeout_s": -1}, {}, "elastic.timeout_s", "> 0"),
         (ELASTIC, {"train": {"global_batch_size": 7, "micro_batch_size": 2}}, "train.global_batch_size",
          "multiple of train.micro_batch_size=2"),
-        (ELASTIC, {"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer",
-         "not supported with elastic"),
         ({**ELASTIC, "standby": True}, {"control": {"enabled": False}}, "elastic.standby", "control.enabled=true"),
         ({"enabled": False, "standby": True}, {}, "elastic.standby", "set elastic.enabled=true"),
     ],
@@ -42,6 +40,11 @@ def test_invalid_elastic_settings_name_field_and_fix(elastic, sections, field, f
 def test_elastic_accepts_global_batch_not_divisible_by_replicas():
     # 12 samples = 6 micro-batches; any participant count is fine at config time.
     validate_job(_cfg(ELASTIC, train={"global_batch_size": 12, "micro_batch_size": 2}), world_size=2)
+
+
+def test_elastic_accepts_the_distributed_optimizer():
+    # Each inner DP rank heals its own optimizer shard from the same rank of a peer group.
+    validate_job(_cfg(ELASTIC, parallel={"use_distributed_optimizer": True}), world_size=2)
 
 
 def test_elastic_accepts_shared_checkpoints():
