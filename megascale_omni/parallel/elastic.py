@@ -4,7 +4,8 @@ A *replica group* is one torchrun job holding a full model copy. Inside it,
 megatron's groups (tp, pp, cp, inner dp) never change. Across replica
 groups, a torchft ``Manager`` per rank asks the lighthouse for a quorum every
 step and sums gradients over the participants through a reconfigurable
-gloo process group that connects the same group rank of every replica.
+process group (gloo on CPU, NCCL for CUDA buffers) that connects the same
+group rank of every replica.
 
 Seam (why here): megatron's ``finalize_model_grads`` reduces inside the
 replica. :meth:`ElasticReplica.finalize_model_grads` runs it *without* the

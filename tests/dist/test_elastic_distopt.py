@@ -70,7 +70,7 @@ def test_dist_opt_membership_scenario_and_mismatched_joiner_refused(tmp_path):
         membership_scenario(job)
         # A group of another layout (PP2, whole optimizer) must not join: it
         # exits 2 with one line before sending any gradient; r0 carries on.
-        job.start("bad", "parallel.pp=2", "parallel.use_distributed_optimizer=false")
+        job.start("bad", "parallel.pp=2", "parallel.use_distributed_optimizer=false", omni_run=True)
         res = job.results["bad"] = job.wait_exit("bad")
         assert res.returncode == 2, res.stderr[-3000:]
         assert re.search(r"^config error: parallel='tp=1 pp=2 .*' differs from the running job's replica groups "

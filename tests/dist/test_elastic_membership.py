@@ -95,8 +95,9 @@ class Job:
             f"logging.output_dir={self.tmp / 'reference'}",
         ]), timeout=self.timeout)
 
-    def start(self, rid: str, *extra: str) -> None:
-        self.procs[rid] = start_replica(rid, self.addr, self.run, [*self.args, *extra], timeout=self.timeout)
+    def start(self, rid: str, *extra: str, omni_run: bool = False) -> None:
+        self.procs[rid] = start_replica(rid, self.addr, self.run, [*self.args, *extra], timeout=self.timeout,
+                                        omni_run=omni_run)
 
     def join(self, rid: str, hold: str) -> None:
         """Start ``rid`` while running replica ``hold`` is paused at a step

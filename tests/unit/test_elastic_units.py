@@ -1,10 +1,12 @@
 """Elastic pieces that need no processes: config checks, the micro-batch
-split policy, and the ledger's exactly-once accounting."""
+split policy, the ledger's exactly-once accounting, and the layout check a
+joiner runs on a peer's state."""
 
 from __future__ import annotations
 
 import pytest
 
+from megascale_omni.checkpoint.peer import check_peer_state
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
 from megascale_omni.training.ledger import SampleLedger, consumed_samples, read_ledger
@@ -105,3 +107,28 @@ def test_ledger_rejects_one_step_committed_twice(tmp_path):
     a.close()
     with pytest.raises(ValueError, match="committed under quorums 1 and 2"):
         consumed_samples(read_ledger(tmp_path))
+
+
+LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": 1, "world_size": 2, "distributed_optimizer": True}
+BUCKETS = [{0: {"float32": [2048, 512]}}]
+
+
+@pytest.mark.parametrize(
+    "peer, field, fragment",
+    [
+        ({"layout": {**LAYOUT, "pp": 2, "dp": 1}, "optimizer_layout": BUCKETS}, "parallel",
+         "differs from the running job's replica groups (tp=1 pp=2 cp=1 dp=1"),
+        ({"layout": {**LAYOUT, "distributed_optimizer": False}, "optimizer_layout": [None]}, "parallel",
+         "distributed_optimizer=False"),
+        ({"layout": LAYOUT, "optimizer_layout": [{0: {"float32": [4096, 512]}}]}, "model",
+         "start this group with the running job's model.* config"),
+        ({}, "parallel", "(unknown layout)"),
+    ],
+)
+def test_peer_state_of_another_layout_or_model_is_refused_in_one_line(peer, field, fragment):
+    own = {"layout": LAYOUT, "optimizer_layout": BUCKETS}
+    check_peer_state(own, own)
+    with pytest.raises(ConfigError) as err:
+        check_peer_state(own, peer)
+    assert err.value.field == field
+    assert fragment in str(err.value) and "\n" not in str(err.value)
