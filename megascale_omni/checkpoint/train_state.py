@@ -7,12 +7,15 @@ joining replica group. Both forms come from one capture (:meth:`TrainState._capt
 with the same keys::
 
     "model" | "model0".."model{vpp-1}"  each chunk's weights
-    "optimizer"                         megatron optimizer state
+    "optimizer"                         megatron optimizer state (in memory:
+                                        this rank's shard with the distributed
+                                        optimizer, see checkpoint/peer.py)
     "scheduler"                         LR scheduler state_dict()
     "task"                              the task's own state (counters, EMA, ...)
     "trainer": {"step": N}              committed optimizer steps
 
-and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
+in memory only, ``"peer"`` (layout and gradient buckets, checked by a
+joiner before it applies anything), and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
 ``"config"`` (the job config as a plain dict) and ``"layout"``. The data
 position is the step: every sample plan is step-indexed. Every method is
 called on every rank.
@@ -24,6 +27,12 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from megascale_omni.checkpoint.peer import (
+    check_peer_state,
+    load_peer_optimizer_state,
+    optimizer_layout,
+    peer_optimizer_state,
+)
 from megascale_omni.checkpoint.state import (
     DIST_OPT_METADATA,
     prime_adam_state,
@@ -91,21 +100,24 @@ class TrainState:
                 dict(state), is_loading=is_loading, metadata=DIST_OPT_METADATA
             )
         else:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer"] = peer_optimizer_state(self.optimizer)
         state["scheduler"] = self.scheduler.state_dict()
         state["task"] = self.task.state_dict(sharded=sharded)
         state["trainer"] = {"step": self.step}
         return state
 
     @torch.no_grad()
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _restore(self, state: dict[str, Any], sharded: bool = True) -> None:
         modules = self.modules
         if len(modules) == 1:
             modules[0].load_state_dict(state["model"])
         else:
             for i, m in enumerate(modules):
                 m.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_peer_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["task"]:
             self.task.load_state_dict(state["task"])
@@ -136,11 +148,24 @@ class TrainState:
             restore_rng(loaded["rng"])
 
     # -------------------------------------------------- peer (in memory)
+    def peer_facts(self) -> dict[str, Any]:
+        """What a joining rank checks before taking this rank's state: the
+        layout (with whether the optimizer is distributed) and the gradient
+        buckets of a distributed optimizer (:func:`check_peer_state`)."""
+        layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
+        return {"layout": layout, "optimizer_layout": optimizer_layout(self.optimizer)}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain tensors, for the same rank of a joining
         replica group (torchft's quorum thread calls this)."""
-        return self._capture(sharded=False)
+        return {**self._capture(sharded=False), "peer": self.peer_facts()}
+
+    def check_peer_state(self, state: dict[str, Any]) -> None:
+        """Raise ConfigError (one line) if a peer's :meth:`state_dict` cannot
+        be this rank's: another layout or model (any thread; reads only)."""
+        check_peer_state(self.peer_facts(), state.get("peer", {}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a peer's :meth:`state_dict` (training thread)."""
-        self._restore(state)
+        """Check and apply a peer's :meth:`state_dict` (training thread)."""
+        self.check_peer_state(state)
+        self._restore(state, sharded=False)

@@ -161,12 +161,6 @@ def _validate_elastic(cfg: JobConfig) -> None:
             f"must be a multiple of train.micro_batch_size={train.micro_batch_size} with elastic.enabled "
             "(replicas receive whole micro-batches)",
         )
-    if cfg.parallel.use_distributed_optimizer:
-        raise ConfigError(
-            "parallel.use_distributed_optimizer", True,
-            "is not supported with elastic.enabled (a joining replica heals whole optimizer state from a peer); "
-            "set it to false",
-        )
     if cfg.elastic.standby and not cfg.control.enabled:
         raise ConfigError(
             "elastic.standby", True,

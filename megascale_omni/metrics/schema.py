@@ -50,6 +50,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "mem_peak_gib": ("GiB", "peak tensor memory during the step"),
     "mem_fragmentation": ("fraction", "1 - allocated / reserved: cached blocks not holding tensors"),
     "rss_gib": ("GiB", "resident host memory of the process"),
+    "optimizer_state_bytes": ("bytes", "optimizer state this rank holds (Adam moments, fp32 main copies; "
+                                       "its shard with parallel.use_distributed_optimizer)"),
     # replica group: every rank's RANK_FIELDS travel to every rank in the step-boundary exchange, which
     # completes during the next step, so these describe step ``group_step``, the previous one.
     # busy = data_s + compute_s: the time a rank is not waiting for others.
@@ -69,6 +71,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     # elastic
     "participants": ("", "replica groups in the quorum"),
     "healed": ("bool", "this group received state from a peer this step"),
+    "cross_replica_bytes": ("bytes", "payload this rank handed to cross-replica all-reduces this step "
+                                     "(gradients or their shard, token count, loss report)"),
 }
 
 #: Fields of its own step record every rank contributes to the replica

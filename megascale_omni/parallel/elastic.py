@@ -4,12 +4,21 @@ A *replica group* is one torchrun job holding a full model copy. Inside it,
 megatron's groups (tp, pp, cp, inner dp) never change. Across replica
 groups, a torchft ``Manager`` per rank asks the lighthouse for a quorum every
 step and sums gradients over the participants through a reconfigurable
-gloo process group that connects the same group rank of every replica.
+process group (gloo on CPU, NCCL for CUDA buffers) that connects the same
+group rank of every replica.
 
 Seam (why here): megatron's ``finalize_model_grads`` reduces inside the
 replica. :meth:`ElasticReplica.finalize_model_grads` runs it *without* the
-per-token scaling, then sums every DDP buffer's ``grad_data`` and the token
-count across replicas, then scales by ``1 / global tokens``. Gradients are
+per-token scaling, then sums the gradients this rank's optimizer reads and
+the token count across replicas, then scales by ``1 / global tokens``.
+Without the distributed optimizer that is every DDP buffer's whole
+``grad_data`` (megatron all-reduced it inside the group). With it, megatron
+reduce-scattered each bucket inside the group, so only this rank's shard of
+each bucket holds the group's sum and only that shard is read by this
+rank's optimizer: the cross-replica sum covers just those shards
+(1/inner-DP of the bytes), and megatron all-gathers the updated parameters
+inside the group after the commit-gated step. Reduction is hierarchical:
+inside the group, then across groups on each rank's shard. Gradients are
 therefore exactly those of one large data-parallel job over the whole
 global batch, whatever the participant count and even when replicas hold
 different numbers of micro-batches; grad-norm clipping in
@@ -37,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
+from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from torch.distributed import ReduceOp
 
 from megascale_omni.config import ElasticConfig
@@ -61,6 +71,37 @@ def import_torchft():
     return torchft
 
 
+def cross_replica_grads(model: Sequence[Any]) -> list[torch.Tensor]:
+    """The gradient views this rank sums across replica groups, after the
+    inner-group reduction (any rank; fp32 views into megatron's DDP buffers).
+
+    Without the distributed optimizer: each DDP buffer's whole ``grad_data``.
+    With it: for every bucket, the contiguous shard ``intra-instance rank`` of
+    ``intra-instance size`` that megatron's reduce-scatter filled and that
+    this rank's optimizer shard reads (the same views megatron's own
+    inter-instance all-reduce uses), so the views hold
+    ``1 / inner DP`` of the buffer elements.
+    """
+    views = []
+    for chunk in model:
+        if not chunk.ddp_config.use_distributed_optimizer:
+            views.extend(buffer.grad_data for buffer in chunk.buffers)
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+            views.extend(shard_buffer(bucket.grad_data, size)[rank] for bucket in group.buckets)
+    return views
+
+
+def process_group_for(device: torch.device, timeout: timedelta):
+    """torchft's reconfigurable process group for cross-replica collectives on
+    ``device``: NCCL on CUDA tensors (no host copy), gloo on CPU."""
+    torchft = import_torchft()
+    if device.type == "cuda":
+        return torchft.ProcessGroupNCCL(timeout=timeout)
+    return torchft.ProcessGroupGloo(timeout=timeout)
+
+
 @dataclass(frozen=True)
 class Participation:
     """This replica's place in the current step's quorum.
@@ -83,8 +124,12 @@ class ElasticReplica:
     """torchft ``Manager`` of this rank plus the gradient seam (every rank).
 
     ``state_dict`` / ``load_state_dict`` capture and restore everything a
-    joining replica needs from a live peer (model, optimizer, LR scheduler,
-    step); torchft moves it over HTTP from the same group rank of a peer.
+    joining replica needs from a live peer (model, optimizer or this rank's
+    shard of it, LR scheduler, step); torchft moves it over HTTP from the
+    same group rank of a peer. ``check_peer_state`` vets a fetched peer
+    state before this replica joins any cross-replica collective (raises on
+    a mismatch). ``device``: where the gradient buffers live (selects the
+    cross-replica process group, see :func:`process_group_for`).
     """
 
     def __init__(
@@ -92,14 +137,17 @@ class ElasticReplica:
         cfg: ElasticConfig,
         state_dict: Callable[[], dict],
         load_state_dict: Callable[[dict], None],
+        check_peer_state: Optional[Callable[[dict], None]] = None,
+        device: torch.device = torch.device("cpu"),
     ):
-        torchft = import_torchft()
-        Manager, ProcessGroupGloo = torchft.Manager, torchft.ProcessGroupGloo
+        Manager = import_torchft().Manager
 
         self.cfg = cfg
+        self.device = device
+        self._check_peer_state = check_peer_state
         self.group_rank = dist.get_rank()
         timeout = timedelta(seconds=cfg.timeout_s)
-        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.pg = process_group_for(device, timeout)
         # Each replica group has its own torchrun store (MASTER_ADDR/PORT),
         # which torchft uses to find the group's manager server.
         self.manager = Manager(
@@ -122,12 +170,18 @@ class ElasticReplica:
         self._participation: Optional[Participation] = None
         #: Seconds the last begin_step waited for the quorum (and a heal).
         self.quorum_wait_s = 0.0
+        #: Payload bytes this rank handed to cross-replica all-reduces since
+        #: the last begin_step (gradients, token count, loss report).
+        self.bytes_sent = 0
 
     # ---------------------------------------------------------------- steps
     def begin_step(self) -> Participation:
         """Join the next quorum and wait for it (every rank). A joining
-        replica also fetches its peer's state here (applied at commit)."""
+        replica also fetches its peer's state here (applied at commit) and
+        checks it before any cross-replica collective: a joiner of another
+        layout or model raises here, so it never sends mismatched gradients."""
         t0 = time.perf_counter()
+        self.bytes_sent = 0
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         size = self.manager.num_participants()
@@ -139,6 +193,12 @@ class ElasticReplica:
             # the ledger keys attempts by it.
             quorum_id=int(self.manager._quorum_id),
         )
+        # torchft keeps a fetched peer state only in this attribute (0.2.0)
+        # until should_commit applies it; None when the fetch failed (then
+        # the step does not commit and is retried).
+        pending = self.manager._pending_state_dict
+        if not self._participation.participating and pending is not None and self._check_peer_state is not None:
+            self._check_peer_state(pending["user"]["default"])
         return self._participation
 
     def finalize_model_grads(
@@ -159,8 +219,9 @@ class ElasticReplica:
     def reduce_grads_across_replicas(self, model: Sequence[Any], num_tokens: Optional[torch.Tensor],
                                      pg_collection: Any = None) -> None:
         """The cross-replica half of :meth:`finalize_model_grads`: sum the
-        token count and every grad buffer over the participants, then scale
-        by ``1 / global tokens`` (every rank, after the inner-replica sync)."""
+        token count and :func:`cross_replica_grads` over the participants,
+        then scale by ``1 / global tokens`` (every rank, after the
+        inner-replica sync)."""
         assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
         if pg_collection is not None:
             pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
@@ -171,11 +232,9 @@ class ElasticReplica:
         # the other stages, then sum over the inner DP ranks.
         dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
         dist.all_reduce(num_tokens, group=dp_cp_group)
-        tokens = num_tokens.to(torch.float64).reshape(1)
-        works = [self.manager.allreduce(tokens, reduce_op=ReduceOp.SUM)]
-        for chunk in model:
-            for buffer in chunk.buffers:
-                works.append(self.manager.allreduce(buffer.grad_data, reduce_op=ReduceOp.SUM))
+        tokens = num_tokens.to(self.device, torch.float64).reshape(1)
+        works = [self._allreduce_sum(tokens)]
+        works.extend(self._allreduce_sum(grad) for grad in cross_replica_grads(model))
         for work in works:
             work.wait()
         total = float(tokens.item())
@@ -186,8 +245,18 @@ class ElasticReplica:
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the participants in place (same group rank of
         every replica; e.g. last-stage loss reports). Returns it."""
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        if tensor.device == self.device:
+            self._allreduce_sum(tensor).wait()
+        else:  # host-side reports, with NCCL across replicas
+            staged = tensor.to(self.device)
+            self._allreduce_sum(staged).wait()
+            tensor.copy_(staged)
         return tensor
+
+    def _allreduce_sum(self, tensor: torch.Tensor):
+        """Start a cross-replica sum of ``tensor`` in place; count its bytes."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
 
     @property
     def participation(self) -> Optional[Participation]:

@@ -127,7 +127,9 @@ class ElasticMembership:
 
     def _start(self) -> None:
         """Create the torchft manager and hook the cross-replica gradient sum (every rank)."""
-        self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state)
+        device = next(self.state.chunks[0].parameters()).device
+        self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state,
+                                      check_peer_state=self.state.check_peer_state, device=device)
         for chunk in self.state.chunks:
             chunk.config.finalize_model_grads_func = self._finalize_model_grads
         # One writer per inner DP rank: its TP ranks and CP ranks compute the same samples.
@@ -200,9 +202,12 @@ class ElasticMembership:
             )
 
     def annotate(self, record: dict, share: StepShare) -> None:
-        """Replica fields of the step record: participants, quorum wait, healed."""
+        """Replica fields of the step record: participants, quorum wait,
+        healed, and the payload bytes this rank sent to cross-replica
+        all-reduces in the step (gradients, token count, loss report)."""
         record.update(participants=share.participation.size, quorum_s=share.quorum_s,
-                      healed=not share.participation.participating)
+                      healed=not share.participation.participating,
+                      cross_replica_bytes=self.replica.bytes_sent)
 
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoints: it was

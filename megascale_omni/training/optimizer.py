@@ -62,6 +62,27 @@ def wrap_ddp(
     return wrapped
 
 
+def optimizer_state_bytes(optimizer: MegatronOptimizer, chunks: Sequence[torch.nn.Module]) -> int:
+    """Bytes of optimizer state this rank holds (any rank, no collectives):
+    every tensor of the inner torch optimizer's state (Adam moments, step
+    counters) plus the main parameters that are not views of the model's own
+    parameter storage (fp32 copies of bf16 weights). With the distributed
+    optimizer that is this rank's shard only. 0 before the first step (torch
+    creates Adam state lazily)."""
+    weights = {p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()}
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in weights:
+                    total += p.numel() * p.element_size()
+                for value in inner.state.get(p, {}).values():
+                    if torch.is_tensor(value):
+                        total += value.numel() * value.element_size()
+    return total
+
+
 def build_optimizer(
     chunks: Sequence[DistributedDataParallel], train: TrainConfig, parallel: ParallelConfig, dtype: torch.dtype
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:

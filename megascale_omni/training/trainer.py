@@ -44,7 +44,7 @@ from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_par
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.elastic import build_membership
-from megascale_omni.training.optimizer import build_optimizer, overlaps_grad_reduce, wrap_ddp
+from megascale_omni.training.optimizer import build_optimizer, optimizer_state_bytes, overlaps_grad_reduce, wrap_ddp
 from megascale_omni.training.step import StepProgress, train_step
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ class Trainer:
         if self.is_loss_rank:
             _write_config(cfg)
         self.history: list[dict] = []
+        #: This rank's optimizer state in bytes, measured once Adam has state (after the first step).
+        self._optimizer_state_bytes = 0
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir, shared=cfg.elastic.enabled)
         self._teardown.callback(self.checkpointer.close)
         self.checkpointer.resume(self.state)
@@ -275,6 +277,9 @@ class Trainer:
         self.task.after_step(self.state.step)
         extra: dict = self.task.data_stats()
         self.membership.annotate(extra, share)
+        if not self._optimizer_state_bytes:
+            self._optimizer_state_bytes = optimizer_state_bytes(self.state.optimizer, self.state.chunks)
+        extra["optimizer_state_bytes"] = self._optimizer_state_bytes
         t_record = time.perf_counter()
         step_s = t_record - t0 + boundary_s
         timing = StepTiming(step_s, t_data, membership_s, **self._boundary)

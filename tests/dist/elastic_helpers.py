@@ -37,14 +37,18 @@ def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
 
 def start_replica(
     replica_id: str, lighthouse: str, run_dir: Path, args: Sequence[str], timeout: float, nproc: int = 2,
-    cpus: str | None = None,
+    cpus: str | None = None, omni_run: bool = False,
 ) -> subprocess.Popen:
     """One replica group (torchrun of ``nproc`` ranks, its own store port);
-    ``cpus`` (``taskset -c`` list) confines it to those cores, like a node of its own."""
+    ``cpus`` (``taskset -c`` list) confines it to those cores, like a node of its own;
+    ``omni_run``: launched by ``omni-run``, which exits with a failed worker's code."""
     cmd = torchrun_cmd(nproc, "megascale_omni.smoke", [
         "--config", CONFIG, f"elastic.replica_id={replica_id}", f"elastic.lighthouse={lighthouse}",
         f"logging.output_dir={run_dir / replica_id}", *args,
     ])
+    if omni_run:
+        assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+        cmd[2] = "megascale_omni.launch"
     return spawn(["taskset", "-c", cpus, *cmd] if cpus else cmd, timeout=timeout)
 
 

@@ -40,12 +40,13 @@ from typing import Sequence
 
 import pytest
 
+from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
-from tests.launcher import kill_group, finish, spawn, torchrun_cmd
+from tests.launcher import finish, kill_group, spawn, torchrun_cmd
 
 GLOBAL_BATCH, SEED = 12, 1234
 #: Far above any test's needs: jobs end by drain, so pacing never depends on speed.
@@ -68,12 +69,14 @@ class Job:
     """A lighthouse, replica groups and a fixed-membership reference run.
 
     ``layout``: overrides of every replica group's layout (default: CONFIG's
-    TP1 x PP2); ``reference``: processes and overrides of the reference run
-    (default: one such group, not elastic)."""
+    TP1 x PP2) and ``inner_dp`` its DP size; ``reference``: processes and
+    overrides of the reference run (default: one such group, not elastic);
+    ``rel_tol``: the largest relative loss difference :meth:`check` accepts."""
 
     def __init__(self, tmp_path: Path, timeout: float, layout: Sequence[str] = (),
-                 reference: tuple[int, Sequence[str]] = (2, ())):
+                 reference: tuple[int, Sequence[str]] = (2, ()), inner_dp: int = 1, rel_tol: float = REL_TOL):
         self.tmp, self.timeout = tmp_path, timeout
+        self.inner_dp, self.rel_tol = inner_dp, rel_tol
         self.run, self.ledger = tmp_path / "run", tmp_path / "ledger"
         # Replicas wait in their quorum while a paused peer holds it (see join).
         self.args = [f"elastic.ledger_dir={self.ledger}", "elastic.quorum_timeout_s=1200", *COMMON, *layout]
@@ -92,8 +95,9 @@ class Job:
             f"logging.output_dir={self.tmp / 'reference'}",
         ]), timeout=self.timeout)
 
-    def start(self, rid: str, *extra: str) -> None:
-        self.procs[rid] = start_replica(rid, self.addr, self.run, [*self.args, *extra], timeout=self.timeout)
+    def start(self, rid: str, *extra: str, omni_run: bool = False) -> None:
+        self.procs[rid] = start_replica(rid, self.addr, self.run, [*self.args, *extra], timeout=self.timeout,
+                                        omni_run=omni_run)
 
     def join(self, rid: str, hold: str) -> None:
         """Start ``rid`` while running replica ``hold`` is paused at a step
@@ -153,6 +157,12 @@ class Job:
         res = self.results[rid] = finish(self.procs[rid], self.timeout)
         assert res.returncode == 0, f"{rid} after drain exited {res.returncode}:\n{res.stderr[-4000:]}"
 
+    def wait_exit(self, rid: str):
+        """Until ``rid`` exits by itself; returns its result (not recorded as drained)."""
+        others = [self.procs[r] for r in self.live() if r != rid]
+        wait_for(f"{rid} to exit", lambda: self.procs[rid].poll() is not None, 600, others)
+        return finish(self.procs[rid], 60)
+
     def kill(self, rid: str) -> None:
         kill_group(self.procs[rid])  # SIGKILL the whole replica group
         self.procs[rid].wait()
@@ -206,8 +216,12 @@ class Job:
         assert sorted(merged) == list(range(1, last + 1))
         for r in merged.values():
             assert r["samples"] == GLOBAL_BATCH
-            # 6 micro-batches of 2 dealt out among the participants.
-            assert r["healed"] or r["microbatches"] == 6 // r["participants"], r
+            # 6 micro-batches of 2 dealt out among the participants' DP ranks;
+            # the record is inner DP rank 0's of some participant.
+            ranks = r["participants"] * self.inner_dp
+            shares = microbatch_shares(GLOBAL_BATCH, 2, ranks)
+            expected = {shares[p * self.inner_dp] // 2 for p in range(r["participants"])}
+            assert r["healed"] or r["microbatches"] in expected, r
         plan = SamplePlan(NUM_SAMPLES, GLOBAL_BATCH, seed=SEED)
         lines = read_ledger(self.ledger)
         consumed = consumed_samples(lines)
@@ -228,7 +242,8 @@ class Job:
         assert sorted(reference) == sorted(merged)
         worst = max(abs(merged[s]["loss"] - reference[s]) / abs(reference[s]) for s in reference)
         print(f"max relative loss difference to the fixed-membership run: {worst:.2e}")
-        assert worst < REL_TOL
+        assert worst < self.rel_tol
+        self.worst = worst
         return merged
 
 
@@ -260,40 +275,33 @@ def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_memb
     assert healed["healed"] and healed["step"] > 2
 
 
-# The issue's full scenario (about 100 s on an idle 2-core machine) runs in
-# `make test-all`; the 2-replica test above covers a standby join, heal,
-# SIGKILL and the ledger in the default suite.
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_join_join_drain_kill_mid_run(tmp_path):
-    """The issue's scenario: 1 replica group (TP1 x PP2); a 2nd (cold start)
-    and a 3rd (warm standby) join mid-run and heal; one is drained with
-    ``omni-ctl drain`` (exits 0); one is SIGKILLed; training continues
-    throughout. A 4th standby is drained before it ever joins (exits 0)."""
-    job = Job(tmp_path, timeout=1800)
-    try:
-        job.start_reference()
-        job.start("r0")
-        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
-        job.join("r1", hold="r0")
-        job.wait_steps("r0", 2)
-        job.stand_by("r2", hold="r0")
-        job.join_standby("r2", hold="r0")
-        job.wait_steps("r0", 2)
-        status = omni_ctl(job.run / "r0", "status")["result"]
-        replica = status["replica"]
-        assert replica["replica_id"] == "r0" and replica["participants"] == 3, status
-        assert replica["last_step_committed"] is True and replica["committed_steps"] >= status["step"] - 1, status
-        job.drain("r1")
-        job.wait("the others to drop r1", lambda: job.participants("r0") == 2)
-        job.wait_steps("r0", 2)
-        job.kill_in_flight("r2", hold="r0")
-        job.wait_steps("r0", 2)
-        job.stand_by("r3", hold="r0")
-        job.drain("r3")  # never joined: exits 0 with no step
-        last = job.finish()
-    finally:
-        job.close()
+def membership_scenario(job: Job) -> None:
+    """The issue's scenario on ``job``'s layout: r0 trains; r1 joins (cold
+    start) and r2 (warm standby) joins, both heal; r1 is drained with
+    ``omni-ctl drain`` (exits 0); r2 is SIGKILLed in flight; a standby r3 is
+    drained before it ever joins (exits 0). r0 trains throughout."""
+    job.start("r0")
+    job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
+    job.join("r1", hold="r0")
+    job.wait_steps("r0", 2)
+    job.stand_by("r2", hold="r0")
+    job.join_standby("r2", hold="r0")
+    job.wait_steps("r0", 2)
+    status = omni_ctl(job.run / "r0", "status")["result"]
+    replica = status["replica"]
+    assert replica["replica_id"] == "r0" and replica["participants"] == 3, status
+    assert replica["last_step_committed"] is True and replica["committed_steps"] >= status["step"] - 1, status
+    job.drain("r1")
+    job.wait("the others to drop r1", lambda: job.participants("r0") == 2)
+    job.wait_steps("r0", 2)
+    job.kill_in_flight("r2", hold="r0")
+    job.wait_steps("r0", 2)
+    job.stand_by("r3", hold="r0")
+    job.drain("r3")  # never joined: exits 0 with no step
+
+
+def check_membership_scenario(job: Job, last: int) -> None:
+    """:meth:`Job.check` plus what :func:`membership_scenario` must show."""
     assert not job.records("r3") and "never joined" in job.results["r3"].stderr
     merged = job.check(last)
     assert {r["participants"] for r in merged.values()} == {1, 2, 3}
@@ -303,3 +311,20 @@ def test_join_join_drain_kill_mid_run(tmp_path):
         assert healed["healed"] and healed["step"] > 2, (rid, healed)
     r1 = job.results["r1"]
     assert "control: drain at step" in r1.stdout + r1.stderr
+
+
+# The issue's full scenario (about 100 s on an idle 2-core machine) runs in
+# `make test-all`; the 2-replica test above covers a standby join, heal,
+# SIGKILL and the ledger in the default suite.
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_join_join_drain_kill_mid_run(tmp_path):
+    """The issue's scenario (:func:`membership_scenario`) with groups of TP1 x PP2."""
+    job = Job(tmp_path, timeout=1800)
+    try:
+        job.start_reference()
+        membership_scenario(job)
+        last = job.finish()
+    finally:
+        job.close()
+    check_membership_scenario(job, last)

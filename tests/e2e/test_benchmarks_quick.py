@@ -71,6 +71,13 @@ EXPECTED = {
         r"^latency: cold join [\d.]+ s, standby join [\d.]+ s, restart\+reload [\d.]+ s",
         r"^survivor lost step times at the join: cold -?[\d.]+, standby -?[\d.]+",
     ],
+    "elastic_shard": [
+        r"^model: GPT 4 layers, hidden 64; 2 replica groups x inner DP 2 \(TP1 PP1\), 4 steps; rank 0 of r0$",
+        r"^\| whole on every rank \(baseline\) \| \d+ \| \d+ \| [\d.]+ ms \|$",
+        r"^\| distributed \(sharded\) \| \d+ \| \d+ \| [\d.]+ ms \|$",
+        r"^ratio sharded / whole: bytes 0\.5\d+, optimizer state 0\.5\d+ \(1/inner DP = 0\.5000\), step time [\d.]+$",
+        r"^loss, sharded vs whole, max relative difference over \d+ steps: [\d.e+-]+$",
+    ],
     "loader_throughput": [
         r"^\(a\) loader alone: 6 steps of 8 packed rows, DP rank 0 of 1",
         r"^\| in-process \| \d+ \| \d+ \| 1\.00x \| [\d.]+ s \| [\d.]+ ms \|$",
@@ -99,19 +106,21 @@ TIMEOUT_S = {
     "metrics_overhead": 300,
     "scheduler_sim": 240,
     "elastic_join": 1200,
+    "elastic_shard": 900,
     "loader_throughput": 600,
     "context_parallel": 300,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
-        "context_parallel"}
+        "context_parallel", "elastic_shard"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
-#: import megatron, over 20 s); `make test-all` runs them. The other
+#: import megatron, over 20 s; elastic_shard 4 torchrun jobs and 2
+#: lighthouses); `make test-all` runs them. The other
 #: single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async", "context_parallel"}
+        "checkpoint_async", "context_parallel", "elastic_shard"}
 
 
 def documented_commands() -> dict[str, list[str]]:

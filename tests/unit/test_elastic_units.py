@@ -1,10 +1,12 @@
 """Elastic pieces that need no processes: config checks, the micro-batch
-split policy, and the ledger's exactly-once accounting."""
+split policy, the ledger's exactly-once accounting, and the layout check a
+joiner runs on a peer's state."""
 
 from __future__ import annotations
 
 import pytest
 
+from megascale_omni.checkpoint.peer import check_peer_state
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
 from megascale_omni.training.ledger import SampleLedger, consumed_samples, read_ledger
@@ -26,8 +28,6 @@ def _cfg(elastic: dict, **sections) -> JobConfig:
         ({**ELASTIC, "timeout_s": -1}, {}, "elastic.timeout_s", "> 0"),
         (ELASTIC, {"train": {"global_batch_size": 7, "micro_batch_size": 2}}, "train.global_batch_size",
          "multiple of train.micro_batch_size=2"),
-        (ELASTIC, {"parallel": {"use_distributed_optimizer": True}}, "parallel.use_distributed_optimizer",
-         "not supported with elastic"),
         ({**ELASTIC, "standby": True}, {"control": {"enabled": False}}, "elastic.standby", "control.enabled=true"),
         ({"enabled": False, "standby": True}, {}, "elastic.standby", "set elastic.enabled=true"),
     ],
@@ -42,6 +42,11 @@ def test_invalid_elastic_settings_name_field_and_fix(elastic, sections, field, f
 def test_elastic_accepts_global_batch_not_divisible_by_replicas():
     # 12 samples = 6 micro-batches; any participant count is fine at config time.
     validate_job(_cfg(ELASTIC, train={"global_batch_size": 12, "micro_batch_size": 2}), world_size=2)
+
+
+def test_elastic_accepts_the_distributed_optimizer():
+    # Each inner DP rank heals its own optimizer shard from the same rank of a peer group.
+    validate_job(_cfg(ELASTIC, parallel={"use_distributed_optimizer": True}), world_size=2)
 
 
 def test_elastic_accepts_shared_checkpoints():
@@ -102,3 +107,28 @@ def test_ledger_rejects_one_step_committed_twice(tmp_path):
     a.close()
     with pytest.raises(ValueError, match="committed under quorums 1 and 2"):
         consumed_samples(read_ledger(tmp_path))
+
+
+LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": 1, "world_size": 2, "distributed_optimizer": True}
+BUCKETS = [{0: {"float32": [2048, 512]}}]
+
+
+@pytest.mark.parametrize(
+    "peer, field, fragment",
+    [
+        ({"layout": {**LAYOUT, "pp": 2, "dp": 1}, "optimizer_layout": BUCKETS}, "parallel",
+         "differs from the running job's replica groups (tp=1 pp=2 cp=1 dp=1"),
+        ({"layout": {**LAYOUT, "distributed_optimizer": False}, "optimizer_layout": [None]}, "parallel",
+         "distributed_optimizer=False"),
+        ({"layout": LAYOUT, "optimizer_layout": [{0: {"float32": [4096, 512]}}]}, "model",
+         "start this group with the running job's model.* config"),
+        ({}, "parallel", "(unknown layout)"),
+    ],
+)
+def test_peer_state_of_another_layout_or_model_is_refused_in_one_line(peer, field, fragment):
+    own = {"layout": LAYOUT, "optimizer_layout": BUCKETS}
+    check_peer_state(own, own)
+    with pytest.raises(ConfigError) as err:
+        check_peer_state(own, peer)
+    assert err.value.field == field
+    assert fragment in str(err.value) and "\n" not in str(err.value)

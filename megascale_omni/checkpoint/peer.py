@@ -1,0 +1,92 @@
+"""The in-memory state one rank sends to the same rank of a joining replica
+group, beyond weights: optimizer state (whole, or this rank's shard of the
+distributed optimizer) and the facts a joiner checks before using any of it.
+
+With megatron's distributed optimizer each inner-DP rank owns one contiguous
+shard of every gradient bucket: fp32 main parameters and Adam moments for
+exactly those elements. A joining group's rank ``r`` takes the shard of the
+peer group's rank ``r``, which is the same shard only when both groups have
+the same layout (tp, pp, cp, vpp, inner dp) and the same model (same bucket
+sizes); :func:`check_peer_state` verifies both before anything is applied.
+Every function is called by every rank (no collectives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.optimizer import DistributedOptimizer
+
+from megascale_omni.checkpoint.state import restore_adam_step
+from megascale_omni.config import ConfigError
+
+
+def _optimizers(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_layout(optimizer: Any) -> list:
+    """Per sub-optimizer: ``None`` (whole state on every rank) or, for the
+    distributed optimizer, the unpadded element count of every bucket of every
+    gradient buffer (identical across groups only for the same model and layout)."""
+    return [opt.per_bucket_numel_unpadded if isinstance(opt, DistributedOptimizer) else None
+            for opt in _optimizers(optimizer)]
+
+
+def peer_optimizer_state(optimizer: Any) -> list[dict]:
+    """Optimizer state of this rank for its peer rank (plain tensors, no copies).
+
+    Distributed optimizer: megatron's ``state_dict()`` (hyper-parameters, step)
+    plus this rank's shard (fp32 main params, ``exp_avg``, ``exp_avg_sq`` of
+    the bucket ranges it owns) in megatron's bucket-space ``dp_reshardable``
+    form, which its ``load_state_dict`` applies. fp32 main params are views of
+    the model's parameter buffer, whose storage the weights already carry.
+    """
+    states = []
+    for opt in _optimizers(optimizer):
+        state = opt.state_dict()
+        if isinstance(opt, DistributedOptimizer):
+            shard = opt.get_parameter_state_dp_reshardable()
+            for key, per_dtype in shard.items():
+                if isinstance(key, int):
+                    for buckets in per_dtype.values():
+                        for bucket in buckets:
+                            for param_state in bucket:
+                                # No intra-bucket padding entries in this form.
+                                param_state["padding"] = False
+            state.update(param_state=shard, param_state_sharding_type="dp_reshardable")
+        states.append(state)
+    return states
+
+
+def load_peer_optimizer_state(optimizer: Any, states: list[dict]) -> None:
+    """Apply :func:`peer_optimizer_state` of the peer rank (after :func:`check_peer_state`)."""
+    for opt, state in zip(_optimizers(optimizer), states, strict=True):
+        opt.load_state_dict(state)
+    # Without TE/apex megatron's distributed optimizer gives every parameter
+    # one shared Adam step tensor, which torch's Adam would then advance once
+    # per parameter per step: give each its own again.
+    restore_adam_step(optimizer)
+
+
+def check_peer_state(own: dict, peer: dict) -> None:
+    """Raise ConfigError (one line) unless ``peer``'s ``"layout"`` and
+    ``"optimizer_layout"`` equal ``own``'s (:meth:`TrainState.peer_facts`)."""
+    if peer.get("layout") != own["layout"]:
+        raise ConfigError(
+            "parallel", _layout_text(own["layout"]),
+            f"differs from the running job's replica groups ({_layout_text(peer.get('layout'))}); "
+            "start this group with the same parallel.* settings and processes per group",
+        )
+    if peer.get("optimizer_layout") != own["optimizer_layout"]:
+        raise ConfigError(
+            "model", "gradient buckets " + str(own["optimizer_layout"]),
+            f"differ from the running job's ({peer.get('optimizer_layout')}): a different model or "
+            "bucketing; start this group with the running job's model.* config",
+        )
+
+
+def _layout_text(layout: Any) -> str:
+    if not isinstance(layout, dict):
+        return "unknown layout"
+    return " ".join(f"{k}={v}" for k, v in layout.items())

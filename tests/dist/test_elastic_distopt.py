@@ -1,0 +1,105 @@
+"""The distributed optimizer inside elastic replica groups: groups of inner
+DP2 (TP1 x PP1, two processes each) shard Adam state over their two ranks;
+a joining group's rank r heals its own shard from rank r of a live group,
+and the cross-replica sum covers only each rank's shard of the gradients.
+
+Checked with :meth:`Job.check` (sample ledger exactly-once, constant global
+batch) and against a fixed-membership run (one process, whole optimizer):
+per-step losses within 1e-6 relative through the join, the heal and the
+drain. Also: the bytes each rank hands to the cross-replica all-reduce per
+step are half of its fp32 gradients (inner DP2), measured at that seam, and
+it holds half of the Adam state.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.dist.control_helpers import omni_ctl
+from tests.dist.test_elastic_membership import CTL_TIMEOUT, Job, check_membership_scenario, membership_scenario
+
+DIST_OPT = ["parallel.pp=1", "parallel.use_distributed_optimizer=true"]
+REFERENCE = (1, ["parallel.pp=1"])
+REL_TOL = 1e-6
+
+
+def _distopt_job(tmp_path, timeout: float) -> Job:
+    return Job(tmp_path, timeout=timeout, layout=DIST_OPT, reference=REFERENCE, inner_dp=2, rel_tol=REL_TOL)
+
+
+# Default suite: one cold join + heal + drain (4 processes at most at once).
+@pytest.mark.timeout(900)
+def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path):
+    job = _distopt_job(tmp_path, timeout=900)
+    try:
+        job.start("r0")
+        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
+        job.join("r1", hold="r0")
+        job.wait_steps("r0", 3)
+        job.drain("r1")
+        job.wait("r0 to train alone again", lambda: job.participants("r0") == 1)
+        job.wait_steps("r0", 2)
+        last = job.finish()
+    finally:
+        job.close()
+    merged = job.check(last)
+    assert {r["participants"] for r in merged.values()} == {1, 2}
+    healed = job.records("r1")[0]
+    assert healed["healed"] and healed["step"] > 2, healed
+    r1 = job.results["r1"].stderr
+    assert "healed from a live peer" in r1
+    # Hierarchical reduction: rank 0 sends its shard (half of its fp32
+    # gradient buffer, padded to whole buckets) plus the token count and the
+    # loss report, i.e. about 2 bytes per parameter instead of 4.
+    params = int(re.search(r"\[rank 0\].*parameters on this rank: (\d+)", job.results["r0"].stderr).group(1))
+    sent = {r["cross_replica_bytes"] for r in job.records("r0")}
+    assert len(sent) == 1, sent
+    ratio = sent.pop() / (4 * params)
+    print(f"cross-replica bytes per step / full fp32 gradients: {ratio:.4f}")
+    assert 0.5 <= ratio < 0.51
+    # Adam moments (8 bytes per parameter) of this rank's shard only.
+    state = job.records("r0")[-1]["optimizer_state_bytes"] / (8 * params)
+    print(f"optimizer state / whole Adam state: {state:.4f}")
+    assert 0.5 <= state < 0.51
+
+
+#: The full scenario runs about 200 steps, many of them while groups start
+#: up; float summation-order noise of its ~70 multi-group steps compounds
+#: through Adam (measured 1.1e-6 over 182 steps; without holding r0 for the
+#: last joiner, 1.2e-6 at step 250 and 2.3e-4 at step 498, growing smoothly
+#: with no step at any membership change; see test_elastic_membership). The
+#: 1e-6 bound is asserted on the short run above.
+SCENARIO_REL_TOL = 1e-5
+
+
+# make test-all (~11 minutes on a loaded 2-core host): the full membership
+# scenario with sharded optimizer state, plus a joiner of another layout
+# that is refused.
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_dist_opt_membership_scenario_and_mismatched_joiner_refused(tmp_path):
+    job = _distopt_job(tmp_path, timeout=1800)
+    job.rel_tol = SCENARIO_REL_TOL
+    try:
+        job.start_reference()
+        membership_scenario(job)
+        # A group of another layout (PP2, whole optimizer) must not join: it
+        # exits 2 with one line before sending any gradient; r0 carries on.
+        # r0 is held while the joiner starts, as in Job.join.
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "pause", timeout_s=330)["ok"]
+        job.start("bad", "parallel.pp=2", "parallel.use_distributed_optimizer=false", omni_run=True)
+        job.wait("bad's control server", lambda: (job.run / "bad" / "control.json").exists())
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "resume", timeout_s=330)["ok"]
+        res = job.results["bad"] = job.wait_exit("bad")
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert re.search(r"^config error: parallel='tp=1 pp=2 .*': differs from the running job's replica groups "
+                         r"\(tp=1 pp=1 cp=1 dp=2 .*distributed_optimizer=True\)", res.stderr, re.MULTILINE), res.stderr
+        job.wait("r0 to train alone again", lambda: job.participants("r0") == 1)
+        job.wait_steps("r0", 2)
+        last = job.finish()
+    finally:
+        job.close()
+    check_membership_scenario(job, last)
+    assert not job.records("bad")
