@@ -153,6 +153,8 @@ class LlavaTask(Task):
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        if self.val_reader is not None:
+            self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
         order = None
         if cfg.data.blend:

@@ -143,6 +143,11 @@ def test_chat_plan_from_index_matches_reading_and_the_batcher(chat_set, mode):
 
 def test_index_for_another_tokenizer_is_not_trusted(chat_set, shapes, caplog):
     root, encoder = chat_set
+    # The same tokenizer directory loaded again is the same basis; another template is not.
+    assert ChatLlavaEncoder.from_pretrained(root, "<image>", 9, 64).cost_basis() == encoder.cost_basis()
+    other = ChatLlavaEncoder.from_pretrained(root, "<image>", P, 120)
+    other.chat.tok.chat_template = other.chat.tok.chat_template + " "
+    assert other.cost_basis() != encoder.cost_basis()
     words = LlavaEncoder(load_shapes_tokenizer(shapes), P)
     with caplog.at_level(logging.INFO):
         scan = _scan(ShardedSampleReader(root / "train"), words)

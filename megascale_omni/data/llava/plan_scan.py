@@ -77,13 +77,18 @@ class PlanScanner:
         self.truncates = truncates
         self._basis = encoder.cost_basis()
 
+    def check_index(self, reader: ShardedSampleReader) -> None:
+        """Raise DataFileError (naming its ``index.json``) if ``reader``'s
+        index lacks what this run needs: image sizes under anyres."""
+        if self.num_views is not None and not reader.index.has_costs:
+            raise DataFileError(reader.root / INDEX_FILENAME, "data.image_mode=anyres needs each image's size, and "
+                                f"this index (format {reader.index.format_version}) has none", REINDEX_FIX)
+
     def _use_index(self, reader: ShardedSampleReader) -> bool:
         """Whether ``reader``'s token counts apply; says why not once per split."""
         path = reader.root / INDEX_FILENAME
+        self.check_index(reader)
         if not reader.index.has_costs:
-            if self.num_views is not None:
-                raise DataFileError(path, "data.image_mode=anyres needs each image's size, and this index "
-                                    f"(format {reader.index.format_version}) has none", REINDEX_FIX)
             logger.info("%s has no per-sample costs (format %d): planning from every sample's JSON member; %s "
                         "to start from the index", path, reader.index.format_version, REINDEX_FIX)
             return False
