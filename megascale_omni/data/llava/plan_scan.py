@@ -103,8 +103,7 @@ class PlanScanner:
         return True
 
     def _views(self, reader: ShardedSampleReader, idx: int, image_hw) -> list[int]:
-        if self.num_views is None:
-            return [1] * len(image_hw)
+        """anyres view counts of sample ``idx``'s images (BadSampleError if the index has no sizes for it)."""
         if image_hw is None:
             loc = reader.index.samples[idx]
             raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name,
@@ -118,8 +117,11 @@ class PlanScanner:
         if key not in use_index:
             use_index[key] = self._use_index(src)
         cost = src.index.samples[j].cost
-        views = self._views(src, j, None if cost is None else cost.image_hw) if (
-            self.num_views is not None or cost is not None) else None
+        views = None  # tower inputs per image, when the index knows the images
+        if self.num_views is not None:
+            views = self._views(src, j, None if cost is None else cost.image_hw)
+        elif cost is not None:
+            views = [1] * len(cost.image_hw)
         if use_index[key] and cost is not None and cost.tokens is not None:
             n = cost.tokens + self.tokens_per_image * sum(views)
             if not (self.truncates and n > self.seq_length):
