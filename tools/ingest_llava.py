@@ -4,15 +4,18 @@
     python tools/ingest_llava.py --out data/my_set/train --image-root /data/images \\
         --llava-json llava_v1_5_mix665k.json [--captions blip_laion.jsonl] [--text sharegpt.jsonl] \\
         [--workers 8] [--samples-per-shard 1000] \\
-        [--tokenizer ckpt/llava/tokenizer --seq-length 4096 --tokens-per-image 576]
+        [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576]]
 
 Writes WebDataset shards + ``index.json`` into ``--out`` (a split
 directory: point ``data.path`` at its parent, which holds ``train/`` and
 optionally ``val/``), ``rejected.jsonl`` (every rejected record with its
 position, source line and reason) and ``ingest_report.json`` (counts).
 Rerunning the same command resumes: finished shards are kept. With
-``--tokenizer`` (an HF tokenizer directory with a chat template) samples the
-template renders longer than ``--seq-length`` are rejected too. See
+``--tokenizer`` (the training run's: an HF tokenizer directory with a chat
+template, or with ``--data-format words`` a word-level ``tokenizer.json``)
+the index records each sample's token count, so training plans from the
+index alone; with ``--seq-length`` too, samples the chat template renders
+longer are rejected. See
 ``megascale_omni/data/llava/ingest.py`` and docs/data.md. Exit 2 with one
 line for unusable arguments.
 """
@@ -29,7 +32,7 @@ if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megascale_omni.config import ConfigError  # noqa: E402
-from megascale_omni.data.llava.ingest import IngestInputs, LengthCheck, ingest  # noqa: E402
+from megascale_omni.data.llava.ingest import IngestInputs, LengthCheck, chat_coster, ingest, words_coster  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
 
 
@@ -43,11 +46,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text", action="append", default=[], help="text-only conversation JSONL (repeatable)")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="input records per shard")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="worker processes")
-    p.add_argument("--tokenizer", help="HF tokenizer directory with a chat template (length check)")
+    p.add_argument("--tokenizer", help="the training run's tokenizer: token counts in the index (and the length check)")
+    p.add_argument("--data-format", choices=("chat", "words"), default="chat",
+                   help="with --tokenizer: the training run's data.format the counts are for")
     p.add_argument("--seq-length", type=int, help="with --tokenizer: reject samples longer than this")
     p.add_argument("--tokens-per-image", type=int, default=0, help="with --tokenizer: placeholder tokens per image")
     p.add_argument("--image-token", default="<image>", help="with --tokenizer: the image placeholder token")
     return p.parse_args(argv)
+
+
+def _coster(args: argparse.Namespace):
+    """The index coster of ``--tokenizer`` (ConfigError naming it when unusable)."""
+    want = "directory" if args.data_format == "chat" else "tokenizer.json or directory"
+    if not os.path.exists(args.tokenizer) or (args.data_format == "chat" and not os.path.isdir(args.tokenizer)):
+        raise ConfigError("--tokenizer", args.tokenizer, f"no such {want}")
+    try:
+        if args.data_format == "chat":
+            return chat_coster(args.tokenizer, args.image_token)
+        return words_coster(args.tokenizer)
+    except (OSError, ValueError) as err:
+        raise ConfigError("--tokenizer", args.tokenizer, f"is not a usable {args.data_format} tokenizer: {err}") from None
 
 
 def main(argv=None) -> None:
@@ -58,17 +76,17 @@ def main(argv=None) -> None:
     for path in (*args.llava_json, *args.captions, *args.text):
         if not os.path.isfile(path):
             raise ConfigError("input", path, "no such file")
-    length = None
-    if args.tokenizer or args.seq_length:
-        if not (args.tokenizer and args.seq_length and args.seq_length > 0 and args.tokens_per_image > 0):
+    length = coster = None
+    if args.seq_length is not None:
+        if not (args.tokenizer and args.seq_length > 0 and args.tokens_per_image > 0 and args.data_format == "chat"):
             raise ConfigError("--tokenizer/--seq-length/--tokens-per-image",
                               f"{args.tokenizer}/{args.seq_length}/{args.tokens_per_image}",
-                              "the length check needs all three (a tokenizer directory, positive numbers)")
-        if not os.path.isdir(args.tokenizer):
-            raise ConfigError("--tokenizer", args.tokenizer, "no such directory")
+                              "the length check needs all three (a chat tokenizer directory, positive numbers)")
         length = LengthCheck(args.tokenizer, args.seq_length, args.tokens_per_image, args.image_token)
+    if args.tokenizer:
+        coster = _coster(args)
     inputs = IngestInputs(args.llava_json, args.captions, args.text, args.image_root, args.caption_prompt)
-    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length)
+    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length, coster)
     print(json.dumps(report.to_dict(), indent=2))
     print(f"ingested {report.kept} of {report.inputs} records into {report.shards} shard(s) under {args.out}; "
           f"{report.rejected} rejected (see {os.path.join(args.out, 'rejected.jsonl')})")

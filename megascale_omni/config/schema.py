@@ -166,10 +166,11 @@ class DataConfig:
     #: Image preprocessing: ``exact`` (images already ``vision.image_size``
     #: square, scaled to [-1, 1]), ``resize_crop`` (CLIP: resize the short side,
     #: centre crop) or ``pad_square`` (LLaVA-1.5: pad to a square with the mean
-    #: colour, then resize); both normalise with the tower's mean/std. Anyres
-    #: tiling exists as a module (``data.image_preprocess``) but is not offered
-    #: here: sample lengths are planned from metadata, which has no image sizes.
-    image_mode: Literal["exact", "resize_crop", "pad_square"] = "exact"
+    #: colour, then resize); both normalise with the tower's mean/std; or
+    #: ``anyres`` (LLaVA-NeXT: an overview plus the tiles of the best grid of
+    #: ``image_grid_pinpoints``, each a tower input of ``vision.tokens_per_image``
+    #: tokens; needs image sizes in ``index.json``, written by the current tools).
+    image_mode: Literal["exact", "resize_crop", "pad_square", "anyres"] = "exact"
     #: The tower's ``preprocessor_config.json`` (or its directory) for
     #: ``image_mode`` other than ``exact``; ``null``: the tokenizer directory's
     #: one when present (``tools/hf_import.py`` copies it there), else a plain

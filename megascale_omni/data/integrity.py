@@ -24,11 +24,12 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from PIL import Image
 
+from megascale_omni.data.costs import validate_cost_fields
 from megascale_omni.data.errors import DataFileError
 
 #: Fix offered for a broken ``index.json``.
@@ -47,7 +48,7 @@ def _is_int(value: Any, minimum: int | None = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
-def validate_index_doc(doc: Any, path: Path, format_version: int) -> None:
+def validate_index_doc(doc: Any, path: Path, format_versions: Sequence[int]) -> None:
     """Check a parsed ``index.json`` against the schema written by
     :func:`megascale_omni.data.shards.index_shards`.
 
@@ -58,7 +59,8 @@ def validate_index_doc(doc: Any, path: Path, format_version: int) -> None:
     non-negative (``id`` any int); ``num_samples`` equals the sample count
     and each shard's ``num_samples`` the samples that name it; keys are
     unique; every member's data lies inside its shard after a 512-byte tar
-    header, at a 512-byte boundary.
+    header, at a 512-byte boundary. Format 2 adds ``"cost_basis"`` and a
+    ``"cost"`` per sample (:func:`~megascale_omni.data.costs.validate_cost_fields`).
 
     Raises:
         DataFileError: naming ``path`` and the first offending entry.
@@ -68,9 +70,11 @@ def validate_index_doc(doc: Any, path: Path, format_version: int) -> None:
 
     if not isinstance(doc, dict):
         raise bad(f"top level is a {type(doc).__name__}, expected an object")
-    if doc.get("format_version") != format_version:
-        raise DataFileError(path, f"unsupported shard index format_version {doc.get('format_version')!r} "
-                            f"(this code reads {format_version})", INDEX_FIX)
+    version = doc.get("format_version")
+    if isinstance(version, bool) or version not in format_versions:
+        raise DataFileError(path, f"unsupported shard index format_version {version!r} "
+                            f"(this code reads {' and '.join(map(str, format_versions))})", INDEX_FIX)
+    sample_fields = {"id", "key", "shard", "members"} | ({"cost"} if version >= 2 else set())
     for name, kind in (("num_samples", int), ("shards", list), ("samples", list)):
         if name not in doc:
             raise bad(f"field {name!r} missing")
@@ -94,8 +98,8 @@ def validate_index_doc(doc: Any, path: Path, format_version: int) -> None:
     keys: set[str] = set()
     for i, s in enumerate(samples):
         where = f"samples[{i}]"
-        if not isinstance(s, dict) or set(s) != {"id", "key", "shard", "members"}:
-            raise bad(f"{where} must be an object with exactly id, key, shard, members")
+        if not isinstance(s, dict) or set(s) != sample_fields:
+            raise bad(f"{where} must be an object with exactly {', '.join(sorted(sample_fields))}")
         if not _is_int(s["id"], minimum=None) or not isinstance(s["key"], str) or not s["key"]:
             raise bad(f"{where} needs an int id and a non-empty str key")
         if s["key"] in keys:
@@ -115,6 +119,8 @@ def validate_index_doc(doc: Any, path: Path, format_version: int) -> None:
     for i, (s, n) in enumerate(zip(shards, per_shard)):
         if s["num_samples"] != n:
             raise bad(f"shards[{i}] ({s['name']}) says num_samples={s['num_samples']} but {n} samples name it")
+    if version >= 2:
+        validate_cost_fields(doc, bad)
 
 
 def sha256_of(path: Path) -> str:

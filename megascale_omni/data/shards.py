@@ -5,7 +5,7 @@ On-disk layout of a split directory::
 
     shard-000000.tar      WebDataset tar: <key>.json, <key>.0.png, <key>.1.png, ...
     shard-000001.tar
-    index.json            ShardIndex: manifest + per-sample member offsets
+    index.json            ShardIndex: manifest + per-sample member offsets and costs
 
 Members of sample ``key`` (a zero-padded 9-digit position in the split):
 
@@ -16,7 +16,10 @@ Members of sample ``key`` (a zero-padded 9-digit position in the split):
 The shards are ordinary WebDataset tars (streamable with ``webdataset.WebDataset``);
 ``index.json`` additionally records, for each member, the byte offset of its
 data and its size, so :class:`ShardedSampleReader` reads a sample with one
-``pread`` per member and never scans a tar. Writes are reproducible: tar
+``pread`` per member and never scans a tar. Format 2 also records each
+sample's cost (image sizes, and token counts when written with a coster;
+:mod:`megascale_omni.data.costs`), so a planner needs only the index;
+format-1 indexes (no costs) are still read. Writes are reproducible: tar
 headers carry fixed mtime/uid/gid/owner names, JSON is canonical and PNG
 encoding is deterministic for a given zlib, so equal samples give
 byte-identical shards.
@@ -30,21 +33,24 @@ import logging
 import operator
 import os
 import tarfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 import webdataset
 from PIL import Image
 
+from megascale_omni.data.costs import PNG_HEADER_BYTES, Coster, SampleCost, image_members, sample_cost
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.integrity import INDEX_FIX, decode_png_rgb, sha256_of, validate_index_doc, verify_shard
 from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidationError, validate_metadata
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Index formats this code reads (1: no per-sample costs).
+READ_FORMAT_VERSIONS = (1, 2)
 INDEX_FILENAME = "index.json"
 SHARD_PREFIX = "shard-"
 _TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its data
@@ -98,28 +104,43 @@ class SampleLocation:
     key: str
     shard: int
     members: dict[str, tuple[int, int]]
+    #: None: unknown (a format-1 index, or an image header that is not a PNG's).
+    cost: Optional[SampleCost] = None
 
 
 @dataclass
 class ShardIndex:
-    """Contents of ``index.json``: the manifest plus one location per sample."""
+    """Contents of ``index.json``: the manifest plus one location (and, from
+    format 2, one cost) per sample."""
 
     format_version: int
     num_samples: int
     shards: list[ShardInfo]
     samples: list[SampleLocation] = field(repr=False)
+    #: ``{"format", "tokenizer"}`` the samples' token counts are for; None:
+    #: no token counts (:mod:`megascale_omni.data.costs`).
+    cost_basis: Optional[dict[str, str]] = None
+
+    @property
+    def has_costs(self) -> bool:
+        """Whether the index records per-sample costs (format 2 and later)."""
+        return self.format_version >= 2
 
     def to_json(self) -> str:
+        samples = []
+        for s in self.samples:
+            entry = {"id": s.id, "key": s.key, "shard": s.shard, "members": {k: list(v) for k, v in s.members.items()}}
+            if self.has_costs:
+                entry["cost"] = None if s.cost is None else s.cost.to_json()
+            samples.append(entry)
         doc = {
             "format_version": self.format_version,
             "num_samples": self.num_samples,
             "shards": [asdict(s) for s in self.shards],
-            "samples": [
-                {"id": s.id, "key": s.key, "shard": s.shard,
-                 "members": {k: list(v) for k, v in s.members.items()}}
-                for s in self.samples
-            ],
+            "samples": samples,
         }
+        if self.has_costs:
+            doc["cost_basis"] = self.cost_basis
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -134,13 +155,15 @@ class ShardIndex:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise DataFileError(path, f"shard index is not valid JSON ({exc})", INDEX_FIX) from None
-        validate_index_doc(doc, Path(path), FORMAT_VERSION)
+        validate_index_doc(doc, Path(path), READ_FORMAT_VERSIONS)
         samples = [
             SampleLocation(id=s["id"], key=s["key"], shard=s["shard"],
-                           members={k: (int(v[0]), int(v[1])) for k, v in s["members"].items()})
+                           members={k: (int(v[0]), int(v[1])) for k, v in s["members"].items()},
+                           cost=SampleCost.from_json(s.get("cost")))
             for s in doc["samples"]
         ]
-        return cls(FORMAT_VERSION, int(doc["num_samples"]), [ShardInfo(**s) for s in doc["shards"]], samples)
+        return cls(doc["format_version"], int(doc["num_samples"]), [ShardInfo(**s) for s in doc["shards"]], samples,
+                   doc.get("cost_basis"))
 
 
 # ----------------------------------------------------------- encode / decode
@@ -201,21 +224,24 @@ def shard_name(shard_number: int) -> str:
 
 
 def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_per_shard: int,
-                 overwrite: bool = False) -> ShardIndex:
+                 overwrite: bool = False, coster: Optional[Coster] = None) -> ShardIndex:
     """Write ``samples`` to ``out_dir/shard-%06d.tar`` and build ``index.json``.
 
     Sample keys are their 0-based positions in ``samples``. Shards hold
     ``samples_per_shard`` samples each (the last may hold fewer).
+    ``coster``: counts each sample's tokens into the index (see
+    :func:`index_shards`); without one the index carries image sizes only.
 
     Raises:
         FileExistsError: ``out_dir`` already holds shards or an index and
             ``overwrite`` is False (stale shards would silently mix in).
     """
-    return write_member_shards((encode_sample(s) for s in samples), out_dir, samples_per_shard, overwrite)
+    return write_member_shards((encode_sample(s) for s in samples), out_dir, samples_per_shard, overwrite, coster)
 
 
 def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | os.PathLike,
-                        samples_per_shard: int, overwrite: bool = False) -> ShardIndex:
+                        samples_per_shard: int, overwrite: bool = False,
+                        coster: Optional[Coster] = None) -> ShardIndex:
     """Like :func:`write_shards` for already-encoded records (member suffix ->
     bytes, e.g. ``{"json": ..., "png": ...}``); the ``json`` member should carry
     an integer ``"id"``. Used by sample formats other than :class:`Sample`
@@ -252,10 +278,11 @@ def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | o
         if writer is not None:
             writer.close()
             fileobj.close()
-    return index_shards(out, names)
+    return index_shards(out, names, coster)
 
 
-def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = None) -> ShardIndex:
+def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = None,
+                 coster: Optional[Coster] = None) -> ShardIndex:
     """Scan tar shards and (re)write ``out_dir/index.json``; returns the index.
 
     Works for any uncompressed WebDataset tar whose members are ``<key>.<suffix>`` with a
@@ -264,9 +291,15 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
     the JSON is unreadable, so a bad sample is still indexed and reported
     as :class:`BadSampleError` on read, not at index time).
 
+    Each sample's cost (:mod:`megascale_omni.data.costs`) is recorded: the
+    sizes of its ``<i>.png`` members from their PNG headers and, with
+    ``coster``, its token count (the index then records
+    ``coster.cost_basis()``).
+
     Args:
         shard_names: file names inside ``out_dir``, in order; default: all
             ``shard-*.tar`` sorted by name.
+        coster: counts a sample's tokens from its parsed JSON member.
     """
     out = Path(out_dir)
     if shard_names is None:
@@ -274,6 +307,8 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
     shards: list[ShardInfo] = []
     samples: list[SampleLocation] = []
     seen_keys: set[str] = set()
+    metas: list[Any] = []  # parsed JSON member per sample (None: absent or unreadable)
+    heads: list[dict[str, bytes]] = []  # first bytes of each member that may be an image
     for shard_number, name in enumerate(shard_names):
         path = out / name
         first = len(samples)
@@ -295,17 +330,25 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                     seen_keys.add(key)
                     current_key = key
                     samples.append(SampleLocation(id=len(samples), key=key, shard=shard_number, members={}))
+                    metas.append(None)
+                    heads.append({})
                 loc = samples[-1]
                 loc.members[suffix] = (member.offset_data, member.size)
+                if suffix.endswith(".png"):
+                    heads[-1][suffix] = tar.extractfile(member).read(PNG_HEADER_BYTES)
                 if suffix == "json":
                     try:
-                        sample_id = int(json.loads(tar.extractfile(member).read())["id"])
+                        metas[-1] = json.loads(tar.extractfile(member).read())
+                        sample_id = int(metas[-1]["id"])
                         samples[-1] = SampleLocation(sample_id, loc.key, loc.shard, loc.members)
                     except (ValueError, KeyError, TypeError):
                         pass  # reported with the position as id when the sample is read
         shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
                                 size=path.stat().st_size, sha256=sha256_of(path)))
-    index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples)
+    samples = [replace(loc, cost=sample_cost(meta, [head[s] for s in image_members(loc.members)], coster))
+               for loc, meta, head in zip(samples, metas, heads)]
+    basis = coster.cost_basis() if coster is not None else None
+    index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples, basis)
     tmp = out / f".{INDEX_FILENAME}.tmp-{os.getpid()}"
     tmp.write_text(index.to_json(), encoding="utf-8")
     os.replace(tmp, out / INDEX_FILENAME)  # readers never see a half-written index

@@ -26,19 +26,19 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.config.validate import sequence_multiple
-from megascale_omni.data.balance import sample_cost
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
 from megascale_omni.data.health import check_bad_fraction
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
-from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, padded_length, plan_sample
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
+from megascale_omni.data.llava.plan_scan import PlanScanner
 from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
 from megascale_omni.data.packing import Pack, pack_samples, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
-from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
+from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.models.loss import masked_token_loss
@@ -150,8 +150,15 @@ class LlavaTask(Task):
         #: Samples are padded to a multiple of this many tokens (2*cp under CP).
         self.multiple = sequence_multiple(cfg)
         self.bad_samples = BadSampleAccount(cfg, dims)
+        self.scanner = PlanScanner(
+            self.encoder, cfg.vision.tokens_per_image, self.seq_length, self.multiple,
+            num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
+            truncates=cfg.data.format == "chat",
+        )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        if self.val_reader is not None:
+            self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
         order = None
         if cfg.data.blend:
@@ -182,36 +189,13 @@ class LlavaTask(Task):
         )
 
     # ----------------------------------------------------------------- setup
-    def _scan_split(self, reader: ShardedSampleReader) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Bad-sample count, then ids, lengths, costs and image counts of
-        every readable sample (metadata only)."""
-        ids, lengths, costs, images = [], [], [], []
-        patches = self.cfg.vision.tokens_per_image
-        bad = 0
-        for i in range(len(reader)):
-            try:
-                n, num_images = plan_sample(reader, self.encoder, i)
-            except BadSampleError as err:
-                bad += 1
-                logger.warning("excluding sample %d from the plan: %s", i, err)
-                continue
-            n = padded_length(n, self.multiple)
-            if n > self.seq_length:
-                bad += 1
-                logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
-                continue
-            ids.append(i)
-            lengths.append(n)
-            costs.append(sample_cost(n, num_images, patches))
-            images.append(num_images)
-        return bad, np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images)
-
     def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Ids, lengths, costs and image counts of the usable samples of the
-        training split; the rest are excluded and counted."""
-        bad, ids, lengths, costs, images = self._scan_split(reader)
-        self.bad_samples.exclude(bad, len(reader), str(reader.root))
-        return ids, lengths, costs, images
+        training split (from the index when it carries costs); the rest are
+        excluded and counted."""
+        scan = self.scanner.scan(reader)
+        self.bad_samples.exclude(scan.bad, len(reader), str(reader.root))
+        return scan.ids, scan.lengths, scan.costs, scan.images
 
     def pipeline_shape(self) -> tuple[int, int]:
         return thd_pipeline_shape(self.seq_length, self.cfg.train.micro_batch_size)
@@ -334,11 +318,11 @@ class LlavaTask(Task):
 
     def _eval_pass(self, chunks: Sequence[torch.nn.Module], shuffled: bool):
         if not hasattr(self, "_val"):
-            bad, ids, lengths, _, _ = self._scan_split(self.val_reader)
-            check_bad_fraction(bad, len(self.val_reader), self.cfg.data.max_bad_sample_fraction,
+            scan = self.scanner.scan(self.val_reader)
+            check_bad_fraction(scan.bad, len(self.val_reader), self.cfg.data.max_bad_sample_fraction,
                                f"scanning {self.val_reader.root}")
-            packs = pack_samples(lengths, self.seq_length)
-            self._val = (ids, packs, _shuffled_image_sources(self.val_reader, ids))
+            packs = pack_samples(scan.lengths, self.seq_length)
+            self._val = (scan.ids, packs, _shuffled_image_sources(scan.ids, scan.views))
             self.val_batcher = LlavaBatcher(
                 self.val_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, self.cfg.vision.image_size,
                 preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
@@ -401,17 +385,19 @@ def _eval_loss(
     return loss_sum, num_tokens, report
 
 
-def _shuffled_image_sources(reader: ShardedSampleReader, ids: np.ndarray) -> dict[int, int]:
-    """Map each val sample to a donor sample with the same image count
-    (a rotation within each group), so text stays and images are wrong."""
-    groups: dict[int, list[int]] = {}
-    for i in ids.tolist():
-        groups.setdefault(int(reader.read_metadata(i)["num_images"]), []).append(i)
+def _shuffled_image_sources(ids: np.ndarray, views: Sequence[tuple[int, ...]]) -> dict[int, int]:
+    """Map each val sample to a donor sample with the same tower inputs per
+    image (``views``; one each unless anyres), so its encoded length is
+    unchanged: a rotation within each group, so text stays and images are wrong."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, v in zip(ids.tolist(), views):
+        groups.setdefault(tuple(v), []).append(i)
     sources = {}
-    for n, members in groups.items():
+    for key, members in groups.items():
+        n = len(key)
         if n == 0:
             continue
-        rng = np.random.default_rng([7, n])
+        rng = np.random.default_rng([7, n, *key] if any(v != 1 for v in key) else [7, n])
         order = rng.permutation(len(members))
         for k, idx in enumerate(order):
             sources[members[idx]] = members[order[(k + 1) % len(order)]]

@@ -85,6 +85,12 @@ EXPECTED = {
         r"^\(b\) demo training, 2 processes \(DP2\), 5 steps",
         *(rf"^\| {workers} \| 2 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \|$" for workers in (0, 1)),
     ],
+    "plan_startup": [
+        r"^samples 500, seq_length 256, 16 tokens per image, 1 repeat\(s\), best of each$",
+        r"^\| read every sample's JSON \(baseline\) \| 0 \| [\d.]+ \| [\d.]+ \| 1\.00x \|$",
+        r"^\| index.json costs \| 500 \| [\d.]+ \| [\d.]+ \| [\d.]+x faster \|$",
+        r"^plans identical: True",
+    ],
     "context_parallel": [
         r"^model: GPT 2 layers, .* one sequence of 2048 tokens",
         r"^sanity, CP=1: loss plain THD path [\d.]+, ring of one rank [\d.]+, relative difference ",
@@ -109,6 +115,7 @@ TIMEOUT_S = {
     "elastic_shard": 900,
     "loader_throughput": 600,
     "context_parallel": 300,
+    "plan_startup": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",

@@ -122,4 +122,5 @@ def test_chat_format_config_errors(dataset, tmp_path):
     with pytest.raises(ConfigError, match="data.image_processor.*tower takes 32x32"):
         build_image_preprocessor(_cfg(image_mode="resize_crop", image_processor=str(tmp_path)), dataset)
     with pytest.raises(ConfigError, match="data.image_mode"):
-        _cfg(image_mode="anyres")
+        _cfg(image_mode="tiles")
+    assert build_image_preprocessor(_cfg(image_mode="anyres"), dataset).mode == "anyres"

@@ -131,3 +131,30 @@ def test_samples_longer_than_seq_length_are_rejected_with_a_tokenizer(clean_set,
     report = ingest(IngestInputs(text=[str(long)]), out, length=LengthCheck(str(tok), 64, tokens_per_image=4))
     [reason] = [json.loads(line)["reason"] for line in (out / REJECTED_FILE).read_text().splitlines()]
     assert report.kept == 1 and reason.startswith("longer than seq_length 64")
+
+
+def test_ingest_with_a_tokenizer_writes_token_counts_to_the_index(clean_set, tmp_path):
+    from megascale_omni.data.llava.chat import ChatLlavaEncoder
+    from megascale_omni.data.llava.ingest import chat_coster
+    from tests.launcher import run_tool_in_process
+
+    tok = tmp_path / "tok"
+    chat_tokenizer(tok)
+    out = tmp_path / "out"
+    res = run_tool_in_process("tools/ingest_llava.py", "--out", out, "--image-root", clean_set / "train",
+                              "--llava-json", clean_set / "train" / "llava.json", "--tokenizer", tok, "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    reader = ShardedSampleReader(out)
+    encoder = ChatLlavaEncoder.from_pretrained(tok, "<image>", 16, 4096)
+    assert reader.index.cost_basis == encoder.cost_basis() == chat_coster(tok).cost_basis()
+    for i in range(len(reader)):
+        cost, sample = reader.index.samples[i].cost, reader[i]
+        assert cost.tokens == encoder.text_tokens(reader.read_metadata(i)) > 0
+        assert cost.image_hw == tuple(img.shape[:2] for img in sample.images)
+    # Without --tokenizer: image sizes only; --seq-length without a tokenizer is refused.
+    bare = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "bare", "--image-root",
+                               clean_set / "train", "--llava-json", clean_set / "train" / "llava.json")
+    assert bare.returncode == 0 and ShardedSampleReader(tmp_path / "bare").index.cost_basis is None
+    refused = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json",
+                                  clean_set / "train" / "llava.json", "--seq-length", "64")
+    assert refused.returncode == 2 and "--tokenizer/--seq-length/--tokens-per-image" in refused.stderr

@@ -75,9 +75,13 @@ def test_random_access_matches_generator(split_dir, samples):
     assert [s.id for s in reader] == list(range(NUM))
 
 
-def test_index_manifest(split_dir):
+def test_index_manifest(split_dir, samples):
     doc = json.loads((split_dir / INDEX_FILENAME).read_text())
-    assert doc["format_version"] == 1 and doc["num_samples"] == NUM
+    assert doc["format_version"] == 2 and doc["num_samples"] == NUM
+    # Costs: each image's (height, width) from its PNG header; no token counts without a coster.
+    assert doc["cost_basis"] is None
+    assert [s["cost"] for s in doc["samples"][:3]] == [
+        {"tokens": None, "images": [[32, 32]] * len(sample.images)} for sample in samples[:3]]
     assert [s["name"] for s in doc["shards"]] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
     assert [s["num_samples"] for s in doc["shards"]] == [16, 16, 8]
     for shard in doc["shards"]:

@@ -27,6 +27,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.data.packing import Pack, collate_pack, packed_cu_seqlens
@@ -53,36 +54,60 @@ class EncodedSample:
 
 
 class LlavaEncoder:
-    """Turns conversations into token ids with expanded image placeholders."""
+    """Turns conversations into token ids with expanded image placeholders.
+
+    ``views_per_image`` (anyres): tower inputs per image, each expanded to
+    ``tokens_per_image`` placeholders; None = one view per image."""
 
     def __init__(self, tokenizer: TextTokenizer, tokens_per_image: int):
         self.tok = tokenizer
         self.tokens_per_image = tokens_per_image
 
-    def _prompt_ids(self, user_text: str) -> list[int]:
+    def cost_basis(self) -> dict[str, str]:
+        """What this encoder's :meth:`text_tokens` are valid for (``index.json``'s ``cost_basis``)."""
+        return {"format": "words", "tokenizer": fingerprint(self.tok.to_str())}
+
+    def _prompt_ids(self, user_text: str, views: Optional[Sequence[int]] = None) -> list[int]:
         ids: list[int] = [self.tok.bos_id]
+        image = 0
         for tid in self.tok.encode(user_text):
-            ids.extend([tid] * (self.tokens_per_image if tid == self.tok.image_token_id else 1))
+            if tid != self.tok.image_token_id:
+                ids.append(tid)
+                continue
+            if views is not None and image >= len(views):
+                raise ValueError(f"text has more {IMAGE_PLACEHOLDER} than the {len(views)} image views given")
+            ids.extend([tid] * (self.tokens_per_image * (1 if views is None else views[image])))
+            image += 1
         return ids
 
-    def length_from_metadata(self, meta: Mapping) -> int:
+    def length_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> int:
         """Encoded length computed from the JSON member alone (no image decode)."""
         user = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "user")
         answer = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "assistant")
-        return len(self._prompt_ids(user)) + len(self.tok.encode(answer)) + 1
+        return len(self._prompt_ids(user, views)) + len(self.tok.encode(answer)) + 1
 
-    def plan_from_metadata(self, meta: Mapping) -> tuple[int, int]:
+    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> tuple[int, int]:
         """(tokens, images) of the encoded sample from its JSON member alone."""
-        return self.length_from_metadata(meta), int(meta["num_images"])
+        return self.length_from_metadata(meta, views), int(meta["num_images"])
 
-    def encode(self, sample: Sample) -> EncodedSample:
-        prompt = self._prompt_ids(sample.user_text)
-        placeholders = sum(1 for t in prompt if t == self.tok.image_token_id)
-        if placeholders != sample.num_images * self.tokens_per_image:
+    def text_tokens(self, meta: Mapping) -> int:
+        """Encoded length without image placeholders (the index's ``cost.tokens``).
+        Raises SampleValidationError (a ValueError) for metadata violating the contract."""
+        validate_metadata(meta)
+        user = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "user")
+        if self.tok.encode(user).count(self.tok.image_token_id) != meta["num_images"]:
+            raise ValueError(f"the tokenizer finds another number of {IMAGE_PLACEHOLDER} than num_images")
+        return self.length_from_metadata(meta, [0] * meta["num_images"])
+
+    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None) -> EncodedSample:
+        views = [1] * sample.num_images if views_per_image is None else list(views_per_image)
+        markers = self.tok.encode(sample.user_text).count(self.tok.image_token_id)
+        if markers != sample.num_images or len(views) != sample.num_images:
             raise BadSampleError(
-                sample.id, "<encoded>", f"text has {placeholders // self.tokens_per_image} "
-                f"{IMAGE_PLACEHOLDER} but the sample has {sample.num_images} images"
+                sample.id, "<encoded>", f"text has {markers} {IMAGE_PLACEHOLDER} but the sample has "
+                f"{sample.num_images} images"
             )
+        prompt = self._prompt_ids(sample.user_text, views)
         answer = self.tok.encode(sample.answer_text)
         dependent = set(sample.image_dependent_positions())
         tokens = prompt + answer + [self.tok.eos_id]
@@ -91,10 +116,13 @@ class LlavaEncoder:
         return EncodedSample(sample.id, tokens, target, evalm, list(sample.images))
 
 
-def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int) -> tuple[int, int]:
+def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int,
+                views: Optional[Sequence[int]] = None) -> tuple[int, int]:
     """(tokens, images) of sample ``idx`` from its JSON member alone, as the
     plan is built (every rank; a pure function of the bytes on disk, so every
-    rank excludes the same samples).
+    rank excludes the same samples). ``views``: tower inputs per image
+    (anyres; None = 1 each); ``images`` counts the images kept (chat
+    truncation drops trailing ones).
 
     Raises:
         BadSampleError: the sample must be excluded (unreadable or corrupt
@@ -108,7 +136,7 @@ def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int) 
     loc = reader.index.samples[idx]
     try:
         validate_metadata(meta)
-        return encoder.plan_from_metadata(meta)
+        return encoder.plan_from_metadata(meta, views)
     except (SampleValidationError, KeyError, TypeError, ValueError) as err:
         raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name, str(err)) from None
 
@@ -186,7 +214,11 @@ class LlavaBatcher:
                         sample_id, self.reader.root, f"image shape {img.shape} != "
                         f"({self.image_size}, {self.image_size}, 3); re-run data preparation at this resolution",
                     )
-            enc = self.encoder.encode(sample)
+            if self.preprocess is not None and self.preprocess.mode == "anyres":
+                views = [self.preprocess.num_views(img.shape[:2]) for img in sample.images]
+                enc = self.encoder.encode(sample, views_per_image=views)
+            else:
+                enc = self.encoder.encode(sample)
             if self.preprocess is not None:
                 enc.images = [self._preprocess(sample_id, img) for img in enc.images]
         except BadSampleError as err:

@@ -19,13 +19,15 @@ metric of the word-level shapes demo (answer word = token).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megascale_omni.data.conversation import ChatEncoder, ConversationError, EncodedConversation
+from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.llava.batches import EncodedSample
-from megascale_omni.data.sample import Sample
+from megascale_omni.data.sample import Sample, validate_metadata
 from megascale_omni.data.shards import BadSampleError
 
 
@@ -70,22 +72,40 @@ class ChatLlavaEncoder:
                         seq_length: int) -> "ChatLlavaEncoder":
         return cls(ChatEncoder.from_pretrained(Path(path), image_token, tokens_per_image), seq_length)
 
-    def _encode(self, sample_id: int, conversation: Sequence[Mapping[str, Any]], num_images: int
-                ) -> EncodedConversation:
+    def cost_basis(self) -> dict[str, str]:
+        """What :meth:`text_tokens` are valid for (``index.json``'s ``cost_basis``):
+        the tokenizer's vocabulary and rules, its chat template and special tokens."""
+        tok = self.chat.tok
+        return {"format": "chat", "tokenizer": fingerprint(
+            tok.backend_tokenizer.to_str(), str(tok.chat_template),
+            json.dumps(tok.special_tokens_map, sort_keys=True, default=str))}
+
+    def _encode(self, sample_id: int, conversation: Sequence[Mapping[str, Any]], num_images: int,
+                views: Optional[Sequence[int]] = None, max_length: Optional[int] = -1) -> EncodedConversation:
         try:
-            return self.chat.encode(conversation, num_images, max_length=self.seq_length)
+            return self.chat.encode(conversation, num_images, max_length=self.seq_length if max_length == -1
+                                    else max_length, views_per_image=views)
         except ConversationError as err:
             raise BadSampleError(sample_id, "<encoded>", str(err)) from None
 
-    def plan_from_metadata(self, meta: Mapping) -> tuple[int, int]:
+    def text_tokens(self, meta: Mapping) -> int:
+        """Length of the whole conversation's rendering (no truncation) without
+        image placeholders: the index's ``cost.tokens``. Raises BadSampleError
+        or SampleValidationError (ValueErrors) for a sample to exclude."""
+        validate_metadata(meta)
+        n = meta["num_images"]
+        return len(self._encode(int(meta["id"]), meta["conversation"], n, [0] * n, max_length=None).tokens)
+
+    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> tuple[int, int]:
         """(tokens, images) of the encoded, possibly truncated sample from its
-        JSON member alone. Raises BadSampleError for a sample to exclude."""
-        enc = self._encode(int(meta["id"]), meta["conversation"], int(meta["num_images"]))
+        JSON member alone (``views``: tower inputs per image, anyres). Raises
+        BadSampleError for a sample to exclude."""
+        enc = self._encode(int(meta["id"]), meta["conversation"], int(meta["num_images"]), views)
         return len(enc.tokens), enc.num_images
 
-    def encode(self, sample: Sample) -> EncodedSample:
+    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None) -> EncodedSample:
         """Raises BadSampleError (see module docstring)."""
-        enc = self._encode(sample.id, sample.conversation, sample.num_images)
+        enc = self._encode(sample.id, sample.conversation, sample.num_images, views_per_image)
         return EncodedSample(
             sample.id, enc.tokens, [float(m) for m in enc.loss_mask], [float(m) for m in enc.loss_mask],
             list(sample.images[: enc.num_images]),

@@ -23,7 +23,8 @@ records; each chunk becomes one shard (its kept samples, ids = input
 positions) written atomically by a worker process, with a marker file
 recording what it kept and rejected. A rerun with the same inputs skips the
 chunks whose marker exists (resumable), then indexes the shards
-(``index.json``), and writes ``rejected.jsonl`` (position, source, id,
+(``index.json``, with each sample's image sizes and, given a coster, its
+token count: :mod:`megascale_omni.data.costs`), and writes ``rejected.jsonl`` (position, source, id,
 reason per rejected record) and ``ingest_report.json`` (counts by reason).
 """
 
@@ -48,6 +49,7 @@ from PIL import Image
 
 from megascale_omni.config import ConfigError
 from megascale_omni.data.conversation import ChatEncoder, ConversationError, normalize_turns
+from megascale_omni.data.costs import Coster
 from megascale_omni.data.sample import (
     IMAGE_PLACEHOLDER,
     KIND_MULTI_IMAGE,
@@ -308,11 +310,14 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 
 # --------------------------------------------------------------- ingest
 def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: int = 1000, workers: int = 1,
-           length: Optional[LengthCheck] = None) -> IngestReport:
+           length: Optional[LengthCheck] = None, coster: Optional[Coster] = None) -> IngestReport:
     """Ingest ``inputs`` into the split directory ``out_dir`` (see the module
     docstring): parallel over ``workers`` processes, resumable, with a
-    report of every rejected record. Raises ConfigError for unusable
-    arguments (missing inputs, an output holding another ingestion)."""
+    report of every rejected record. ``coster`` (the training run's
+    encoder, e.g. :func:`chat_coster`) counts each sample's tokens into the
+    index so training plans from it without reading the samples. Raises
+    ConfigError for unusable arguments (missing inputs, an output holding
+    another ingestion)."""
     if samples_per_shard <= 0:
         raise ConfigError("--samples-per-shard", samples_per_shard, "must be > 0")
     if workers <= 0:
@@ -362,7 +367,7 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
             pool.join()
     names = [markers[n]["shard"] for n in sorted(markers) if markers[n]["shard"]]
     rejected = [r for n in sorted(markers) for r in markers[n]["rejected"]]
-    index = index_shards(out, names)
+    index = index_shards(out, names, coster)
     with open(out / REJECTED_FILE, "w", encoding="utf-8") as f:
         for r in rejected:
             f.write(json.dumps(r, sort_keys=True) + "\n")
@@ -384,6 +389,23 @@ def _reason_kind(reason: str) -> str:
     if "marker(s) for" in reason:
         return "<image> markers do not match the images"
     return reason
+
+
+def chat_coster(tokenizer: str | os.PathLike, image_token: str = IMAGE_PLACEHOLDER) -> Coster:
+    """The ``data.format=chat`` encoder of an HF tokenizer directory, as an index coster."""
+    from megascale_omni.data.llava.chat import ChatLlavaEncoder
+
+    # Token counts exclude image placeholders and are never truncated: neither
+    # tokens_per_image nor seq_length enters them.
+    return ChatLlavaEncoder.from_pretrained(tokenizer, image_token, tokens_per_image=1, seq_length=1)
+
+
+def words_coster(tokenizer: str | os.PathLike) -> Coster:
+    """The ``data.format=words`` encoder of a word-level ``tokenizer.json``, as an index coster."""
+    from megascale_omni.data.llava.batches import LlavaEncoder
+    from megascale_omni.data.tokenizer import TextTokenizer
+
+    return LlavaEncoder(TextTokenizer.from_path(tokenizer), tokens_per_image=1)
 
 
 # ----------------------------------------------- our samples -> LLaVA JSON

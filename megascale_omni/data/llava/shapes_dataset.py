@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.sample import SAMPLE_KINDS, Sample
 from megascale_omni.data.shapes import ShapesConfig, dataset_vocabulary, generate_samples
 from megascale_omni.data.shards import ShardedSampleReader, write_shards
@@ -70,11 +71,14 @@ def make_shapes_dataset(out_dir: str | os.PathLike, num_train: int = 4000, num_v
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        tokenizer = build_word_tokenizer(dataset_vocabulary(), tmp / TOKENIZER_FILENAME)
+        # Token counts in the index: a run with this tokenizer plans from index.json alone.
+        coster = LlavaEncoder(tokenizer, tokens_per_image=1)
         splits = {}
         for split, num in (("train", num_train), ("val", num_val)):
             counts: Counter = Counter()
             samples = _counting(generate_samples(num, seed, config, stream=SPLIT_STREAMS[split]), counts)
-            index = write_shards(samples, tmp / split, samples_per_shard)
+            index = write_shards(samples, tmp / split, samples_per_shard, coster=coster)
             splits[split] = {
                 "dir": split,
                 "stream": SPLIT_STREAMS[split],
@@ -82,7 +86,6 @@ def make_shapes_dataset(out_dir: str | os.PathLike, num_train: int = 4000, num_v
                 "num_shards": len(index.shards),
                 "kind_counts": {kind: counts[kind] for kind in SAMPLE_KINDS},
             }
-        tokenizer = build_word_tokenizer(dataset_vocabulary(), tmp / TOKENIZER_FILENAME)
         description = {
             "name": "shapes",
             "format_version": DATASET_FORMAT_VERSION,

@@ -1,0 +1,142 @@
+"""Per-sample costs carried by ``index.json`` (format 2), so a planner lays out
+packed rows from the index alone instead of opening every sample.
+
+Each index sample entry has ``"cost"``: ``null`` (unknown: a planner reads
+the sample) or ``{"tokens": int | null, "images": [[height, width], ...]}``:
+
+* ``images``: the pixel size of each ``<i>.png`` member, in order, read from
+  the PNG header at index time (no decode). A tiled (anyres) image's view
+  count follows from it.
+* ``tokens``: the sample's encoded length *without* image placeholders
+  (text, special and template tokens only), under the index's
+  ``cost_basis`` ``{"format": data.format, "tokenizer": fingerprint}``;
+  ``null`` when the index was written without a tokenizer or the sample
+  could not be encoded (it is then read, and excluded, at plan time as
+  before). The encoded length for the model is ``tokens + tokens_per_image
+  * views``, ``views`` = 1 per image (``num_views`` per image for anyres).
+
+A ``cost`` is ``null`` when an image member's header is not a readable PNG
+header (the sample is bad and is reported when read).
+
+Who computes ``tokens``: a :class:`Coster` handed to
+:func:`~megascale_omni.data.shards.index_shards` (the LLaVA encoders are
+costers); the index records its :meth:`Coster.cost_basis` so a run with
+another tokenizer or format ignores the counts instead of trusting them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Protocol
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: Bytes of a PNG needed for its size: signature, IHDR length and type, width, height.
+PNG_HEADER_BYTES = 24
+_IMAGE_MEMBER = re.compile(r"(\d+)\.png")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Coster(Protocol):
+    """What :func:`~megascale_omni.data.shards.index_shards` needs to count a sample's tokens."""
+
+    def cost_basis(self) -> dict[str, str]:
+        """``{"format": str, "tokenizer": 64 hex digits}``: what the counts are valid for."""
+
+    def text_tokens(self, meta: Mapping[str, Any]) -> int:
+        """Encoded length of the sample with JSON member ``meta``, image
+        placeholders excluded. Raises ValueError/KeyError/TypeError (or a
+        subclass such as BadSampleError) for a sample that cannot be encoded."""
+
+
+@dataclass(frozen=True)
+class SampleCost:
+    """One index entry's ``cost`` (see module docstring). ``image_hw``:
+    ``(height, width)`` pixels per image; ``tokens``: None = unknown."""
+
+    tokens: Optional[int]
+    image_hw: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "images": [list(hw) for hw in self.image_hw]}
+
+    @classmethod
+    def from_json(cls, doc: Optional[Mapping[str, Any]]) -> Optional["SampleCost"]:
+        if doc is None:
+            return None
+        return cls(doc["tokens"], tuple((int(h), int(w)) for h, w in doc["images"]))
+
+
+def fingerprint(*parts: str) -> str:
+    """sha256 hex of ``parts`` (length-prefixed, so no two part lists collide)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def png_size(head: bytes) -> Optional[tuple[int, int]]:
+    """``(height, width)`` from the first :data:`PNG_HEADER_BYTES` bytes of a
+    PNG, or None if they are not a PNG signature followed by an IHDR chunk."""
+    if len(head) < PNG_HEADER_BYTES or head[:8] != _PNG_SIGNATURE or head[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", head[16:24])
+    return (height, width) if width > 0 and height > 0 else None
+
+
+def image_members(members: Mapping[str, Any]) -> list[str]:
+    """The ``<i>.png`` member suffixes of a sample, by image number."""
+    found = sorted((int(m.group(1)), s) for s in members if (m := _IMAGE_MEMBER.fullmatch(s)))
+    return [s for _, s in found]
+
+
+def sample_cost(meta: Any, heads: list[bytes], coster: Optional[Coster]) -> Optional[SampleCost]:
+    """The cost entry of one sample from its parsed JSON member (None if
+    unreadable) and its image members' first bytes, in image order."""
+    sizes = [png_size(h) for h in heads]
+    if any(s is None for s in sizes):
+        return None
+    tokens = None
+    if coster is not None and isinstance(meta, dict) and meta.get("num_images") == len(sizes):
+        try:
+            tokens = int(coster.text_tokens(meta))
+        except (ValueError, KeyError, TypeError):
+            tokens = None  # read and excluded at plan time, with its reason
+    return SampleCost(tokens, tuple(sizes))
+
+
+def validate_cost_fields(doc: Mapping[str, Any], bad) -> None:
+    """Check a format-2 index's ``cost_basis`` and every sample's ``cost``
+    (see module docstring); ``bad(problem)`` builds the error to raise."""
+    basis = doc.get("cost_basis", "absent")
+    if basis == "absent":
+        raise bad("field 'cost_basis' missing")
+    if basis is not None and not (
+        isinstance(basis, dict) and set(basis) == {"format", "tokenizer"} and isinstance(basis["format"], str)
+        and isinstance(basis["tokenizer"], str) and _SHA256.fullmatch(basis["tokenizer"])
+    ):
+        raise bad(f"cost_basis {basis!r:.80} must be null or {{format: str, tokenizer: 64 lowercase hex}}")
+    for i, s in enumerate(doc["samples"]):
+        cost = s["cost"]
+        if cost is None:
+            continue
+        where = f"samples[{i}].cost"
+        if not isinstance(cost, dict) or set(cost) != {"tokens", "images"}:
+            raise bad(f"{where} must be null or an object with exactly tokens, images")
+        tokens, images = cost["tokens"], cost["images"]
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+            raise bad(f"{where}.tokens {tokens!r:.40} is not null or a non-negative int")
+        if tokens is not None and basis is None:
+            raise bad(f"{where}.tokens is set but cost_basis is null (counts for an unknown tokenizer)")
+        if not isinstance(images, list) or not all(
+            isinstance(hw, list) and len(hw) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                          for x in hw) for hw in images
+        ):
+            raise bad(f"{where}.images {images!r:.60} must be a list of [height, width] positive ints")
+        num_members = sum(1 for suffix in s["members"] if suffix.endswith(".png") and _IMAGE_MEMBER.fullmatch(suffix))
+        if len(images) != num_members:
+            raise bad(f"{where}.images lists {len(images)} sizes for {num_members} image members")

@@ -1,0 +1,157 @@
+"""The LLaVA plan's per-sample lengths and costs: from ``index.json`` alone
+when it carries costs for this run's tokenizer and format, else from each
+sample's JSON member.
+
+A sample is planned from the index when its source's ``cost_basis`` equals
+the encoder's and its ``cost.tokens`` is known: its length is ``tokens +
+tokens_per_image * views`` (:mod:`megascale_omni.data.costs`). The chat
+format truncates a conversation longer than ``model.seq_length`` by whole
+rounds, which the total alone cannot reproduce, so such a sample (and every
+sample without a known count) is read as before (:func:`plan_sample`). Both
+ways give the same lengths, so a plan does not depend on which was used.
+
+anyres: a sample's view count comes from the index's image sizes in both
+ways; a format-1 index has none, which is fatal (re-ingest or re-index).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from megascale_omni.data.balance import sample_cost
+from megascale_omni.data.errors import DataFileError
+from megascale_omni.data.llava.batches import padded_length, plan_sample
+from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
+
+logger = logging.getLogger(__name__)
+
+#: Fix offered when an index lacks what the run needs.
+REINDEX_FIX = ("re-ingest with tools/ingest_llava.py (or rebuild with tools/make_shapes_dataset.py), or "
+               "re-index the split with megascale_omni.data.shards.index_shards(<split dir>, coster=<encoder>)")
+
+
+@dataclass
+class PlanScan:
+    """Usable samples of one split (arrays aligned, one entry per usable sample)."""
+
+    #: Reader indices of the usable samples.
+    ids: np.ndarray
+    #: Padded token lengths.
+    lengths: np.ndarray
+    #: Balance costs (:func:`~megascale_omni.data.balance.sample_cost`, tower inputs as images).
+    costs: np.ndarray
+    #: Images kept per sample.
+    images: np.ndarray
+    #: Tower inputs per image kept (anyres: 1 + tiles), one tuple per sample.
+    views: list[tuple[int, ...]]
+    #: Samples excluded (bad or too long).
+    bad: int
+    #: Samples planned from the index alone (the rest read their JSON member).
+    from_index: int
+
+
+class PlanScanner:
+    """Lengths and costs of every sample of a split (every rank; a pure
+    function of the bytes on disk and the settings, so all ranks agree).
+
+    Args:
+        encoder: the run's conversation encoder (``plan_from_metadata``, ``cost_basis``).
+        tokens_per_image: placeholders per tower input (``vision.tokens_per_image``).
+        seq_length: ``model.seq_length``; longer (padded) samples are excluded.
+        multiple: samples are padded to a multiple of this many tokens.
+        num_views: image ``(height, width)`` -> tower inputs (anyres), or None: one per image.
+        truncates: the encoder cuts samples over ``seq_length`` (chat format).
+    """
+
+    def __init__(self, encoder, tokens_per_image: int, seq_length: int, multiple: int,
+                 num_views: Optional[Callable[[tuple[int, int]], int]] = None, truncates: bool = False):
+        self.encoder = encoder
+        self.tokens_per_image = tokens_per_image
+        self.seq_length = seq_length
+        self.multiple = multiple
+        self.num_views = num_views
+        self.truncates = truncates
+        self._basis = encoder.cost_basis()
+
+    def check_index(self, reader: ShardedSampleReader) -> None:
+        """Raise DataFileError (naming its ``index.json``) if ``reader``'s
+        index lacks what this run needs: image sizes under anyres."""
+        if self.num_views is not None and not reader.index.has_costs:
+            raise DataFileError(reader.root / INDEX_FILENAME, "data.image_mode=anyres needs each image's size, and "
+                                f"this index (format {reader.index.format_version}) has none", REINDEX_FIX)
+
+    def _use_index(self, reader: ShardedSampleReader) -> bool:
+        """Whether ``reader``'s token counts apply; says why not once per split."""
+        path = reader.root / INDEX_FILENAME
+        self.check_index(reader)
+        if not reader.index.has_costs:
+            logger.info("%s has no per-sample costs (format %d): planning from every sample's JSON member; %s "
+                        "to start from the index", path, reader.index.format_version, REINDEX_FIX)
+            return False
+        basis = reader.index.cost_basis
+        if basis != self._basis:
+            why = "no token counts" if basis is None else (
+                f"token counts for data.format={basis['format']} with another tokenizer"
+                if basis["format"] == self._basis["format"] else f"token counts for data.format={basis['format']}")
+            logger.info("%s has %s: planning from every sample's JSON member; %s with this run's tokenizer to "
+                        "start from the index", path, why, REINDEX_FIX)
+            return False
+        return True
+
+    def _views(self, reader: ShardedSampleReader, idx: int, image_hw) -> list[int]:
+        """anyres view counts of sample ``idx``'s images (BadSampleError if the index has no sizes for it)."""
+        if image_hw is None:
+            loc = reader.index.samples[idx]
+            raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name,
+                                 "an image member is not a PNG (no size in index.json)")
+        return [self.num_views(hw) for hw in image_hw]
+
+    def _plan_one(self, reader, i: int, use_index: dict) -> tuple[int, int, tuple[int, ...], bool]:
+        """(unpadded tokens, images kept, views of the kept images, from the index) of sample ``i``."""
+        src, j = reader.resolve(i)
+        key = id(src)
+        if key not in use_index:
+            use_index[key] = self._use_index(src)
+        cost = src.index.samples[j].cost
+        views = None  # tower inputs per image, when the index knows the images
+        if self.num_views is not None:
+            views = self._views(src, j, None if cost is None else cost.image_hw)
+        elif cost is not None:
+            views = [1] * len(cost.image_hw)
+        if use_index[key] and cost is not None and cost.tokens is not None:
+            n = cost.tokens + self.tokens_per_image * sum(views)
+            if not (self.truncates and n > self.seq_length):
+                return n, len(views), tuple(views), True
+        n, kept = plan_sample(reader, self.encoder, i, views if self.num_views is not None else None)
+        return n, kept, tuple(views[:kept]) if views is not None else (1,) * kept, False
+
+    def scan(self, reader) -> PlanScan:
+        """Plan every sample of ``reader`` (a split or a blend of splits)."""
+        ids, lengths, costs, images, views = [], [], [], [], []
+        bad = from_index = 0
+        use_index: dict[int, bool] = {}
+        for i in range(len(reader)):
+            try:
+                n, kept, sample_views, indexed = self._plan_one(reader, i, use_index)
+            except BadSampleError as err:
+                bad += 1
+                logger.warning("excluding sample %d from the plan: %s", i, err)
+                continue
+            n = padded_length(n, self.multiple)
+            if n > self.seq_length:
+                bad += 1
+                logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
+                continue
+            from_index += indexed
+            ids.append(i)
+            lengths.append(n)
+            costs.append(sample_cost(n, sum(sample_views), self.tokens_per_image))
+            images.append(kept)
+            views.append(sample_views)
+        logger.info("planned %d of %d samples of %s from index.json alone", from_index, len(reader), reader.root)
+        return PlanScan(np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images), views, bad,
+                        from_index)
