@@ -90,7 +90,7 @@ def test_pretrained_llava_under_tp2_and_pp2_matches_one_process(tmp_path_factory
     assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))
 
 
-def test_stage1_from_imported_llava_trains_the_projector_only(one_process_runs, baseline):
+def test_stage1_from_imported_llava_trains_the_projector_only(one_process_runs, baseline, imported):
     steps = STAGE1_STEPS
     records, out = one_process_runs["stage1"]
     assert records[0]["loss"] == pytest.approx(baseline[0]["loss"], rel=1e-6)  # same weights, same first batch
