@@ -26,7 +26,7 @@ $(STAMP): setup.py | $(PY)
 
 demo: install
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) pretrain_llava.py \
-		--config examples/llava/tiny_cpu.yaml logging.output_dir=runs/demo-llava
+		--config examples/llava/tiny_cpu.yaml vision.lr_mult=0.3 logging.output_dir=runs/demo-llava
 
 smoke: install
 	$(PY) -m megascale_omni.smoke --config examples/gpt/tiny.yaml logging.output_dir=runs/smoke

@@ -159,6 +159,9 @@ class VisionConfig:
     freeze: bool = False
     #: Freeze the projector.
     freeze_projector: bool = False
+    #: Factor on ``train.lr`` and ``train.min_lr`` for the ViT's parameters
+    #: (same warm-up and decay); the projector and LM keep ``train.lr``.
+    lr_mult: float = checked(1.0, gt=0)
     #: Images per packed ``model.seq_length`` row that the pipeline cost model
     #: assumes (the ViT's share of pipeline stage 0 grows with it). The
     #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.

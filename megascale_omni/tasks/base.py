@@ -86,6 +86,11 @@ class Task(ABC):
         metrics on the loss rank, None elsewhere or when there is nothing to evaluate."""
         return None
 
+    def lr_mult(self) -> dict[str, float]:
+        """Learning-rate factors by parameter-name pattern (fnmatch) for
+        :func:`~megascale_omni.training.optimizer.build_optimizer` (every rank)."""
+        return {}
+
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters for the step record."""
         return {}

@@ -203,6 +203,10 @@ class LlavaTask(Task):
     def build_model(self):
         return build_llava_chunks(self.cfg, self.dtype, self.vocab_size, self.tokenizer.image_token_id)
 
+    def lr_mult(self) -> dict[str, float]:
+        """``vision.lr_mult`` on the ViT's parameters (the projector keeps ``train.lr``)."""
+        return {"*vision_model.*": self.cfg.vision.lr_mult}
+
     # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         packs = self.plan.global_batch(step)

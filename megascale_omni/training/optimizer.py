@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, ParamKey, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
@@ -84,9 +84,14 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer, chunks: Sequence[torch.n
 
 
 def build_optimizer(
-    chunks: Sequence[DistributedDataParallel], train: TrainConfig, parallel: ParallelConfig, dtype: torch.dtype
+    chunks: Sequence[DistributedDataParallel], train: TrainConfig, parallel: ParallelConfig, dtype: torch.dtype,
+    lr_mult: Optional[dict[str, float]] = None,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """megatron Adam(W) plus warm-up + decay schedule, stepped once per optimizer step."""
+    """megatron Adam(W) plus warm-up + decay schedule, stepped once per optimizer step.
+
+    ``lr_mult`` maps a parameter-name pattern (fnmatch, e.g. ``*vision_model.*``)
+    to a factor on ``train.lr`` and ``train.min_lr`` for the matching
+    parameters; warm-up and decay keep the same shape. Factors of 1 are ignored."""
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=train.lr,
@@ -100,7 +105,9 @@ def build_optimizer(
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, list(chunks))
+    overrides = {ParamKey(name=pattern): {"max_lr": train.lr * mult, "min_lr": train.min_lr * mult}
+                 for pattern, mult in (lr_mult or {}).items() if mult != 1.0}
+    optimizer = get_megatron_optimizer(opt_config, list(chunks), config_overrides=overrides or None)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if train.lr_warmup_steps else train.lr,

@@ -88,7 +88,9 @@ def train_step(
             committed = cross_replica.should_commit()
     t1 = time.perf_counter()
     phases = PHASES.read()
-    lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
+    # The rate this step applies to train.lr's parameters (not a vision.lr_mult group).
+    lr = next((g["lr"] for g in optimizer.param_groups if g.get("default_config", True)),
+              optimizer.param_groups[0]["lr"])
     update_successful, grad_norm = False, None
     if committed:
         if progress is not None:

@@ -109,7 +109,7 @@ class Trainer:
         self._teardown.callback(self.task.close)
         chunks, provenance = self._build_model()
         optimizer, scheduler = build_optimizer(
-            chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision)
+            chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision), self.task.lr_mult()
         )
         self.state = TrainState(chunks, optimizer, scheduler, self.task, cfg, self.dims)
         self.state.provenance = provenance
