@@ -29,7 +29,9 @@ def _distopt_job(tmp_path, timeout: float) -> Job:
     return Job(tmp_path, timeout=timeout, layout=DIST_OPT, reference=REFERENCE, inner_dp=2, rel_tol=REL_TOL)
 
 
-# Default suite: one cold join + heal + drain (4 processes at most at once).
+# make test-all (~60-150 s): one cold join + heal + drain (4 processes at most at once);
+# make test keeps the whole-optimizer standby join/heal/SIGKILL scenario.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path):
     job = _distopt_job(tmp_path, timeout=900)

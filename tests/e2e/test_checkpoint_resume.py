@@ -89,6 +89,8 @@ def test_failure_save_then_resume_reproduces_losses(tmp_path, straight, name):
     _assert_same(straight(name), _losses(records))
 
 
+# make test-all (~75 s): the CP2 -> CP1 resume below keeps a resharding resume in make test.
+@pytest.mark.slow
 def test_dp2_checkpoint_resumes_under_dp1(tmp_path, straight):
     """Distributed-optimizer state saved by 2 DP ranks loads into 1; the loss
     curve continues (same global batch, so equal up to fp32 reduction order:
