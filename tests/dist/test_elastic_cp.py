@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from megascale_omni.training.ledger import read_ledger
-from tests.dist.test_elastic_membership import Job
+from tests.dist.test_elastic_membership import Job, join_heal_drain
 
 CP2 = ["parallel.pp=1", "parallel.cp=2"]
 
@@ -28,21 +28,7 @@ CP2 = ["parallel.pp=1", "parallel.cp=2"]
 @pytest.mark.timeout(1200)
 def test_cp2_groups_join_heal_drain_exactly_once_and_loss_matches_fixed_membership(tmp_path):
     job = Job(tmp_path, timeout=1200, layout=CP2, reference=(1, ["parallel.pp=1"]))
-    try:
-        job.start("r0")
-        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
-        job.join("r1", hold="r0")
-        job.wait_steps("r0", 3)
-        job.drain("r1")
-        job.wait("r0 to train alone again", lambda: job.participants("r0") == 1)
-        job.wait_steps("r0", 2)
-        last = job.finish()
-    finally:
-        job.close()
-    merged = job.check(last)
-    assert {r["participants"] for r in merged.values()} == {1, 2}
-    healed = job.records("r1")[0]
-    assert healed["healed"] and healed["step"] > 2, healed
+    join_heal_drain(job)
     assert "control: drain at step" in job.results["r1"].stdout + job.results["r1"].stderr
     # One writer per (group, inner DP rank): CP rank 1 computes the same
     # samples as CP rank 0 and writes no ledger of its own.

@@ -18,7 +18,13 @@ import re
 import pytest
 
 from tests.dist.control_helpers import omni_ctl
-from tests.dist.test_elastic_membership import CTL_TIMEOUT, Job, check_membership_scenario, membership_scenario
+from tests.dist.test_elastic_membership import (
+    CTL_TIMEOUT,
+    Job,
+    check_membership_scenario,
+    join_heal_drain,
+    membership_scenario,
+)
 
 DIST_OPT = ["parallel.pp=1", "parallel.use_distributed_optimizer=true"]
 REFERENCE = (1, ["parallel.pp=1"])
@@ -35,21 +41,7 @@ def _distopt_job(tmp_path, timeout: float) -> Job:
 @pytest.mark.timeout(900)
 def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path):
     job = _distopt_job(tmp_path, timeout=900)
-    try:
-        job.start("r0")
-        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
-        job.join("r1", hold="r0")
-        job.wait_steps("r0", 3)
-        job.drain("r1")
-        job.wait("r0 to train alone again", lambda: job.participants("r0") == 1)
-        job.wait_steps("r0", 2)
-        last = job.finish()
-    finally:
-        job.close()
-    merged = job.check(last)
-    assert {r["participants"] for r in merged.values()} == {1, 2}
-    healed = job.records("r1")[0]
-    assert healed["healed"] and healed["step"] > 2, healed
+    join_heal_drain(job)
     r1 = job.results["r1"].stderr
     assert "healed from a live peer" in r1
     # Hierarchical reduction: rank 0 sends its shard (half of its fp32

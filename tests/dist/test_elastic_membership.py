@@ -275,6 +275,29 @@ def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_memb
     assert healed["healed"] and healed["step"] > 2
 
 
+def join_heal_drain(job: Job) -> dict:
+    """The short scenario on ``job``'s layout: r0 trains; r1 starts cold,
+    heals from r0 and joins; r1 is drained; r0 trains alone again. Returns
+    :meth:`Job.check`'s merged records after asserting that both membership
+    sizes were seen and that r1's first step was a heal."""
+    try:
+        job.start("r0")
+        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
+        job.join("r1", hold="r0")
+        job.wait_steps("r0", 3)
+        job.drain("r1")
+        job.wait("r0 to train alone again", lambda: job.participants("r0") == 1)
+        job.wait_steps("r0", 2)
+        last = job.finish()
+    finally:
+        job.close()
+    merged = job.check(last)
+    assert {r["participants"] for r in merged.values()} == {1, 2}
+    healed = job.records("r1")[0]
+    assert healed["healed"] and healed["step"] > 2, healed
+    return merged
+
+
 def membership_scenario(job: Job) -> None:
     """The issue's scenario on ``job``'s layout: r0 trains; r1 joins (cold
     start) and r2 (warm standby) joins, both heal; r1 is drained with
