@@ -7,8 +7,11 @@ shard of every gradient bucket: fp32 main parameters and Adam moments for
 exactly those elements. A joining group's rank ``r`` takes the shard of the
 peer group's rank ``r``, which is the same shard only when both groups have
 the same layout (tp, pp, cp, vpp, inner dp) and the same model (same bucket
-sizes); :func:`check_peer_state` verifies both before anything is applied.
-Every function is called by every rank (no collectives).
+sizes). Beyond the optimizer, every replica group must train the same model
+on the same sample plan (:func:`replica_config`). :func:`check_peer_state`
+verifies all three before anything is applied, so a joiner started with
+another config is refused with one line. Every function is called by every
+rank (no collectives).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from megatron.core.optimizer import DistributedOptimizer
 
 from megascale_omni.checkpoint.state import restore_adam_step
-from megascale_omni.config import ConfigError
+from megascale_omni.config import ConfigError, JobConfig, to_dict
 
 
 def _optimizers(optimizer: Any) -> list:
@@ -69,15 +72,45 @@ def load_peer_optimizer_state(optimizer: Any, states: list[dict]) -> None:
     restore_adam_step(optimizer)
 
 
+#: data.* fields replica groups may set differently: how fast the data is
+#: read, and the one a scheduler may change at run time; not what it is.
+_PER_GROUP_DATA_FIELDS = ("num_workers", "prefetch_steps", "max_bad_sample_fraction")
+
+
+def replica_config(cfg: JobConfig) -> dict[str, Any]:
+    """The config fields every replica group of an elastic job must share,
+    as ``{"section.field": value}``: the model (``model.*``, ``vision.*``,
+    ``dit.*``), the data and what decides each step's samples (``data.*``
+    but :data:`_PER_GROUP_DATA_FIELDS`; ``train.seed``,
+    ``train.global_batch_size``, ``train.micro_batch_size``) and
+    ``train.precision``."""
+    plain = to_dict(cfg)
+    fields = {f"{section}.{k}": v for section in ("model", "vision", "dit") for k, v in plain[section].items()}
+    fields.update((f"data.{k}", v) for k, v in plain["data"].items() if k not in _PER_GROUP_DATA_FIELDS)
+    fields.update((f"train.{k}", plain["train"][k])
+                  for k in ("seed", "global_batch_size", "micro_batch_size", "precision"))
+    return fields
+
+
 def check_peer_state(own: dict, peer: dict) -> None:
-    """Raise ConfigError (one line) unless ``peer``'s ``"layout"`` and
-    ``"optimizer_layout"`` equal ``own``'s (:meth:`TrainState.peer_facts`)."""
+    """Raise ConfigError (one line) unless ``peer``'s ``"layout"``,
+    ``"config"`` (:func:`replica_config`) and ``"optimizer_layout"`` equal
+    ``own``'s (:meth:`TrainState.peer_facts`)."""
     if peer.get("layout") != own["layout"]:
         raise ConfigError(
             "parallel", _layout_text(own["layout"]),
             f"differs from the running job's replica groups ({_layout_text(peer.get('layout'))}); "
             "start this group with the same parallel.* settings and processes per group",
         )
+    theirs = peer.get("config", {})
+    for name, value in own["config"].items():
+        if name not in theirs or theirs[name] != value:
+            running = f"{theirs[name]!r}" if name in theirs else "not set"
+            raise ConfigError(
+                name, value,
+                f"differs from the running job's ({running}): every replica group trains the same model on "
+                f"the same data; start this group with the running job's {name}",
+            )
     if peer.get("optimizer_layout") != own["optimizer_layout"]:
         raise ConfigError(
             "model", "gradient buckets " + str(own["optimizer_layout"]),

@@ -32,6 +32,7 @@ from megascale_omni.checkpoint.peer import (
     load_peer_optimizer_state,
     optimizer_layout,
     peer_optimizer_state,
+    replica_config,
 )
 from megascale_omni.checkpoint.state import (
     DIST_OPT_METADATA,
@@ -150,10 +151,11 @@ class TrainState:
     # -------------------------------------------------- peer (in memory)
     def peer_facts(self) -> dict[str, Any]:
         """What a joining rank checks before taking this rank's state: the
-        layout (with whether the optimizer is distributed) and the gradient
-        buckets of a distributed optimizer (:func:`check_peer_state`)."""
+        layout (with whether the optimizer is distributed), the shared config
+        fields (:func:`replica_config`) and the gradient buckets of a
+        distributed optimizer (:func:`check_peer_state`)."""
         layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
-        return {"layout": layout, "optimizer_layout": optimizer_layout(self.optimizer)}
+        return {"layout": layout, "config": replica_config(self.cfg), "optimizer_layout": optimizer_layout(self.optimizer)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain tensors, for the same rank of a joining

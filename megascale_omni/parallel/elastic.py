@@ -28,6 +28,10 @@ megatron's ``num_distributed_optimizer_instances`` with a
 count and the gradient scaling when DDP is built and needs the distributed
 optimizer, so it cannot follow a changing participant count.
 
+A replica group alone in its quorum (the steady state of a job that can
+grow) skips the cross-replica sums, whose result would be its own
+tensors: every rank of the group sees the same quorum, so all skip together.
+
 Every method is called by every rank of the replica group, in the same order
 on every replica (the cross-replica collectives must line up).
 """
@@ -102,6 +106,16 @@ def process_group_for(device: torch.device, timeout: timedelta):
     return torchft.ProcessGroupGloo(timeout=timeout)
 
 
+class _Done:
+    """A finished collective (the sum over a quorum of one replica group)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 @dataclass(frozen=True)
 class Participation:
     """This replica's place in the current step's quorum.
@@ -173,6 +187,14 @@ class ElasticReplica:
         #: Payload bytes this rank handed to cross-replica all-reduces since
         #: the last begin_step (gradients, token count, loss report).
         self.bytes_sent = 0
+        #: Counters (float64 vector, same on every rank of the group) this
+        #: replica adds to the job's totals in the current attempt, e.g. bad
+        #: samples; summed over the participants with the token count in
+        #: :meth:`reduce_grads_across_replicas`, which leaves the job-wide
+        #: sums here. None: no counters.
+        self.step_counts: Optional[torch.Tensor] = None
+        # Alone in the last quorum: cross-replica sums are skipped.
+        self._alone = False
 
     # ---------------------------------------------------------------- steps
     def begin_step(self) -> Participation:
@@ -185,6 +207,7 @@ class ElasticReplica:
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         size = self.manager.num_participants()
+        self._alone = self._quorum_size() == 1
         self.quorum_wait_s = time.perf_counter() - t0
         self._participation = Participation(
             rank=rank if self.manager.is_participating() else None,
@@ -219,9 +242,9 @@ class ElasticReplica:
     def reduce_grads_across_replicas(self, model: Sequence[Any], num_tokens: Optional[torch.Tensor],
                                      pg_collection: Any = None) -> None:
         """The cross-replica half of :meth:`finalize_model_grads`: sum the
-        token count and :func:`cross_replica_grads` over the participants,
-        then scale by ``1 / global tokens`` (every rank, after the
-        inner-replica sync)."""
+        token count, :attr:`step_counts` and :func:`cross_replica_grads`
+        over the participants, then scale by ``1 / global tokens`` (every
+        rank, after the inner-replica sync)."""
         assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
         if pg_collection is not None:
             pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
@@ -232,12 +255,17 @@ class ElasticReplica:
         # the other stages, then sum over the inner DP ranks.
         dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
         dist.all_reduce(num_tokens, group=dp_cp_group)
-        tokens = num_tokens.to(self.device, torch.float64).reshape(1)
-        works = [self._allreduce_sum(tokens)]
+        # One all-reduce carries the token count and the job's step counters.
+        sums = num_tokens.to(self.device, torch.float64).reshape(1)
+        if self.step_counts is not None:
+            sums = torch.cat([sums, self.step_counts.to(self.device, torch.float64)])
+        works = [self._allreduce_sum(sums)]
         works.extend(self._allreduce_sum(grad) for grad in cross_replica_grads(model))
         for work in works:
             work.wait()
-        total = float(tokens.item())
+        if self.step_counts is not None:
+            self.step_counts = sums[1:].cpu()
+        total = float(sums[0].item())
         if total > 0:
             for chunk in model:
                 chunk.scale_gradients(1.0 / total)
@@ -254,9 +282,20 @@ class ElasticReplica:
         return tensor
 
     def _allreduce_sum(self, tensor: torch.Tensor):
-        """Start a cross-replica sum of ``tensor`` in place; count its bytes."""
+        """Start a cross-replica sum of ``tensor`` in place; count its bytes.
+        Alone in the quorum the sum is ``tensor`` itself: nothing is sent."""
+        if self._alone:
+            return _DONE
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+
+    def _quorum_size(self) -> int:
+        """Replica groups in the current quorum, healing ones included (the
+        cross-replica process group's size; 0 when it is not configured)."""
+        try:
+            return self.pg.size()
+        except (AssertionError, RuntimeError):  # configuring the quorum's group failed
+            return 0
 
     @property
     def participation(self) -> Optional[Participation]:

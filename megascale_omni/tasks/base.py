@@ -41,6 +41,9 @@ class Task(ABC):
 
     #: Tokens per sequence as seen by the pipeline (the p2p tensor length).
     seq_length: int
+    #: Job-wide bad-sample totals; families that read samples set one (and
+    #: update it in :meth:`microbatches`), elastic jobs sum it across replicas.
+    bad_samples: Optional["BadSampleAccount"] = None
 
     def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
         self.cfg = cfg
@@ -154,21 +157,37 @@ class BadSampleAccount:
     """Job-wide bad-sample totals of one task, checkpointed with it.
 
     ``excluded`` counts samples dropped while the plan was built (the same on
-    every rank: a pure function of the data); ``skipped`` what the readers
-    skipped since, reduced over the job by :meth:`update`, which stops the
-    run past ``data.max_bad_sample_fraction``. Both are reported together as
-    ``skipped_samples`` (:meth:`stats`).
+    every rank: a pure function of the data); ``skipped`` and ``seen`` count
+    what the readers skipped and read in committed steps, over the whole job.
+    Both are reported together as ``skipped_samples`` (:meth:`stats`).
+
+    Per step, :meth:`update` reduces what this rank's readers counted since
+    the last call over the replica group into :attr:`attempt` (this replica's
+    share of the step). A fixed replica group commits it at once. In an
+    elastic job (:attr:`job_wide`) the shares of every participant are summed
+    across replica groups with the step's gradients and committed only when
+    the quorum commits the step (:meth:`commit`); an attempt that does not
+    commit is dropped (:meth:`abandon`) and counted again when retried.
+    The run stops past ``data.max_bad_sample_fraction`` (read at every check,
+    so ``omni-ctl config set`` applies at once).
     """
 
     def __init__(self, cfg: JobConfig, dims: ParallelDims):
-        self.limit = cfg.data.max_bad_sample_fraction
+        self.data_cfg = cfg.data
         self.dims = dims
         self.counter = SkipCounter()
         self.skipped = 0
         self.seen = 0
         self.excluded = 0
-        # Job-wide totals before a resume (from the checkpoint).
-        self._resumed = (0, 0)
+        #: ``[skipped, seen]`` of this replica in the step being attempted (float64, same on its ranks).
+        self.attempt = torch.zeros(2, dtype=torch.float64)
+        #: Set by elastic jobs: commit only job-wide sums, at the quorum's commit.
+        self.job_wide = False
+        self._reduced = (0, 0)
+
+    @property
+    def limit(self) -> float:
+        return self.data_cfg.max_bad_sample_fraction
 
     def exclude(self, bad: int, scanned: int, where: str) -> None:
         """Samples dropped while scanning ``where`` (every rank, same counts)."""
@@ -176,15 +195,31 @@ class BadSampleAccount:
         check_bad_fraction(bad, scanned, self.limit, f"scanning {where}")
 
     def update(self) -> None:
-        """Reduce this rank's skip counts over the job and check the limit
-        (every rank; a collective)."""
-        counts = torch.tensor([self.counter.skipped, self.counter.seen + self.counter.skipped], dtype=torch.float64)
-        dist.all_reduce(counts)
+        """Reduce this rank's new skip counts over the replica group into
+        :attr:`attempt`; commit them unless :attr:`job_wide` (every rank of
+        the replica group; a collective)."""
+        now = (self.counter.skipped, self.counter.seen + self.counter.skipped)
+        delta = torch.tensor([now[0] - self._reduced[0], now[1] - self._reduced[1]], dtype=torch.float64)
+        self._reduced = now
+        dist.all_reduce(delta)
         # Every TP/PP/CP rank of a replica counts the same samples (read there, or
         # counted by the rank that read and broadcast them).
-        per_sample = self.dims.tp * self.dims.pp * self.dims.cp
-        self.skipped = int(counts[0]) // per_sample + self._resumed[0]
-        self.seen = int(counts[1]) // per_sample + self._resumed[1]
+        self.attempt += torch.div(delta, self.dims.tp * self.dims.pp * self.dims.cp, rounding_mode="floor")
+        if not self.job_wide:
+            self.commit(self.attempt)
+
+    def abandon(self) -> None:
+        """Drop the counts of an attempt that was not committed (every rank)."""
+        self.attempt.zero_()
+
+    def commit(self, counts: torch.Tensor) -> None:
+        """Add ``counts`` (``[skipped, seen]``: this replica's :attr:`attempt`,
+        or every participant's summed) to the totals and check the limit
+        (every rank, same values on every rank of the job)."""
+        skipped, seen = (int(c) for c in counts.tolist())
+        self.skipped += skipped
+        self.seen += seen
+        self.attempt.zero_()
         check_bad_fraction(self.skipped, self.seen, self.limit, "training")
 
     def stats(self) -> dict[str, int]:
@@ -198,8 +233,8 @@ class BadSampleAccount:
         return {"skipped_samples": self.skipped, "seen_samples": self.seen}
 
     def load_state_dict(self, state: dict) -> None:
-        self._resumed = (int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0)))
-        self.skipped, self.seen = self._resumed
+        """Job-wide totals of a checkpoint or of a live peer replica."""
+        self.skipped, self.seen = int(state.get("skipped_samples", 0)), int(state.get("seen_samples", 0))
 
 
 def resolve_dataset_root(cfg: JobConfig, build_default: Callable[[JobConfig], Path], how_to_make: str) -> Path:

@@ -168,6 +168,12 @@ class DitTask(Task):
     def images_of(self, step: int) -> int:
         return sum(len(p.sample_ids) for p in self.plan.global_batch(step))
 
+    def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
+        """Dataset indices of the images in DP rank ``dp_rank``'s packages of step ``step``."""
+        packages = self.plan.global_batch(step)
+        part = split_packages(packages, dp_size)[dp_rank]
+        return [int(self.train_ids[sid]) for i in part for sid in packages[i].sample_ids]
+
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         packages = self.plan.global_batch(step)
         parts = split_packages(packages, dp_size)

@@ -240,13 +240,12 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             name="dit",
             task="megascale_omni.tasks.dit:DitTask",
-            features=frozenset({"explicit_partition", "context_parallel"}),
+            features=frozenset({"explicit_partition", "context_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,
             notes=(
                 ("vpp", "the DiT stage is one chunk per pp rank"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
-                ("elastic", "the sample ledger and job-wide skip counters are not wired for DiT yet"),
                 ("data_workers", "its batcher is not wired to the worker loader yet"),
             ),
         ),

@@ -110,6 +110,11 @@ class ElasticMembership:
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
         self.retries = 0
+        # Bad-sample counts are summed over the participants and committed
+        # with the step, so every replica holds the job's totals.
+        self.account = state.task.bad_samples
+        if self.account is not None:
+            self.account.job_wide = True
         if not cfg.standby:
             self._start()
 
@@ -166,6 +171,8 @@ class ElasticMembership:
     def begin_step(self) -> StepShare:
         """Join the quorum; return this rank's share of the step (every rank)."""
         t0 = time.perf_counter()
+        if self.account is not None:
+            self.account.abandon()
         part = self.replica.begin_step()
         step = self.replica.current_step()
         waited = time.perf_counter() - t0
@@ -188,10 +195,20 @@ class ElasticMembership:
         if self.ledger is not None:
             p = share.participation
             self.ledger.attempt(share.step, p.quorum_id, p.rank, p.size, share.dp_rank, share.dp_size, samples)
+        if self.account is not None:
+            # This replica's counts of the attempt (zero while healing).
+            self.replica.step_counts = self.account.attempt.clone()
         return mbs
 
     def end_step(self, share: StepShare, committed: bool) -> None:
+        """Record the attempt's outcome; on commit add the job-wide step
+        counts to the task's totals (every rank)."""
         self.last_committed = committed
+        if self.account is not None:
+            if committed:
+                self.account.commit(self.replica.step_counts)
+            else:
+                self.account.abandon()
         self.retries += 0 if committed else 1
         if self.ledger is not None:
             self.ledger.commit(share.step, share.participation.quorum_id, committed)

@@ -51,7 +51,9 @@ def test_one_writer_then_resume_after_every_group_died(tmp_path):
         assert INTERVAL <= newest.step <= killed_at and newest.step % INTERVAL == 0
         assert _saved_steps(job.run / "r0") and not _saved_steps(job.run / "r1")
 
-        # Phase 2: every group is gone; a new job of one group resumes.
+        # Phase 2: every group is gone; a new job of one group resumes. The
+        # fixed-membership reference starts now (it need not compete with phase 1).
+        job.start_reference()
         lighthouse2, addr2 = start_lighthouse(timeout=1200)
         run2 = tmp_path / "run2"
         resumed = start_replica("r1", addr2, run2, job.args, timeout=1200)

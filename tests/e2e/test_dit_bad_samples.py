@@ -43,7 +43,7 @@ def _pixel_dataset(root: Path) -> dict[str, list[int]]:
     return planted
 
 
-def _corrupt_member(split: Path, suffix: str, sample_id: int) -> None:
+def corrupt_member(split: Path, suffix: str, sample_id: int) -> None:
     """Overwrite one member in place (then re-index to make it a sample written corrupt)."""
     doc = json.loads((split / "index.json").read_text())
     s = next(s for s in doc["samples"] if s["id"] == sample_id)
@@ -55,7 +55,7 @@ def _corrupt_member(split: Path, suffix: str, sample_id: int) -> None:
 
 def test_small_images_missing_captions_and_corrupt_images_are_skipped_and_counted(tmp_path):
     planted = _pixel_dataset(tmp_path / "d")
-    _corrupt_member(tmp_path / "d" / "train", "png", 3)
+    corrupt_member(tmp_path / "d" / "train", "png", 3)
     index_shards(tmp_path / "d" / "train")
     # 121 usable samples ~ 15 packages ~ 7 steps per epoch: 8 steps read every one.
     res = _train(tmp_path / "d", tmp_path / "run", 8, "data.max_bad_sample_fraction=0.05")
@@ -89,8 +89,8 @@ LATENT = ["dit.in_channels=4", "dit.text_encoder=precomputed", "dit.text_dim=16"
 def test_corrupt_latent_samples_are_counted_and_a_changed_shard_stops_the_run(tmp_path):
     split = tmp_path / "d" / "train"
     _latent_dataset(tmp_path / "d")
-    _corrupt_member(split, "latent.npy", 4)
-    _corrupt_member(split, "json", 40)
+    corrupt_member(split, "latent.npy", 4)
+    corrupt_member(split, "json", 40)
     index_shards(split)  # written corrupt: the checksums match, the two samples are bad
     res = _train(tmp_path / "d", tmp_path / "run", 6, *LATENT, "data.max_bad_sample_fraction=0.5")
     assert res.returncode == 0, res.stderr[-4000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale_omni.checkpoint.peer import check_peer_state
+from megascale_omni.checkpoint.peer import check_peer_state, replica_config
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
 from megascale_omni.training.ledger import SampleLedger, consumed_samples, read_ledger
@@ -111,6 +111,7 @@ def test_ledger_rejects_one_step_committed_twice(tmp_path):
 
 LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": 1, "world_size": 2, "distributed_optimizer": True}
 BUCKETS = [{0: {"float32": [2048, 512]}}]
+CONFIG = replica_config(JobConfig())
 
 
 @pytest.mark.parametrize(
@@ -120,15 +121,32 @@ BUCKETS = [{0: {"float32": [2048, 512]}}]
          "differs from the running job's replica groups (tp=1 pp=2 cp=1 dp=1"),
         ({"layout": {**LAYOUT, "distributed_optimizer": False}, "optimizer_layout": [None]}, "parallel",
          "distributed_optimizer=False"),
-        ({"layout": LAYOUT, "optimizer_layout": [{0: {"float32": [4096, 512]}}]}, "model",
+        ({"layout": LAYOUT, "config": CONFIG, "optimizer_layout": [{0: {"float32": [4096, 512]}}]}, "model",
          "start this group with the running job's model.* config"),
         ({}, "parallel", "(unknown layout)"),
+        ({"layout": LAYOUT, "config": {**CONFIG, "model.num_layers": 6}, "optimizer_layout": BUCKETS},
+         "model.num_layers", "differs from the running job's (6)"),
+        ({"layout": LAYOUT, "config": {**CONFIG, "dit.ema_decay": 0.5}, "optimizer_layout": BUCKETS},
+         "dit.ema_decay", "start this group with the running job's dit.ema_decay"),
+        ({"layout": LAYOUT, "config": {**CONFIG, "data.path": "/elsewhere"}, "optimizer_layout": BUCKETS},
+         "data.path", "differs from the running job's ('/elsewhere')"),
+        ({"layout": LAYOUT, "config": {**CONFIG, "train.seed": 7}, "optimizer_layout": BUCKETS},
+         "train.seed", "the same model on the same data"),
+        ({"layout": LAYOUT, "optimizer_layout": BUCKETS}, "model.family", "(not set)"),
     ],
 )
-def test_peer_state_of_another_layout_or_model_is_refused_in_one_line(peer, field, fragment):
-    own = {"layout": LAYOUT, "optimizer_layout": BUCKETS}
+def test_peer_state_of_another_layout_model_or_data_is_refused_in_one_line(peer, field, fragment):
+    own = {"layout": LAYOUT, "config": CONFIG, "optimizer_layout": BUCKETS}
     check_peer_state(own, own)
     with pytest.raises(ConfigError) as err:
         check_peer_state(own, peer)
     assert err.value.field == field
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_replica_groups_may_differ_in_how_they_read_data_and_where_they_log():
+    base = JobConfig()
+    other = from_dict(JobConfig, {"data": {"num_workers": 2, "prefetch_steps": 4, "max_bad_sample_fraction": 0.5},
+                                  "logging": {"output_dir": "runs/elsewhere"}, "train": {"lr": 0.5, "steps": 7},
+                                  "elastic": {**ELASTIC, "replica_id": "r9"}})
+    assert replica_config(other) == replica_config(base)

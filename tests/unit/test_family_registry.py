@@ -40,8 +40,6 @@ def test_a_config_of_another_family_is_refused_by_the_entry_point():
 
 # (family, overrides, world size, fragments of the one-line error)
 UNSUPPORTED = [
-    ("dit", ["elastic.enabled=true", "elastic.replica_id=r0", "elastic.lighthouse=http://localhost:1"], 1,
-     ["elastic.enabled=True", "model.family=dit does not support elastic", "set elastic.enabled: false"]),
     ("dit", ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2,
      ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
     ("llava", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
