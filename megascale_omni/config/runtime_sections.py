@@ -198,6 +198,10 @@ class ElasticConfig:
     #: Start as a warm standby: build everything, serve the control socket, but
     #: stay out of the quorum until ``omni-ctl join`` (or exit 0 on ``drain``).
     standby: bool = False
+    #: After a committed step, compute the next one's share assuming the same
+    #: participation while the quorum is requested (its lighthouse round trip
+    #: overlaps forward/backward); a step whose quorum differs is recomputed.
+    overlap_quorum: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "elastic")

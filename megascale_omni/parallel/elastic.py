@@ -116,6 +116,18 @@ class _Done:
 _DONE = _Done()
 
 
+class MembershipChanged(Exception):
+    """The quorum of a step that :meth:`ElasticReplica.begin_step` assumed
+    unchanged gives this replica another participation (every rank of the
+    group raises it, before any cross-replica collective): the step's
+    micro-batches must be recomputed for ``participation``."""
+
+    def __init__(self, participation: "Participation", expected: "Participation"):
+        super().__init__(f"quorum {participation.quorum_id}: participant {participation.rank} of "
+                         f"{participation.size}, not {expected.rank} of {expected.size}")
+        self.participation = participation
+
+
 @dataclass(frozen=True)
 class Participation:
     """This replica's place in the current step's quorum.
@@ -182,7 +194,7 @@ class ElasticReplica:
             init_sync=False,
         )
         self._participation: Optional[Participation] = None
-        #: Seconds the last begin_step waited for the quorum (and a heal).
+        #: Seconds this step waited for its quorum (and a heal), in begin_step or confirm.
         self.quorum_wait_s = 0.0
         #: Payload bytes this rank handed to cross-replica all-reduces since
         #: the last begin_step (gradients, token count, loss report).
@@ -195,20 +207,53 @@ class ElasticReplica:
         self.step_counts: Optional[torch.Tensor] = None
         # Alone in the last quorum: cross-replica sums are skipped.
         self._alone = False
+        # The participation begin_step assumed, until confirm() checks it.
+        self._expected: Optional[Participation] = None
 
     # ---------------------------------------------------------------- steps
-    def begin_step(self) -> Participation:
-        """Join the next quorum and wait for it (every rank). A joining
-        replica also fetches its peer's state here (applied at commit) and
-        checks it before any cross-replica collective: a joiner of another
-        layout or model raises here, so it never sends mismatched gradients."""
-        t0 = time.perf_counter()
+    def begin_step(self, expect: Optional[Participation] = None) -> Participation:
+        """Request the next quorum (every rank); returns this replica's
+        participation in it.
+
+        Without ``expect`` it waits for the quorum. A joining replica also
+        fetches its peer's state then (applied at commit) and checks it
+        before any cross-replica collective: a joiner of another layout or
+        model raises here, so it never sends mismatched gradients.
+
+        With ``expect`` (this replica's participation in its last committed
+        step) it returns ``expect`` at once: the lighthouse round trip then
+        overlaps the step's forward and backward, and the quorum is awaited
+        by :meth:`confirm` at the first cross-replica collective, which
+        raises :class:`MembershipChanged` if the quorum gives this replica
+        another rank or participant count (its micro-batches were then the
+        wrong share)."""
         self.bytes_sent = 0
+        self.quorum_wait_s = 0.0
         self.manager.start_quorum()
+        if expect is not None:
+            self._expected = expect
+            return expect
+        self._expected = None
+        return self._await_quorum()
+
+    def confirm(self) -> Participation:
+        """The current quorum's participation, awaited if :meth:`begin_step`
+        assumed it (every rank, before any cross-replica collective).
+        Raises :class:`MembershipChanged` when it is not the assumed one."""
+        expected, self._expected = self._expected, None
+        if expected is None:
+            return self._participation
+        actual = self._await_quorum()
+        if (actual.rank, actual.size) != (expected.rank, expected.size):
+            raise MembershipChanged(actual, expected)
+        return actual
+
+    def _await_quorum(self) -> Participation:
+        t0 = time.perf_counter()
         rank = self.manager.participating_rank()
         size = self.manager.num_participants()
         self._alone = self._quorum_size() == 1
-        self.quorum_wait_s = time.perf_counter() - t0
+        self.quorum_wait_s += time.perf_counter() - t0
         self._participation = Participation(
             rank=rank if self.manager.is_participating() else None,
             size=size,
@@ -246,6 +291,7 @@ class ElasticReplica:
         over the participants, then scale by ``1 / global tokens`` (every
         rank, after the inner-replica sync)."""
         assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
+        self.confirm()
         if pg_collection is not None:
             pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
         else:
@@ -273,6 +319,7 @@ class ElasticReplica:
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the participants in place (same group rank of
         every replica; e.g. last-stage loss reports). Returns it."""
+        self.confirm()
         if tensor.device == self.device:
             self._allreduce_sum(tensor).wait()
         else:  # host-side reports, with NCCL across replicas
@@ -309,6 +356,7 @@ class ElasticReplica:
     def should_commit(self) -> bool:
         """Whether every participant finished the step (every rank). A
         joining replica applies its peer's state here, before the update."""
+        self.confirm()
         return bool(self.manager.should_commit())
 
     def current_step(self) -> int:

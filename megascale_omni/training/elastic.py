@@ -31,7 +31,7 @@ from megatron.core.distributed import finalize_model_grads
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import ElasticConfig
 from megascale_omni.metrics.breakdown import PHASES
-from megascale_omni.parallel.elastic import ElasticReplica, Participation, import_torchft
+from megascale_omni.parallel.elastic import ElasticReplica, MembershipChanged, Participation, import_torchft
 from megascale_omni.training.ledger import SampleLedger
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class ElasticMembership:
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
         self.retries = 0
+        #: The share and sample ids of the attempt in flight (for the ledger).
+        self._attempt: tuple[Optional[StepShare], list[int]] = (None, [])
         # Bad-sample counts are summed over the participants and committed
         # with the step, so every replica holds the job's totals.
         self.account = state.task.bad_samples
@@ -169,13 +171,32 @@ class ElasticMembership:
 
     # ------------------------------------------------------------- per step
     def begin_step(self) -> StepShare:
-        """Join the quorum; return this rank's share of the step (every rank)."""
+        """Request the quorum; return this rank's share of the step (every rank).
+
+        With ``elastic.overlap_quorum``, after a committed step in which this
+        replica participated, the share is computed for the same
+        participation without waiting: the quorum is confirmed at the step's
+        first cross-replica collective, and the Trainer recomputes the step
+        with :meth:`reshare` if membership changed."""
         t0 = time.perf_counter()
         if self.account is not None:
             self.account.abandon()
-        part = self.replica.begin_step()
+        last = self.replica.participation
+        expect = last if self.cfg.overlap_quorum and self.last_committed and last and last.participating else None
+        part = self.replica.begin_step(expect)
+        return self._share(part, time.perf_counter() - t0)
+
+    def reshare(self, changed: MembershipChanged) -> StepShare:
+        """This rank's share of the step for the quorum it actually got
+        (every rank, after :class:`MembershipChanged`); the counts of the
+        discarded micro-batches are dropped."""
+        if self.account is not None:
+            self.account.abandon()
+        logger.info("elastic: membership changed during step %d (%s); recomputing it", self.state.step + 1, changed)
+        return self._share(changed.participation, 0.0)
+
+    def _share(self, part: Participation, waited: float) -> StepShare:
         step = self.replica.current_step()
-        waited = time.perf_counter() - t0
         dp_size = part.size * self.inner_dp
         if not part.participating:
             logger.info("elastic: healing from a live peer at step %d (quorum %d)", step, part.quorum_id)
@@ -185,25 +206,26 @@ class ElasticMembership:
         return StepShare(step, part.rank * self.inner_dp + self.dp_rank, dp_size, part, waited)
 
     def microbatches(self, share: StepShare) -> list[dict]:
-        """This rank's micro-batches (empty while healing); logs the attempt to the ledger."""
+        """This rank's micro-batches (empty while healing); notes their
+        samples for the ledger, written with the attempt's outcome."""
         if share.dp_rank is None:
             samples, mbs = [], []
         else:
             task = self.state.task
             mbs = task.microbatches(share.step, share.dp_rank, share.dp_size)
             samples = task.sample_ids(share.step, share.dp_rank, share.dp_size) if self.ledger else []
-        if self.ledger is not None:
-            p = share.participation
-            self.ledger.attempt(share.step, p.quorum_id, p.rank, p.size, share.dp_rank, share.dp_size, samples)
+        self._attempt = (share, samples)
         if self.account is not None:
             # This replica's counts of the attempt (zero while healing).
             self.replica.step_counts = self.account.attempt.clone()
         return mbs
 
     def end_step(self, share: StepShare, committed: bool) -> None:
-        """Record the attempt's outcome; on commit add the job-wide step
-        counts to the task's totals (every rank)."""
+        """Record the attempt's outcome in the ledger (its samples, the
+        quorum it ran in); on commit add the job-wide step counts to the
+        task's totals (every rank)."""
         self.last_committed = committed
+        p = self.replica.participation  # confirmed by the step's collectives
         if self.account is not None:
             if committed:
                 self.account.commit(self.replica.step_counts)
@@ -211,19 +233,21 @@ class ElasticMembership:
                 self.account.abandon()
         self.retries += 0 if committed else 1
         if self.ledger is not None:
-            self.ledger.commit(share.step, share.participation.quorum_id, committed)
+            ran, samples = self._attempt
+            self.ledger.attempt(ran.step, p.quorum_id, p.rank, p.size, ran.dp_rank, ran.dp_size, samples)
+            self.ledger.commit(ran.step, p.quorum_id, committed)
         if not committed:
             logger.warning(
                 "elastic: step %d not committed (quorum %d, %d participants); retrying it with the same samples",
-                share.step + 1, share.participation.quorum_id, share.participation.size,
+                share.step + 1, p.quorum_id, p.size,
             )
 
     def annotate(self, record: dict, share: StepShare) -> None:
         """Replica fields of the step record: participants, quorum wait,
         healed, and the payload bytes this rank sent to cross-replica
         all-reduces in the step (gradients, token count, loss report)."""
-        record.update(participants=share.participation.size, quorum_s=share.quorum_s,
-                      healed=not share.participation.participating,
+        p = self.replica.participation
+        record.update(participants=p.size, quorum_s=self.replica.quorum_wait_s, healed=not p.participating,
                       cross_replica_bytes=self.replica.bytes_sent)
 
     def is_writer(self) -> bool:

@@ -40,12 +40,13 @@ from megascale_omni.parallel import (
     initialize_parallel,
     is_loss_rank,
 )
+from megascale_omni.parallel.elastic import MembershipChanged
 from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_partition
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.elastic import build_membership
 from megascale_omni.training.optimizer import build_optimizer, optimizer_state_bytes, overlaps_grad_reduce, wrap_ddp
-from megascale_omni.training.step import StepProgress, train_step
+from megascale_omni.training.step import StepProgress, StepStats, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +249,10 @@ class Trainer:
             self.checkpointer.save_after_failure(self.state, exc, progress.optimizer_started)
             raise
 
+    def _train_step(self, mbs: list[dict], progress: StepProgress) -> StepStats:
+        return train_step(self.state.chunks, self.state.optimizer, self.state.scheduler, self.task.forward_step, mbs,
+                          *self.task.pipeline_shape(), progress, cross_replica=self.membership.cross_replica)
+
     def _step(self, progress: StepProgress) -> Optional[dict]:
         """Quorum (elastic), this rank's micro-batches, the step, the record (every rank)."""
         t0 = time.perf_counter()
@@ -258,16 +263,14 @@ class Trainer:
         # What ran since the previous step (its record, the boundary; not
         # evaluation) counts toward this one.
         boundary_s = sum(self._boundary.values())
-        stats = train_step(
-            self.state.chunks,
-            self.state.optimizer,
-            self.state.scheduler,
-            self.task.forward_step,
-            mbs,
-            *self.task.pipeline_shape(),
-            progress,
-            cross_replica=self.membership.cross_replica,
-        )
+        try:
+            stats = self._train_step(mbs, progress)
+        except MembershipChanged as changed:
+            # The quorum this step assumed (elastic.overlap_quorum) changed:
+            # nothing was sent or updated; compute the share it gives us.
+            share = self.membership.reshare(changed)
+            mbs = self.membership.microbatches(share)
+            stats = self._train_step(mbs, progress)
         t_end = time.perf_counter()
         self.membership.end_step(share, stats.committed)
         membership_s = (t_quorum - t0) + (time.perf_counter() - t_end)

@@ -118,6 +118,8 @@ def test_join_heal_drain_matches_fixed_membership_with_ema_and_job_wide_skips(tm
     assert {r["participants"] for r in merged.values()} == {1, 2}
     healed = job.records("r1")[0]
     assert healed["healed"] and healed["step"] > 2, healed
+    # r0 computed the step after r1's heal for 1 participant (elastic.overlap_quorum), then for the 2 it got.
+    assert "membership changed during step" in job.results["r0"].stderr
 
     reference = tmp_path / "reference"
     res = run(launch_cmd(1, "pretrain_dit.py", [*ARGS, f"data.path={data}", f"train.steps={last}",

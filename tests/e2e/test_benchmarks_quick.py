@@ -78,6 +78,12 @@ EXPECTED = {
         r"^ratio sharded / whole: bytes 0\.5\d+, optimizer state 0\.5\d+ \(1/inner DP = 0\.5000\), step time [\d.]+$",
         r"^loss, sharded vs whole, max relative difference over \d+ steps: [\d.e+-]+$",
     ],
+    "elastic_overhead": [
+        r"^round  static ms \| elastic ms  quorum  x-repl  ratio \| overlap ms  quorum  x-repl  ratio$",
+        r"^    0 +[\d.]+ \| +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ \| +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
+        *(rf"^elastic \(overlap_quorum={v}\) / non-elastic, median over 1 rounds: [\d.]+ \(min [\d.]+, max [\d.]+\)$"
+          for v in ("false", "true")),
+    ],
     "loader_throughput": [
         r"^\(a\) loader alone: 6 steps of 8 packed rows, DP rank 0 of 1",
         r"^\| in-process \| \d+ \| \d+ \| 1\.00x \| [\d.]+ s \| [\d.]+ ms \|$",
@@ -113,13 +119,14 @@ TIMEOUT_S = {
     "scheduler_sim": 240,
     "elastic_join": 1200,
     "elastic_shard": 900,
+    "elastic_overhead": 600,
     "loader_throughput": 600,
     "context_parallel": 300,
     "plan_startup": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
-        "context_parallel", "elastic_shard"}
+        "context_parallel", "elastic_shard", "elastic_overhead"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
@@ -127,7 +134,7 @@ DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_j
 #: lighthouses); `make test-all` runs them. The other
 #: single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async", "context_parallel", "elastic_shard"}
+        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead"}
 
 
 def documented_commands() -> dict[str, list[str]]:
