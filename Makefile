@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv if missing, install pinned deps, run the demo job
-#   make test   - same set-up, then the test suite (<= 25 min on 2 CPU cores)
+#   make test   - same set-up, then the test suite (12-22 min on 2 CPU cores)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
