@@ -46,7 +46,7 @@ from megascale_omni.config import JobConfig, from_dict, load_yaml
 from megascale_omni.data.dit.buckets import Bucket, BucketTable
 from megascale_omni.data.dit.latents import TextStates, VaeCodec
 from megascale_omni.data.dit.reader import encode_latent_record, resize_cover_crop, write_dit_dataset
-from megascale_omni.data.shards import write_member_shards
+from megascale_omni.data.shard_writer import write_member_shards
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 logger = logging.getLogger("make_dit_latents")

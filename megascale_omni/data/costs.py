@@ -19,7 +19,7 @@ A ``cost`` is ``null`` when an image member's header is not a readable PNG
 header (the sample is bad and is reported when read).
 
 Who computes ``tokens``: a :class:`Coster` handed to
-:func:`~megascale_omni.data.shards.index_shards` (the LLaVA encoders are
+:func:`~megascale_omni.data.shard_writer.index_shards` (the LLaVA encoders are
 costers); the index records its :meth:`Coster.cost_basis` so a run with
 another tokenizer or format ignores the counts instead of trusting them.
 """
@@ -40,7 +40,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class Coster(Protocol):
-    """What :func:`~megascale_omni.data.shards.index_shards` needs to count a sample's tokens."""
+    """What :func:`~megascale_omni.data.shard_writer.index_shards` needs to count a sample's tokens."""
 
     def cost_basis(self) -> dict[str, str]:
         """``{"format": str, "tokenizer": 64 hex digits}``: what the counts are valid for."""

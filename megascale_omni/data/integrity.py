@@ -34,10 +34,10 @@ from megascale_omni.data.errors import DataFileError
 
 #: Fix offered for a broken ``index.json``.
 INDEX_FIX = ("rebuild the set (tools/make_shapes_dataset.py, tools/make_dit_latents.py) or re-index its "
-             "shards with megascale_omni.data.shards.index_shards(<split dir>)")
+             "shards with megascale_omni.data.shard_writer.index_shards(<split dir>)")
 #: Fix offered for a shard that does not match ``index.json``.
 SHARD_FIX = ("restore the shard from its source or rebuild the set; if it was changed on purpose, "
-             "re-index with megascale_omni.data.shards.index_shards(<split dir>)")
+             "re-index with megascale_omni.data.shard_writer.index_shards(<split dir>)")
 
 _TAR_BLOCK = 512
 _HASH_CHUNK = 4 << 20  # bytes per pread while hashing a shard
@@ -50,7 +50,7 @@ def _is_int(value: Any, minimum: int | None = 0) -> bool:
 
 def validate_index_doc(doc: Any, path: Path, format_versions: Sequence[int]) -> None:
     """Check a parsed ``index.json`` against the schema written by
-    :func:`megascale_omni.data.shards.index_shards`.
+    :func:`megascale_omni.data.shard_writer.index_shards`.
 
     Schema: ``{"format_version": int, "num_samples": int, "shards": [{"name":
     str (a file name, no directory), "num_samples": int, "size": int,

@@ -19,31 +19,27 @@ data and its size, so :class:`ShardedSampleReader` reads a sample with one
 ``pread`` per member and never scans a tar. Format 2 also records each
 sample's cost (image sizes, and token counts when written with a coster;
 :mod:`megascale_omni.data.costs`), so a planner needs only the index;
-format-1 indexes (no costs) are still read. Writes are reproducible: tar
-headers carry fixed mtime/uid/gid/owner names, JSON is canonical and PNG
-encoding is deterministic for a given zlib, so equal samples give
-byte-identical shards.
+format-1 indexes (no costs) are still read.
+
+This module holds the format (:class:`ShardIndex`, :func:`decode_sample`)
+and the reader; :mod:`megascale_omni.data.shard_writer` writes and indexes
+shard sets.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import operator
 import os
 import tarfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-import numpy as np
-import webdataset
-from PIL import Image
-
-from megascale_omni.data.costs import PNG_HEADER_BYTES, Coster, SampleCost, image_members, sample_cost
+from megascale_omni.data.costs import SampleCost
 from megascale_omni.data.errors import DataFileError
-from megascale_omni.data.integrity import INDEX_FIX, decode_png_rgb, sha256_of, validate_index_doc, verify_shard
+from megascale_omni.data.integrity import INDEX_FIX, decode_png_rgb, validate_index_doc, verify_shard
 from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidationError, validate_metadata
 
 logger = logging.getLogger(__name__)
@@ -57,7 +53,7 @@ _TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its
 _REQUIRED_JSON_FIELDS = METADATA_FIELDS
 _DEFAULT_MISSING_HINT = (
     "build it with `python tools/make_shapes_dataset.py --out <dataset dir>` "
-    "(or megascale_omni.data.shards.write_shards for your own samples)"
+    "(or megascale_omni.data.shard_writer.write_shards for your own samples)"
 )
 
 
@@ -167,22 +163,6 @@ class ShardIndex:
 
 
 # ----------------------------------------------------------- encode / decode
-def encode_image_png(image: np.ndarray) -> bytes:
-    """np.uint8 ``[H, W, 3]`` -> PNG bytes (deterministic, lossless)."""
-    buf = io.BytesIO()
-    Image.fromarray(image, mode="RGB").save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def encode_sample(sample: Sample) -> dict[str, bytes]:
-    """Member suffix -> bytes for one sample (see module docstring)."""
-    sample.validate()
-    members = {"json": json.dumps(sample.metadata(), sort_keys=True, separators=(",", ":")).encode("utf-8")}
-    for i, image in enumerate(sample.images):
-        members[f"{i}.png"] = encode_image_png(image)
-    return members
-
-
 def decode_sample(members: Mapping[str, bytes]) -> Sample:
     """Inverse of :func:`encode_sample`. Extra members are ignored.
 
@@ -219,146 +199,8 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
 
 
 # -------------------------------------------------------------------- writer
-def shard_name(shard_number: int) -> str:
-    return f"{SHARD_PREFIX}{shard_number:06d}.tar"
-
-
-def write_shards(samples: Iterable[Sample], out_dir: str | os.PathLike, samples_per_shard: int,
-                 overwrite: bool = False, coster: Optional[Coster] = None) -> ShardIndex:
-    """Write ``samples`` to ``out_dir/shard-%06d.tar`` and build ``index.json``.
-
-    Sample keys are their 0-based positions in ``samples``. Shards hold
-    ``samples_per_shard`` samples each (the last may hold fewer).
-    ``coster``: counts each sample's tokens into the index (see
-    :func:`index_shards`); without one the index carries image sizes only.
-
-    Raises:
-        FileExistsError: ``out_dir`` already holds shards or an index and
-            ``overwrite`` is False (stale shards would silently mix in).
-    """
-    return write_member_shards((encode_sample(s) for s in samples), out_dir, samples_per_shard, overwrite, coster)
-
-
-def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | os.PathLike,
-                        samples_per_shard: int, overwrite: bool = False,
-                        coster: Optional[Coster] = None) -> ShardIndex:
-    """Like :func:`write_shards` for already-encoded records (member suffix ->
-    bytes, e.g. ``{"json": ..., "png": ...}``); the ``json`` member should carry
-    an integer ``"id"``. Used by sample formats other than :class:`Sample`
-    (DiT images and latents, see :mod:`megascale_omni.data.dit.reader`)."""
-    if samples_per_shard <= 0:
-        raise ValueError(f"samples_per_shard must be > 0, got {samples_per_shard}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stale = sorted(out.glob(f"{SHARD_PREFIX}*.tar"))
-    if (out / INDEX_FILENAME).exists():
-        stale.append(out / INDEX_FILENAME)
-    if stale:
-        if not overwrite:
-            raise FileExistsError(f"{out} already contains a sharded dataset ({stale[0].name}, ...); "
-                                  f"pass overwrite=True or use an empty directory")
-        for path in stale:
-            path.unlink()
-
-    names: list[str] = []
-    fileobj = writer = None
-    try:
-        for pos, record in enumerate(records):
-            if pos % samples_per_shard == 0:
-                if writer is not None:
-                    writer.close()
-                    fileobj.close()
-                names.append(shard_name(len(names)))
-                fileobj = open(out / names[-1], "wb")
-                # Fixed metadata so identical samples give byte-identical tars.
-                writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444,
-                                              compress=False, encoder=False, mtime=0.0)
-            writer.write({"__key__": f"{pos:09d}", **record})
-    finally:
-        if writer is not None:
-            writer.close()
-            fileobj.close()
-    return index_shards(out, names, coster)
-
-
-def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = None,
-                 coster: Optional[Coster] = None) -> ShardIndex:
-    """Scan tar shards and (re)write ``out_dir/index.json``; returns the index.
-
-    Works for any uncompressed WebDataset tar whose members are ``<key>.<suffix>`` with a
-    dot-free key, e.g. shards written by ``webdataset.ShardWriter``. Sample
-    ids come from each sample's JSON ``id`` (falling back to its position if
-    the JSON is unreadable, so a bad sample is still indexed and reported
-    as :class:`BadSampleError` on read, not at index time).
-
-    Each sample's cost (:mod:`megascale_omni.data.costs`) is recorded: the
-    sizes of its ``<i>.png`` members from their PNG headers and, with
-    ``coster``, its token count (the index then records
-    ``coster.cost_basis()``).
-
-    Args:
-        shard_names: file names inside ``out_dir``, in order; default: all
-            ``shard-*.tar`` sorted by name.
-        coster: counts a sample's tokens from its parsed JSON member.
-    """
-    out = Path(out_dir)
-    if shard_names is None:
-        shard_names = sorted(p.name for p in out.glob(f"{SHARD_PREFIX}*.tar"))
-    shards: list[ShardInfo] = []
-    samples: list[SampleLocation] = []
-    seen_keys: set[str] = set()
-    metas: list[Any] = []  # parsed JSON member per sample (None: absent or unreadable)
-    heads: list[dict[str, bytes]] = []  # first bytes of each member that may be an image
-    for shard_number, name in enumerate(shard_names):
-        path = out / name
-        first = len(samples)
-        current_key = None
-        with tarfile.open(path, mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, dot, suffix = member.name.partition(".")
-                if len(member.name.encode("utf-8")) >= 100:
-                    # Longer names need a pax/GNU extension header, and the reader's
-                    # header check relies on the plain ustar name field.
-                    raise ValueError(f"{path}: member name {member.name!r} must be < 100 bytes")
-                if not dot:
-                    raise ValueError(f"{path}: member {member.name!r} has no '.<suffix>'")
-                if key != current_key:
-                    if key in seen_keys:
-                        raise ValueError(f"{path}: key {key!r} is not contiguous / appears twice")
-                    seen_keys.add(key)
-                    current_key = key
-                    samples.append(SampleLocation(id=len(samples), key=key, shard=shard_number, members={}))
-                    metas.append(None)
-                    heads.append({})
-                loc = samples[-1]
-                loc.members[suffix] = (member.offset_data, member.size)
-                if suffix.endswith(".png"):
-                    heads[-1][suffix] = tar.extractfile(member).read(PNG_HEADER_BYTES)
-                if suffix == "json":
-                    try:
-                        metas[-1] = json.loads(tar.extractfile(member).read())
-                        sample_id = int(metas[-1]["id"])
-                        samples[-1] = SampleLocation(sample_id, loc.key, loc.shard, loc.members)
-                    except (ValueError, KeyError, TypeError):
-                        pass  # reported with the position as id when the sample is read
-        shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
-                                size=path.stat().st_size, sha256=sha256_of(path)))
-    samples = [replace(loc, cost=sample_cost(meta, [head[s] for s in image_members(loc.members)], coster))
-               for loc, meta, head in zip(samples, metas, heads)]
-    basis = coster.cost_basis() if coster is not None else None
-    index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples, basis)
-    tmp = out / f".{INDEX_FILENAME}.tmp-{os.getpid()}"
-    tmp.write_text(index.to_json(), encoding="utf-8")
-    os.replace(tmp, out / INDEX_FILENAME)  # readers never see a half-written index
-    logger.info("indexed %d samples in %d shards under %s", len(samples), len(shards), out)
-    return index
-
-
-# -------------------------------------------------------------------- reader
 class ShardedSampleReader:
-    """Random access to a split directory written by :func:`write_shards`.
+    """Random access to a split directory written by :func:`~megascale_omni.data.shard_writer.write_shards`.
 
     ``reader[i]`` reads each member of sample ``i`` with one ``os.pread`` at
     the offset recorded in ``index.json`` and decodes it (PNG -> np.uint8

@@ -15,7 +15,7 @@ import pytest
 
 from megascale_omni.data.dit.reader import encode_latent_record, encode_pixel_record, write_dit_dataset
 from megascale_omni.data.dit.shapes_dataset import description, generate, vocabulary
-from megascale_omni.data.shards import index_shards
+from megascale_omni.data.shard_writer import index_shards
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)

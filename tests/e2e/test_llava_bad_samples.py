@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
-from megascale_omni.data.shards import index_shards
+from megascale_omni.data.shard_writer import index_shards
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)

@@ -38,7 +38,8 @@ from PIL import Image
 from megascale_omni.data.dit.buckets import Bucket
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.integrity import decode_png_rgb
-from megascale_omni.data.shards import BadSampleError, ShardedSampleReader, write_member_shards
+from megascale_omni.data.shard_writer import write_member_shards
+from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
 
 DATASET_FILENAME = "dataset.json"

@@ -58,7 +58,7 @@ from megascale_omni.data.sample import (
     Sample,
     SampleValidationError,
 )
-from megascale_omni.data.shards import encode_sample, index_shards, shard_name
+from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 #: Fix offered when an index lacks what the run needs.
 REINDEX_FIX = ("re-ingest with tools/ingest_llava.py (or rebuild with tools/make_shapes_dataset.py), or "
-               "re-index the split with megascale_omni.data.shards.index_shards(<split dir>, coster=<encoder>)")
+               "re-index the split with megascale_omni.data.shard_writer.index_shards(<split dir>, coster=<encoder>)")
 
 
 @dataclass
