@@ -190,6 +190,3 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
     os.replace(tmp, out / INDEX_FILENAME)  # readers never see a half-written index
     logger.info("indexed %d samples in %d shards under %s", len(samples), len(shards), out)
     return index
-
-
-# -------------------------------------------------------------------- reader

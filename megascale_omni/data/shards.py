@@ -162,9 +162,9 @@ class ShardIndex:
                    doc.get("cost_basis"))
 
 
-# ----------------------------------------------------------- encode / decode
+# ------------------------------------------------------------------ decode
 def decode_sample(members: Mapping[str, bytes]) -> Sample:
-    """Inverse of :func:`encode_sample`. Extra members are ignored.
+    """Inverse of :func:`~megascale_omni.data.shard_writer.encode_sample`. Extra members are ignored.
 
     Raises:
         SampleDecodeError: missing/corrupt JSON, a field missing or of the
@@ -198,7 +198,7 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
         raise SampleDecodeError(f"invalid sample: {exc}") from exc
 
 
-# -------------------------------------------------------------------- writer
+# -------------------------------------------------------------------- reader
 class ShardedSampleReader:
     """Random access to a split directory written by :func:`~megascale_omni.data.shard_writer.write_shards`.
 

@@ -46,10 +46,6 @@ class StepShare:
     #: This rank's DP coordinates over all participants (None while healing).
     dp_rank: Optional[int]
     dp_size: int
-    #: The quorum this attempt runs in (elastic jobs only).
-    participation: Optional[Participation] = None
-    #: Seconds spent waiting for the quorum (and a heal) before the step.
-    quorum_s: float = 0.0
 
 
 class StaticMembership:
@@ -110,8 +106,8 @@ class ElasticMembership:
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
         self.retries = 0
-        #: The share and sample ids of the attempt in flight (for the ledger).
-        self._attempt: tuple[Optional[StepShare], list[int]] = (None, [])
+        #: Sample ids of the attempt in flight (for the ledger).
+        self._samples: list[int] = []
         # Bad-sample counts are summed over the participants and committed
         # with the step, so every replica holds the job's totals.
         self.account = state.task.bad_samples
@@ -178,13 +174,9 @@ class ElasticMembership:
         participation without waiting: the quorum is confirmed at the step's
         first cross-replica collective, and the Trainer recomputes the step
         with :meth:`reshare` if membership changed."""
-        t0 = time.perf_counter()
-        if self.account is not None:
-            self.account.abandon()
         last = self.replica.participation
         expect = last if self.cfg.overlap_quorum and self.last_committed and last and last.participating else None
-        part = self.replica.begin_step(expect)
-        return self._share(part, time.perf_counter() - t0)
+        return self._share(self.replica.begin_step(expect))
 
     def reshare(self, changed: MembershipChanged) -> StepShare:
         """This rank's share of the step for the quorum it actually got
@@ -193,17 +185,17 @@ class ElasticMembership:
         if self.account is not None:
             self.account.abandon()
         logger.info("elastic: membership changed during step %d (%s); recomputing it", self.state.step + 1, changed)
-        return self._share(changed.participation, 0.0)
+        return self._share(changed.participation)
 
-    def _share(self, part: Participation, waited: float) -> StepShare:
+    def _share(self, part: Participation) -> StepShare:
         step = self.replica.current_step()
         dp_size = part.size * self.inner_dp
         if not part.participating:
             logger.info("elastic: healing from a live peer at step %d (quorum %d)", step, part.quorum_id)
-            return StepShare(step, None, dp_size, part, waited)
+            return StepShare(step, None, dp_size)
         if step != self.state.step:
             raise RuntimeError(f"elastic: torchft is at step {step} but the trainer at {self.state.step}")
-        return StepShare(step, part.rank * self.inner_dp + self.dp_rank, dp_size, part, waited)
+        return StepShare(step, part.rank * self.inner_dp + self.dp_rank, dp_size)
 
     def microbatches(self, share: StepShare) -> list[dict]:
         """This rank's micro-batches (empty while healing); notes their
@@ -214,7 +206,7 @@ class ElasticMembership:
             task = self.state.task
             mbs = task.microbatches(share.step, share.dp_rank, share.dp_size)
             samples = task.sample_ids(share.step, share.dp_rank, share.dp_size) if self.ledger else []
-        self._attempt = (share, samples)
+        self._samples = samples
         if self.account is not None:
             # This replica's counts of the attempt (zero while healing).
             self.replica.step_counts = self.account.attempt.clone()
@@ -233,9 +225,8 @@ class ElasticMembership:
                 self.account.abandon()
         self.retries += 0 if committed else 1
         if self.ledger is not None:
-            ran, samples = self._attempt
-            self.ledger.attempt(ran.step, p.quorum_id, p.rank, p.size, ran.dp_rank, ran.dp_size, samples)
-            self.ledger.commit(ran.step, p.quorum_id, committed)
+            self.ledger.attempt(share.step, p.quorum_id, p.rank, p.size, share.dp_rank, share.dp_size, self._samples)
+            self.ledger.commit(share.step, p.quorum_id, committed)
         if not committed:
             logger.warning(
                 "elastic: step %d not committed (quorum %d, %d participants); retrying it with the same samples",
