@@ -172,9 +172,11 @@ class BadSampleAccount:
     so ``omni-ctl config set`` applies at once).
     """
 
-    def __init__(self, cfg: JobConfig, dims: ParallelDims):
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, device: torch.device = torch.device("cpu")):
         self.data_cfg = cfg.data
         self.dims = dims
+        #: Where the per-step reduction runs (the process group's device: CUDA under NCCL).
+        self.device = device
         self.counter = SkipCounter()
         self.skipped = 0
         self.seen = 0
@@ -199,12 +201,13 @@ class BadSampleAccount:
         :attr:`attempt`; commit them unless :attr:`job_wide` (every rank of
         the replica group; a collective)."""
         now = (self.counter.skipped, self.counter.seen + self.counter.skipped)
-        delta = torch.tensor([now[0] - self._reduced[0], now[1] - self._reduced[1]], dtype=torch.float64)
+        delta = torch.tensor([now[0] - self._reduced[0], now[1] - self._reduced[1]], dtype=torch.float64,
+                             device=self.device)
         self._reduced = now
         dist.all_reduce(delta)
         # Every TP/PP/CP rank of a replica counts the same samples (read there, or
         # counted by the rank that read and broadcast them).
-        self.attempt += torch.div(delta, self.dims.tp * self.dims.pp * self.dims.cp, rounding_mode="floor")
+        self.attempt += torch.div(delta.cpu(), self.dims.tp * self.dims.pp * self.dims.cp, rounding_mode="floor")
         if not self.job_wide:
             self.commit(self.attempt)
 

@@ -79,7 +79,7 @@ class DitTask(Task):
         if d.text_encoder == "learned":
             self.tokenizer = load_tokenizer(cfg, root)
             self.text_vocab = self.padded_vocab_size(self.tokenizer.vocab_size)
-        self.bad_samples = BadSampleAccount(cfg, dims)
+        self.bad_samples = BadSampleAccount(cfg, dims, platform.device)
         self.captions = CaptionEncoder(d, self.tokenizer)
         self.table = BucketTable(d.buckets, d.patch_size, d.token_budget)
         self.reader = DitSampleReader(root / "train", self.description.get("kind", "pixels"))

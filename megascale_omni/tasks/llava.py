@@ -149,7 +149,7 @@ class LlavaTask(Task):
         self.vocab_size = self.padded_vocab_size(vocab)
         #: Samples are padded to a multiple of this many tokens (2*cp under CP).
         self.multiple = sequence_multiple(cfg)
-        self.bad_samples = BadSampleAccount(cfg, dims)
+        self.bad_samples = BadSampleAccount(cfg, dims, platform.device)
         self.scanner = PlanScanner(
             self.encoder, cfg.vision.tokens_per_image, self.seq_length, self.multiple,
             num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
