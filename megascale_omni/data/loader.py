@@ -28,7 +28,8 @@ Correctness rules:
   uncommitted step, a resume) drops the prefetched steps and restarts the
   window at the requested key, so a rank never trains on another key's batch.
 * The result is bit-identical to the in-process path: the worker runs the
-  same ``build`` on a pickled copy of the same state.
+  same ``build`` on a pickled copy of the same state, and a step's tensors
+  come back as views of one buffer (:mod:`~megascale_omni.data.step_buffer`).
 * Bad samples: ``build`` counts what it skipped in ``build.counter`` (a
   :class:`~megascale_omni.data.health.SkipCounter`). In a worker that counter
   is a copy, so each result carries the counts of its own build and
@@ -56,6 +57,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.health import SkipCounter
+from megascale_omni.data.step_buffer import pack_step, unpack_step
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,9 @@ class _StepBuilds(Dataset):
         except DataQualityError as err:  # fatal data error: re-raised in the training process
             batches, error = [], err
         # A worker's counter caps its reasons like any SkipCounter; only this build's are sent.
+        # The step's tensors travel in one shared-memory buffer (see step_buffer).
         return {
-            "key": key, "batches": batches, "error": error,
+            "key": key, "batches": pack_step(batches), "error": error,
             "seen": counter.seen - seen, "skipped": counter.skipped - skipped,
             "reasons": counter.reasons[reasons:],
         }
@@ -175,7 +178,7 @@ class StepLoader:
         self.counter.reasons.extend(item["reasons"][: max(0, 20 - len(self.counter.reasons))])
         if item["error"] is not None:
             raise item["error"]
-        return item["batches"]
+        return unpack_step(item["batches"])
 
     def close(self) -> None:
         """Stop the workers and wait for them to exit (every rank, at the end

@@ -161,9 +161,12 @@ class BadSampleAccount:
     what the readers skipped and read in committed steps, over the whole job.
     Both are reported together as ``skipped_samples`` (:meth:`stats`).
 
-    Per step, :meth:`update` reduces what this rank's readers counted since
-    the last call over the replica group into :attr:`attempt` (this replica's
-    share of the step). A fixed replica group commits it at once. In an
+    Per step, :meth:`update` starts reducing what this rank's readers counted
+    since the last call over the replica group, without waiting for the other
+    ranks (the data wait of a step is then its reading alone, not the skew
+    between ranks); :meth:`settle` completes it into :attr:`attempt` (this
+    replica's share of the step). A fixed replica group settles after the
+    step's compute and commits at once. In an
     elastic job (:attr:`job_wide`) the shares of every participant are summed
     across replica groups with the step's gradients and committed only when
     the quorum commits the step (:meth:`commit`); an attempt that does not
@@ -186,6 +189,8 @@ class BadSampleAccount:
         #: Set by elastic jobs: commit only job-wide sums, at the quorum's commit.
         self.job_wide = False
         self._reduced = (0, 0)
+        # The reduction update() started and settle() completes: (work, counts).
+        self._pending: Optional[tuple[Any, torch.Tensor]] = None
 
     @property
     def limit(self) -> float:
@@ -197,14 +202,30 @@ class BadSampleAccount:
         check_bad_fraction(bad, scanned, self.limit, f"scanning {where}")
 
     def update(self) -> None:
-        """Reduce this rank's new skip counts over the replica group into
-        :attr:`attempt`; commit them unless :attr:`job_wide` (every rank of
-        the replica group; a collective)."""
+        """Start reducing this rank's new skip counts over the replica group
+        (every rank of the replica group, in the same order: a collective
+        launched asynchronously); :meth:`settle` completes it."""
+        self.settle()  # at most one reduction in flight
         now = (self.counter.skipped, self.counter.seen + self.counter.skipped)
         delta = torch.tensor([now[0] - self._reduced[0], now[1] - self._reduced[1]], dtype=torch.float64,
                              device=self.device)
         self._reduced = now
-        dist.all_reduce(delta)
+        self._pending = (dist.all_reduce(delta, async_op=True), delta)
+
+    def settle(self) -> None:
+        """Complete the reduction :meth:`update` started: add it to
+        :attr:`attempt` and commit unless :attr:`job_wide` (every rank of the
+        replica group; waits for its other ranks; no-op when none is pending).
+
+        Raises:
+            DataQualityError: past ``data.max_bad_sample_fraction`` (on every
+                rank of the job together: the counts are the same everywhere).
+        """
+        if self._pending is None:
+            return
+        work, delta = self._pending
+        self._pending = None
+        work.wait()
         # Every TP/PP/CP rank of a replica counts the same samples (read there, or
         # counted by the rank that read and broadcast them).
         self.attempt += torch.div(delta.cpu(), self.dims.tp * self.dims.pp * self.dims.cp, rounding_mode="floor")
@@ -213,6 +234,9 @@ class BadSampleAccount:
 
     def abandon(self) -> None:
         """Drop the counts of an attempt that was not committed (every rank)."""
+        if self._pending is not None:
+            self._pending[0].wait()  # the collective completes; its counts go with the attempt
+            self._pending = None
         self.attempt.zero_()
 
     def commit(self, counts: torch.Tensor) -> None:

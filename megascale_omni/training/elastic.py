@@ -58,6 +58,7 @@ class StaticMembership:
     def __init__(self, state: TrainState, dp_rank: int):
         self.state = state
         self.dp_rank = dp_rank
+        self.account = state.task.bad_samples
 
     def enter(self, control: Any) -> bool:
         """Ready to train at once."""
@@ -70,7 +71,10 @@ class StaticMembership:
         return self.state.task.microbatches(share.step, share.dp_rank, share.dp_size)
 
     def end_step(self, share: StepShare, committed: bool) -> None:
-        """Nothing to record: a fixed group always commits."""
+        """A fixed group always commits: the step's bad-sample counts, reduced
+        while it computed, are added to the totals (every rank)."""
+        if self.account is not None:
+            self.account.settle()
 
     def annotate(self, record: dict, share: StepShare) -> None:
         """No replica fields in the step record."""
@@ -208,7 +212,9 @@ class ElasticMembership:
             samples = task.sample_ids(share.step, share.dp_rank, share.dp_size) if self.ledger else []
         self._samples = samples
         if self.account is not None:
-            # This replica's counts of the attempt (zero while healing).
+            # This replica's counts of the attempt (zero while healing); they
+            # ride in the step's cross-replica all-reduce, so settle them now.
+            self.account.settle()
             self.replica.step_counts = self.account.attempt.clone()
         return mbs
 

@@ -32,12 +32,17 @@ def _read(account: BadSampleAccount, good: int, bad: int) -> None:
     account.counter.skipped += bad
 
 
-def test_a_fixed_group_commits_each_update(group):
+def test_a_fixed_group_commits_each_update_when_it_settles(group):
     account = _account()
     _read(account, good=9, bad=1)
     account.update()
+    assert (account.skipped, account.seen) == (0, 0)  # in flight while the step computes
+    account.settle()
+    assert (account.skipped, account.seen) == (1, 10)
     _read(account, good=10, bad=0)
     account.update()
+    account.settle()
+    account.settle()  # nothing pending: counts once
     assert (account.skipped, account.seen) == (1, 20)
     assert account.state_dict() == {"skipped_samples": 1, "seen_samples": 20}
 
@@ -47,10 +52,15 @@ def test_elastic_counts_wait_for_the_commit_and_an_abandoned_attempt_counts_noth
     account.job_wide = True
     _read(account, good=7, bad=1)
     account.update()
+    account.settle()
     assert account.attempt.tolist() == [1.0, 8.0] and (account.skipped, account.seen) == (0, 0)
     account.abandon()  # the quorum did not commit: the retry reads the same samples again
     _read(account, good=7, bad=1)
     account.update()
+    account.abandon()  # dropped while its reduction was still in flight
+    _read(account, good=7, bad=1)
+    account.update()
+    account.settle()
     assert account.attempt.tolist() == [1.0, 8.0]
     # Committed with every participant's sum (another replica read 16, 2 bad).
     account.commit(account.attempt + torch.tensor([2.0, 16.0], dtype=torch.float64))
@@ -60,11 +70,13 @@ def test_elastic_counts_wait_for_the_commit_and_an_abandoned_attempt_counts_noth
 def test_the_limit_is_read_at_every_check(group):
     account = _account(limit=0.5)
     _read(account, good=6, bad=4)
-    account.update()  # 40% <= 50%
+    account.update()
+    account.settle()  # 40% <= 50%
     account.data_cfg.max_bad_sample_fraction = 0.1  # `omni-ctl config set` at a step boundary
     _read(account, good=1, bad=0)
+    account.update()
     with pytest.raises(DataQualityError, match="4 of 11 samples were bad while training"):
-        account.update()
+        account.settle()
 
 
 def test_totals_come_back_from_a_checkpoint_or_a_peer(group):
@@ -72,5 +84,6 @@ def test_totals_come_back_from_a_checkpoint_or_a_peer(group):
     account.load_state_dict({"skipped_samples": 3, "seen_samples": 300})
     _read(account, good=9, bad=1)
     account.update()
+    account.settle()
     assert (account.skipped, account.seen) == (4, 310)
     assert account.stats() == {"skipped_samples": 4, "excluded_samples": 0}
