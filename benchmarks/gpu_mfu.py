@@ -12,7 +12,8 @@ segment; transformer-engine is not used even when installed), bf16 on CUDA
   RMSNorm, RoPE, no biases, vocabulary 32000 (untied), 2048-token packed rows;
 - ViT: 12 layers, hidden 768, 12 heads, FFN 3072, 224 px images in 16 px
   patches (196 tokens per image, no class token);
-- projector: MLP 768 -> 2048 -> 2048.
+- projector: MLP 768 -> 2048 -> 2048;
+- data: two loader processes (``data.num_workers``) build micro-batches ahead.
 
 1.15 B matmul weights; with the 65.5 M input embedding, about 1.2 B
 parameters. Global batch 8 packed rows, micro-batch 2.
@@ -66,6 +67,8 @@ MODEL = {
     "model.num_query_groups": 4, "model.ffn_hidden_size": 5632, "model.vocab_size": 32000,
     "model.seq_length": 2048, "vision.image_size": 224, "vision.patch_size": 16, "vision.num_layers": 12,
     "vision.hidden_size": 768, "vision.num_attention_heads": 12, "vision.ffn_hidden_size": 3072,
+    # Two loader processes build the micro-batches (224 px images) ahead of the step.
+    "data.num_workers": 2,
 }
 TINY = {
     "model.num_layers": 2, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.num_query_groups": 2,
@@ -172,12 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
         tokens.append(r["tokens"])
         images.append(r["images"])
     step_s = statistics.median(r["step_s"] for r in measured)
+    data_s = statistics.median(r["data_s"] for r in measured)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = device_peak_tflops(args.peak_tflops, name)
     tflops = statistics.mean(flops) / step_s / 1e12
     result = {
         "device": name or "cpu", "dtype": dtype, "peak_tflops": peak, "parameters": built,
-        "matmul_parameters": params, "steps_measured": len(measured), "median_step_s": step_s,
+        "matmul_parameters": params, "steps_measured": len(measured), "median_step_s": step_s, "median_data_wait_s": data_s,
         "tokens_per_s": statistics.mean(tokens) / step_s, "images_per_s": statistics.mean(images) / step_s,
         "model_tflop_per_step": statistics.mean(flops) / 1e12, "tflops": tflops,
         "mfu": tflops / peak if peak else None, "config": {k: str(v) for k, v in {**COMMON, **sizes}.items()},
@@ -185,10 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     for line in describe(cfg, params, built, str(device), dtype):
         print(line)
     print(f"device: {result['device']}, peak " + (f"{peak:g} TFLOP/s dense bf16" if peak else "unknown (MFU n/a)"))
-    print("| steps | median step (s) | tokens/s | images/s | model TFLOP/step | TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| steps | median step (s) | of it data wait (s) | tokens/s | images/s | model TFLOP/step | TFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
     mfu = f"{result['mfu']:.1%}" if peak else "n/a"
-    print(f"| {len(measured)} | {step_s:.4f} | {result['tokens_per_s']:.0f} | {result['images_per_s']:.1f} | "
+    print(f"| {len(measured)} | {step_s:.4f} | {data_s:.4f} | {result['tokens_per_s']:.0f} | "
+          f"{result['images_per_s']:.1f} | "
           f"{result['model_tflop_per_step']:.4g} | {tflops:.4g} | {mfu} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

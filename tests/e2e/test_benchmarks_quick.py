@@ -103,7 +103,7 @@ EXPECTED = {
         r"^ViT: 1 layers, hidden 32, .* = 16 tokens per image; projector mlp 32 -> 64 -> 64$",
         r"^run: global batch 8 rows, micro-batch 2, float32 on cpu, layer impl local",
         r"^device: cpu, peak unknown \(MFU n/a\)$",
-        r"^\| 2 \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
+        r"^\| 2 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
     ],
     "context_parallel": [
         r"^model: GPT 2 layers, .* one sequence of 2048 tokens",

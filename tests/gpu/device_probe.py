@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
-import sys
 from pathlib import Path
+
+from tests.fault_injection import run_target
 
 
 def _tensors(value):
@@ -84,11 +84,7 @@ def main() -> None:
     parser.add_argument("target")
     args, rest = parser.parse_known_args()
     install(args.device, args.dtype, args.report)
-    sys.argv = [args.target, *rest]
-    if args.target.endswith(".py"):
-        runpy.run_path(args.target, run_name="__main__")
-    else:
-        runpy.run_module(args.target, run_name="__main__", alter_sys=True)
+    run_target(args.target, rest)
 
 
 if __name__ == "__main__":

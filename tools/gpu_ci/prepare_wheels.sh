@@ -36,8 +36,9 @@ WITH_DEPS=(
     pytest==9.2.0 pytest-timeout==2.4.0
 )
 
-"$PY" -m pip download --quiet --no-deps "${TARGET[@]}" "${NO_DEPS[@]}"
-"$PY" -m pip download --quiet "${TARGET[@]}" "${WITH_DEPS[@]}"
+# (pip's notes about configured local mirror folders that do not exist are dropped)
+"$PY" -m pip download --quiet --no-deps "${TARGET[@]}" "${NO_DEPS[@]}" 2> >(grep -v '^WARNING: Location' >&2)
+"$PY" -m pip download --quiet "${TARGET[@]}" "${WITH_DEPS[@]}" 2> >(grep -v '^WARNING: Location' >&2)
 
 if ls "$DIR" | grep -Eiq '^(torch|nvidia|triton)[-_]'; then
     echo "error: a torch/CUDA wheel was downloaded into $DIR; the GPU image provides torch" >&2
