@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                             image_size=int(sizes["vision.image_size"]), samples_per_shard=400)
         overrides = {**COMMON, **sizes, "data.path": data, "train.steps": args.warmup + args.steps,
                      "logging.output_dir": Path(tmp) / "run"}
-        cfg, family = parse_for_family("llava", ["--config", "examples/llava/tiny_cpu.yaml",
+        cfg, family = parse_for_family("llava", ["--config", str(REPO / "examples/llava/tiny_cpu.yaml"),
                                                  *(f"{k}={v}" for k, v in overrides.items())], world_size=1)
         trainer = Trainer(cfg, family)
         try:
