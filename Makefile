@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv if missing, install pinned deps, run the demo job
 #   make test   - same set-up, then the test suite (12-22 min on 2 CPU cores)
+#   make test-gpu - tests/gpu on a CUDA host (GPT/LLaVA/DiT on the device, NCCL layouts, TE parity)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
 NPROC  ?= 2
 
-.PHONY: demo test test-all install smoke clean
+.PHONY: demo test test-all test-gpu install smoke clean
 
 install: $(STAMP)
 
@@ -36,6 +37,10 @@ test: install
 
 test-all: install
 	$(PY) -m pytest
+
+# tests/gpu on a CUDA host (skipped, with the reason, without one); see README "GPU".
+test-gpu: install
+	$(PY) -m pytest -m gpu tests/gpu
 
 clean:
 	rm -rf runs .pytest_cache

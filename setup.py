@@ -29,8 +29,12 @@ EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", *LATENTS, *REPORT],
     "latents": LATENTS,
     "report": REPORT,
-    # Chosen automatically on CUDA hosts; never imported by a CPU run.
-    "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
+    # CUDA hosts only; never imported by a CPU run (model.layer_impl: auto picks TE when installed).
+    # transformer-engine: megatron-core 0.16.1 declares >=2.9,<2.12; flash-attn 2.8.3 is the newest
+    # flash-attn 2 that TE 2.11 accepts (its max_version). Both build against the local CUDA torch.
+    # NVIDIA apex is not on the package index and not needed (TE provides the fused kernels);
+    # README "GPU" shows its source build.
+    "gpu": ["transformer-engine[pytorch]==2.11.0", "flash-attn==2.8.3"],
 }
 
 setup(

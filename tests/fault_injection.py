@@ -66,11 +66,16 @@ def main() -> None:
         install(args.fail_at_step)
     if args.slow_rank is not None:
         install_slow_rank(args.slow_rank, args.slow_from_step, args.delay_s)
-    sys.argv = [args.target, *rest]
-    if args.target.endswith(".py"):
-        runpy.run_path(args.target, run_name="__main__")
+    run_target(args.target, rest)
+
+
+def run_target(target: str, args: list[str]) -> None:
+    """Run entry point ``target`` (a script path or a module name) as ``__main__`` with ``args``."""
+    sys.argv = [target, *args]
+    if target.endswith(".py"):
+        runpy.run_path(target, run_name="__main__")
     else:
-        runpy.run_module(args.target, run_name="__main__", alter_sys=True)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

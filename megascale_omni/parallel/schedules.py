@@ -7,7 +7,7 @@ Used by the training step and by every task's forward-only passes
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,18 @@ def run_forward_backward(
 ) -> list[dict]:
     """Run megatron's schedule (1F1B, interleaved or no-pipelining) over
     ``microbatches`` (every rank of the replica; each rank passes its own DP
-    share). Returns the last stage's loss reports."""
+    share). Returns the last stage's loss reports.
+
+    Micro-batches are built on the host; each is moved to the device of the
+    model's parameters (:func:`batch_to`) when the schedule takes it."""
+    device = model_device(chunks)
     if len(chunks) > 1:
         # Interleaved schedule: one iterator per model chunk, each yielding
         # every micro-batch (megatron consumes them per chunk).
-        data_iterator: object = [iter(microbatches) for _ in chunks]
+        data_iterator: object = [(batch_to(mb, device) for mb in microbatches) for _ in chunks]
         model: object = list(chunks)
     else:
-        data_iterator = iter(microbatches)
+        data_iterator = (batch_to(mb, device) for mb in microbatches)
         model = chunks[0]
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
@@ -58,6 +62,32 @@ def run_forward_backward(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def model_device(chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """The device of the first chunk's parameters (CPU for a chunk without any)."""
+    param = next(iter(chunks[0].parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def batch_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensors in dicts, lists and tuples; other values kept) with
+    every tensor on ``device``; the same objects when already there."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: batch_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(batch_to(v, device) for v in batch)
+    return batch
+
+
+def collective_device(group) -> torch.device:
+    """Where tensors handed to a collective of ``group`` must live: the
+    current CUDA device under NCCL, the host otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]:
@@ -76,7 +106,10 @@ def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]
             total[i] += r[k].to(torch.float64).cpu()
     group = mpu.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
+        # NCCL takes device tensors only.
+        total = total.to(collective_device(group))
         dist.all_reduce(total, group=group)
+        total = total.cpu()
     return {k: total[i] for i, k in enumerate(keys)}
 
 

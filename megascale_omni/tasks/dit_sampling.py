@@ -29,7 +29,7 @@ from PIL import Image
 from megascale_omni.data.dit.shapes_dataset import caption_of, dominant_color
 from megascale_omni.data.shapes import COLORS, SHAPES
 from megascale_omni.models.dit.flow import euler_sample, guided
-from megascale_omni.parallel.schedules import run_forward_backward
+from megascale_omni.parallel.schedules import model_device, run_forward_backward
 from megascale_omni.tasks.dit_batches import CaptionEncoder
 
 logger = logging.getLogger(__name__)
@@ -41,15 +41,16 @@ def _forward_velocity(data_iterator, model):
 
 
 def _pipeline_velocity(chunks, x: torch.Tensor, t: torch.Tensor, text, mask) -> torch.Tensor:
-    """Velocity for ``x [B, C, H, W]`` at times ``t [B]`` on every PP stage."""
+    """Velocity for ``x [B, C, H, W]`` at times ``t [B]`` on every PP stage,
+    on ``x``'s device (the model runs, and the stages broadcast, on its own)."""
     batch = {"x_t": x, "t": t, "text": text, "text_mask": mask}
     outputs = run_forward_backward(chunks, _forward_velocity, [batch], seq_length=x.shape[-2] * x.shape[-1],
                                    micro_batch_size=x.shape[0], forward_only=True)
-    v = outputs[0].float() if outputs else torch.empty_like(x)
+    v = outputs[0].float() if outputs else torch.empty(x.shape, device=model_device(chunks))
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(v, src=mpu.get_pipeline_model_parallel_last_rank(),
                        group=mpu.get_pipeline_model_parallel_group())
-    return v
+    return v.to(x.device)
 
 
 @torch.no_grad()

@@ -384,7 +384,7 @@ def _eval_loss(
     m = batch["eval_mask"].reshape(labels.shape)
     report["accuracy"] = torch.stack([(hit * m).sum().double(), m.sum().double()])
     for name, ids in categories.items():
-        cm = m * torch.isin(labels, ids).float()
+        cm = m * torch.isin(labels, ids.to(labels.device)).float()
         report[f"accuracy/{name}"] = torch.stack([(hit * cm).sum().double(), cm.sum().double()])
     return loss_sum, num_tokens, report
 

@@ -12,7 +12,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megascale_omni.metrics.breakdown import PHASES
-from megascale_omni.parallel.schedules import CrossReplica, reduce_reported_loss, run_forward_backward
+from megascale_omni.parallel.schedules import CrossReplica, model_device, reduce_reported_loss, run_forward_backward
 
 
 @dataclass
@@ -77,7 +77,9 @@ def train_step(
         reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
     else:
         assert cross_replica is not None, "a step needs micro-batches"
-        cross_replica.finalize_model_grads(list(chunks), num_tokens=torch.zeros([], dtype=torch.int))
+        # On the model's device, as megatron's schedules hand it over (NCCL takes device tensors only).
+        cross_replica.finalize_model_grads(list(chunks), num_tokens=torch.zeros([], dtype=torch.int,
+                                                                                device=model_device(chunks)))
         reports = []
     loss, count = (None, None)
     committed = True

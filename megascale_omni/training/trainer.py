@@ -166,13 +166,16 @@ class Trainer:
     def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
         under any layout (then overwritten by ``checkpoint.pretrained`` when
-        set), wrapped in megatron DDP (every rank). Also returns the
+        set), moved to ``platform.device``, wrapped in megatron DDP (every rank). Also returns the
         pretrained weights' provenance record."""
         chunks = self.task.build_model()
         n = init_layout_invariant(
             chunks, seed=self.cfg.train.seed, std=self.cfg.model.init_method_std, num_layers=self.cfg.model.num_layers
         )
         provenance = load_pretrained(chunks, self.cfg)
+        # megatron builds the weights on the host (use_cpu_initialization); train on the platform's device.
+        for chunk in chunks:
+            chunk.to(self.platform.device)
         total = sum(p.numel() for c in chunks for p in c.parameters())
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         logger.info(

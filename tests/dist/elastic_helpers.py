@@ -37,11 +37,12 @@ def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
 
 def start_replica(
     replica_id: str, lighthouse: str, run_dir: Path, args: Sequence[str], timeout: float, nproc: int = 2,
-    cpus: str | None = None, omni_run: bool = False,
+    cpus: str | None = None, omni_run: bool = False, env: dict | None = None,
 ) -> subprocess.Popen:
     """One replica group (torchrun of ``nproc`` ranks, its own store port);
     ``cpus`` (``taskset -c`` list) confines it to those cores, like a node of its own;
-    ``omni_run``: launched by ``omni-run``, which exits with a failed worker's code."""
+    ``omni_run``: launched by ``omni-run``, which exits with a failed worker's code;
+    ``env``: extra environment (e.g. the group's ``CUDA_VISIBLE_DEVICES``)."""
     cmd = torchrun_cmd(nproc, "megascale_omni.smoke", [
         "--config", CONFIG, f"elastic.replica_id={replica_id}", f"elastic.lighthouse={lighthouse}",
         f"logging.output_dir={run_dir / replica_id}", *args,
@@ -49,7 +50,7 @@ def start_replica(
     if omni_run:
         assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
         cmd[2] = "megascale_omni.launch"
-    return spawn(["taskset", "-c", cpus, *cmd] if cpus else cmd, timeout=timeout)
+    return spawn(["taskset", "-c", cpus, *cmd] if cpus else cmd, timeout=timeout, env=env)
 
 
 def step_records(output_dir: Path) -> list[dict]:

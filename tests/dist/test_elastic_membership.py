@@ -78,10 +78,13 @@ class Job:
     ``layout``: overrides of every replica group's layout (default: CONFIG's
     TP1 x PP2) and ``inner_dp`` its DP size; ``reference``: processes and
     overrides of the reference run (default: one such group, not elastic);
-    ``rel_tol``: the largest relative loss difference :meth:`check` accepts."""
+    ``rel_tol``: the largest relative loss difference :meth:`check` accepts;
+    ``nproc``: processes per replica group; ``env``: extra environment per
+    replica id (``"reference"`` for the reference run)."""
 
     def __init__(self, tmp_path: Path, timeout: float, layout: Sequence[str] = (),
-                 reference: tuple[int, Sequence[str]] = (2, ()), inner_dp: int = 1, rel_tol: float = REL_TOL):
+                 reference: tuple[int, Sequence[str]] = (2, ()), inner_dp: int = 1, rel_tol: float = REL_TOL,
+                 nproc: int = 2, env: dict[str, dict] | None = None):
         self.tmp, self.timeout = tmp_path, timeout
         self.inner_dp, self.rel_tol = inner_dp, rel_tol
         self.run, self.ledger = tmp_path / "run", tmp_path / "ledger"
@@ -92,6 +95,7 @@ class Job:
         self.results = {}
         self.reference = None
         self.reference_layout = reference
+        self.nproc, self.env = nproc, env or {}
 
     def start_reference(self) -> None:
         """The fixed-membership run (same seed, global batch, LR and step
@@ -100,11 +104,11 @@ class Job:
         self.reference = spawn(torchrun_cmd(nproc, "megascale_omni.smoke", [
             "--config", CONFIG, "elastic.enabled=false", *COMMON, *ref_args,
             f"logging.output_dir={self.tmp / 'reference'}",
-        ]), timeout=self.timeout)
+        ]), timeout=self.timeout, env=self.env.get("reference"))
 
     def start(self, rid: str, *extra: str, omni_run: bool = False) -> None:
         self.procs[rid] = start_replica(rid, self.addr, self.run, [*self.args, *extra], timeout=self.timeout,
-                                        omni_run=omni_run)
+                                        nproc=self.nproc, omni_run=omni_run, env=self.env.get(rid))
 
     def join(self, rid: str, hold: str) -> None:
         """Start ``rid`` while running replica ``hold`` is paused at a step

@@ -97,6 +97,14 @@ EXPECTED = {
         r"^\| index.json costs \| 500 \| [\d.]+ \| [\d.]+ \| [\d.]+x faster \|$",
         r"^plans identical: True",
     ],
+    "gpu_mfu": [
+        r"^model: LLaVA, [\d.]+ M parameters built \([\d.]+ M in matmuls: LM [\d.]+ M incl. output layer",
+        r"^LM: 2 layers, hidden 64, 4 heads / 2 query groups, swiglu FFN 128, vocab 256, seq 256$",
+        r"^ViT: 1 layers, hidden 32, .* = 16 tokens per image; projector mlp 32 -> 64 -> 64$",
+        r"^run: global batch 8 rows, micro-batch 2, float32 on cpu, layer impl local",
+        r"^device: cpu, peak unknown \(MFU n/a\)$",
+        r"^\| 2 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
+    ],
     "context_parallel": [
         r"^model: GPT 2 layers, .* one sequence of 2048 tokens",
         r"^sanity, CP=1: loss plain THD path [\d.]+, ring of one rank [\d.]+, relative difference ",
@@ -123,6 +131,7 @@ TIMEOUT_S = {
     "loader_throughput": 600,
     "context_parallel": 300,
     "plan_startup": 240,
+    "gpu_mfu": 300,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
@@ -131,10 +140,10 @@ DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_j
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
 #: import megatron, over 20 s; elastic_shard 4 torchrun jobs and 2
-#: lighthouses); `make test-all` runs them. The other
-#: single-process benchmarks stay in `make test`.
+#: lighthouses; gpu_mfu builds and trains a LLaVA, 30-80 s); `make test-all`
+#: runs them. The other single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead"}
+        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "gpu_mfu"}
 
 
 def documented_commands() -> dict[str, list[str]]:
