@@ -269,6 +269,8 @@ class ElasticReplica:
         # until should_commit applies it; None when the fetch failed (then
         # the step does not commit and is retried).
         pending = self.manager._pending_state_dict
+        if self.transport.mismatch is not None:  # the peer uses the other elastic.heal_transport
+            raise self.transport.mismatch
         if not self._participation.participating and pending is not None and self._check_peer_state is not None:
             self._check_peer_state(pending["user"]["default"])
         return self._participation

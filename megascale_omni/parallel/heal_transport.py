@@ -18,21 +18,73 @@ thread). Rank ``r`` of a group always pairs with rank ``r`` of the peer.
   receives into fresh buffers (moved to the host as they arrive) rather
   than in place, so its own weights stay untouched until the state passed
   ``check_peer_state`` and the step commits.
+
+Sender and joiner must use the same transport. :class:`HealTransport`
+prefixes torchft's transport metadata (which the joiner reads from its peer
+before fetching) with the transport's name, so a joiner started with the
+other value fails its fetch at once and keeps the :class:`ConfigError` for
+the training thread to raise, instead of waiting for a transfer that never
+comes.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Optional
 
 import torch
+
+from megascale_omni.config import ConfigError
 
 #: ``elastic.heal_transport`` values.
 HEAL_TRANSPORTS = ("http", "pg")
 
 
-def checkpoint_transport(kind: str, pg, device: torch.device, timeout: timedelta):
-    """torchft checkpoint transport for ``elastic.heal_transport=kind``
-    (every rank, before its ``Manager`` is built). ``pg``: the cross-replica
+class HealTransport:
+    """torchft ``CheckpointTransport`` of one ``elastic.heal_transport``
+    value (``kind``), delegating to torchft's ``inner`` transport; called by
+    the Manager's quorum thread. :attr:`mismatch` is set (and raised) when
+    a peer's metadata names another transport."""
+
+    def __init__(self, kind: str, inner: Any):
+        self.kind = kind
+        self.inner = inner
+        #: Set by :meth:`recv_checkpoint` when the peer uses another transport.
+        self.mismatch: Optional[ConfigError] = None
+
+    def metadata(self) -> str:
+        return f"{self.kind}|{self.inner.metadata()}"
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        peer, sep, inner = metadata.partition("|")
+        if not sep or peer != self.kind:
+            self.mismatch = ConfigError(
+                "elastic.heal_transport", self.kind,
+                f"differs from the running job's ({peer if sep else 'unknown'}): a joiner fetches its peer's "
+                f"state through the peer's transport; start this group with the running job's "
+                f"elastic.heal_transport",
+            )
+            raise self.mismatch
+        return self.inner.recv_checkpoint(src_rank, inner, step, timeout)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
+
+    @property
+    def name(self) -> str:
+        """torchft's class doing the transfer (``HTTPTransport``, ``PGTransport``)."""
+        return type(self.inner).__name__
+
+
+def checkpoint_transport(kind: str, pg, device: torch.device, timeout: timedelta) -> HealTransport:
+    """The checkpoint transport for ``elastic.heal_transport=kind`` (every
+    rank, before its ``Manager`` is built). ``pg``: the cross-replica
     process group passed to the Manager; ``device``: where the state's
     tensors live (``pg``'s backend works on it)."""
     from torchft.checkpointing.http_transport import HTTPTransport
@@ -40,7 +92,7 @@ def checkpoint_transport(kind: str, pg, device: torch.device, timeout: timedelta
 
     if kind == "http":
         # Whole state in one stream (num_chunks=0), as torchft's default.
-        return HTTPTransport(timeout=timeout, num_chunks=0)
+        return HealTransport(kind, HTTPTransport(timeout=timeout, num_chunks=0))
     if kind == "pg":
-        return PGTransport(pg, timeout=timeout, device=device)
+        return HealTransport(kind, PGTransport(pg, timeout=timeout, device=device))
     raise ValueError(f"elastic.heal_transport={kind!r}: must be one of {', '.join(HEAL_TRANSPORTS)}")

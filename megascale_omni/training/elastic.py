@@ -279,7 +279,7 @@ class ElasticMembership:
         """Apply a peer's state (training thread, inside should_commit, before the update)."""
         self.state.load_state_dict(state)
         logger.info("elastic: healed from a live peer over %s: model, optimizer, LR scheduler at step %d",
-                    type(self.replica.transport).__name__, self.state.step)
+                    self.replica.transport.name, self.state.step)
 
 
 def build_membership(state: TrainState, cfg: ElasticConfig, dp_rank: int):

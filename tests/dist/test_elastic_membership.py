@@ -49,7 +49,7 @@ from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
-from tests.launcher import finish, kill_group, spawn, torchrun_cmd
+from tests.launcher import finish, kill_group, output_of, spawn, torchrun_cmd
 
 GLOBAL_BATCH, SEED = 12, 1234
 #: Far above any test's needs: jobs end by drain, so pacing never depends on speed.
@@ -271,12 +271,25 @@ class Job:
         return merged
 
 
+#: torchft transport class a joiner's log names for each ``elastic.heal_transport``.
+TRANSPORT_CLASS = {"http": "HTTPTransport", "pg": "PGTransport"}
+
+
+def assert_healed_over(job: Job, rid: str, transport: str) -> None:
+    """``rid``'s log (so far) says it healed through ``transport``'s torchft class."""
+    log = output_of(job.procs[rid])
+    assert f"healed from a live peer over {TRANSPORT_CLASS[transport]}" in log, log[-3000:]
+
+
+# The default transport in make test, the other in make test-all (same checks).
 @pytest.mark.timeout(1200)
-def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_membership(tmp_path):
+@pytest.mark.parametrize("transport", ["http", pytest.param("pg", marks=pytest.mark.slow)])
+def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_membership(tmp_path, transport):
     """r0 trains alone; r1 starts as a warm standby, joins on ``omni-ctl
-    join`` and heals from r0; r1 is SIGKILLed and r0 carries on alone (the
-    step in flight is retried). Cold joins run in the full scenario below."""
-    job = Job(tmp_path, timeout=1200)
+    join`` and heals from r0 through ``elastic.heal_transport``; r1 is
+    SIGKILLed and r0 carries on alone (the step in flight is retried). Cold
+    joins run in the full scenario below."""
+    job = Job(tmp_path, timeout=1200, layout=[f"elastic.heal_transport={transport}"])
     try:
         job.start("r0")
         job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
@@ -286,6 +299,7 @@ def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_memb
         replica = omni_ctl(job.run / "r1", "status")["result"]["replica"]
         assert replica["replica_id"] == "r1" and replica["participants"] == 2, replica
         assert replica["participant_rank"] in (0, 1) and not replica["healing"], replica
+        assert_healed_over(job, "r1", transport)
         job.kill_in_flight("r1", hold="r0")
         job.wait_steps("r0", 2)
         last = job.finish()

@@ -1,0 +1,80 @@
+"""elastic.heal_transport: a peer state crosses each transport intact, and a
+joiner whose transport differs from its peer's gets one config error
+instead of a transfer that never comes. Sender and receiver are two threads
+of this process (torchft's gloo process group on a local store)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascale_omni.config import ConfigError
+from megascale_omni.parallel.elastic import import_torchft
+from megascale_omni.parallel.heal_transport import checkpoint_transport
+from tests.launcher import free_port
+
+TIMEOUT = timedelta(seconds=60)
+CPU = torch.device("cpu")
+
+
+def _peer_state() -> dict:
+    weights = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "user": {"default": {
+            "model": {"w": weights, "w_t": weights.t(), "b": torch.tensor([1, 2, 3], dtype=torch.int64),
+                      "h": torch.full((5,), 0.5, dtype=torch.bfloat16)},
+            "step": 7, "layout": {"tp": 1, "pp": 2}, "betas": (0.9, 0.95),
+        }},
+        "torchft": {"step": 7, "batches_committed": 14},
+    }
+
+
+def _pair(kind: str):
+    """Sender and receiver transports of ``kind`` over a 2-rank torchft gloo group (configured in threads)."""
+    port = free_port()
+    store = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)
+    pgs = [import_torchft().ProcessGroupGloo(timeout=TIMEOUT) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda r: pgs[r].configure(f"localhost:{port}/heal", "0", r, 2), range(2)))
+    return store, [checkpoint_transport(kind, pg, CPU, TIMEOUT) for pg in pgs]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind, name", [("http", "HTTPTransport"), ("pg", "PGTransport")])
+def test_peer_state_crosses_the_transport_intact(kind, name):
+    store, (sender, receiver) = _pair(kind)
+    state = _peer_state()
+    try:
+        assert sender.name == name
+        with ThreadPoolExecutor(2) as pool:
+            sent = pool.submit(sender.send_checkpoint, [1], 7, state, TIMEOUT)
+            got = pool.submit(receiver.recv_checkpoint, 0, sender.metadata(), 7, TIMEOUT).result()
+            sent.result()
+    finally:
+        for t in (sender, receiver):
+            t.shutdown(wait=False)
+    mine, theirs = state["user"]["default"], got["user"]["default"]
+    for key, tensor in mine["model"].items():
+        assert theirs["model"][key].dtype == tensor.dtype and torch.equal(theirs["model"][key], tensor), key
+        # Received into buffers of its own: the joiner's weights are not touched before the commit.
+        assert theirs["model"][key].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    assert {k: theirs[k] for k in ("step", "layout", "betas")} == {k: mine[k] for k in ("step", "layout", "betas")}
+    assert got["torchft"] == state["torchft"] and receiver.mismatch is None
+
+
+@pytest.mark.parametrize("joiner, peer", [("pg", "http"), ("http", "pg")])
+def test_joiner_with_the_other_transport_gets_one_config_error(joiner, peer):
+    peer_meta = {"http": "http|http://host:1/checkpoint/", "pg": "pg|<n/a>"}[peer]
+    transport = checkpoint_transport(joiner, None, CPU, TIMEOUT)
+    try:
+        with pytest.raises(ConfigError) as err:
+            transport.recv_checkpoint(0, peer_meta, 7, TIMEOUT)
+    finally:
+        transport.shutdown(wait=False)
+    assert transport.mismatch is err.value and err.value.field == "elastic.heal_transport"
+    assert f"elastic.heal_transport={joiner!r}: differs from the running job's ({peer})" in str(err.value)
+    assert "\n" not in str(err.value)
