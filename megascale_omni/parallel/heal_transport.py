@@ -17,7 +17,12 @@ thread). Rank ``r`` of a group always pairs with rank ``r`` of the peer.
   GPU. One pickled metadata message, then one send per tensor. The joiner
   receives into fresh buffers (moved to the host as they arrive) rather
   than in place, so its own weights stay untouched until the state passed
-  ``check_peer_state`` and the step commits.
+  ``check_peer_state`` and the step commits. PGTransport sends each
+  tensor's whole storage, and many of a rank's tensors are views of one
+  storage (with the distributed optimizer every parameter is a view of its
+  buffer's ``param_data``, and so is its fp32 main parameter): the state is
+  therefore sent as its distinct storages, once each, plus the view of
+  each tensor (:func:`pack_storages`), as ``torch.save`` does for ``http``.
 
 Sender and joiner must use the same transport. :class:`HealTransport`
 prefixes torchft's transport metadata (which the joiner reads from its peer
@@ -29,15 +34,59 @@ comes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+from torch.utils._pytree import tree_map
 
 from megascale_omni.config import ConfigError
 
 #: ``elastic.heal_transport`` values.
 HEAL_TRANSPORTS = ("http", "pg")
+
+
+@dataclass(frozen=True)
+class _View:
+    """A tensor of a packed state: a view of ``storages[index]``."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def pack_storages(state: Any) -> dict:
+    """``{"storages": [uint8 tensor per distinct storage], "state": state
+    with every tensor replaced by its view}`` (any thread; no copies)."""
+    storages: list[torch.Tensor] = []
+    index: dict[tuple, int] = {}
+
+    def view(leaf: Any) -> Any:
+        if type(leaf) is not torch.Tensor:
+            return leaf
+        storage = leaf.untyped_storage()
+        key = (leaf.device, storage.data_ptr(), storage.nbytes())
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(torch.empty(0, dtype=torch.uint8, device=leaf.device).set_(storage))
+        return _View(index[key], leaf.dtype, tuple(leaf.shape), leaf.stride(), leaf.storage_offset())
+
+    return {"state": tree_map(view, state), "storages": storages}
+
+
+def unpack_storages(packed: dict) -> Any:
+    """Inverse of :func:`pack_storages`: tensors sharing a storage share it again."""
+    storages = packed["storages"]
+
+    def tensor(leaf: Any) -> Any:
+        if not isinstance(leaf, _View):
+            return leaf
+        return torch.as_strided(storages[leaf.index].view(leaf.dtype), leaf.shape, leaf.stride, leaf.offset)
+
+    return tree_map(tensor, packed["state"])
 
 
 class HealTransport:
@@ -46,9 +95,11 @@ class HealTransport:
     the Manager's quorum thread. :attr:`mismatch` is set (and raised) when
     a peer's metadata names another transport."""
 
-    def __init__(self, kind: str, inner: Any):
+    def __init__(self, kind: str, inner: Any, packs: bool = False):
         self.kind = kind
         self.inner = inner
+        #: Send distinct storages once each (:func:`pack_storages`).
+        self.packs = packs
         #: Set by :meth:`recv_checkpoint` when the peer uses another transport.
         self.mismatch: Optional[ConfigError] = None
 
@@ -56,7 +107,7 @@ class HealTransport:
         return f"{self.kind}|{self.inner.metadata()}"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+        self.inner.send_checkpoint(dst_ranks, step, pack_storages(state_dict) if self.packs else state_dict, timeout)
 
     def disallow_checkpoint(self) -> None:
         self.inner.disallow_checkpoint()
@@ -71,7 +122,8 @@ class HealTransport:
                 f"elastic.heal_transport",
             )
             raise self.mismatch
-        return self.inner.recv_checkpoint(src_rank, inner, step, timeout)
+        state = self.inner.recv_checkpoint(src_rank, inner, step, timeout)
+        return unpack_storages(state) if self.packs else state
 
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
@@ -94,5 +146,5 @@ def checkpoint_transport(kind: str, pg, device: torch.device, timeout: timedelta
         # Whole state in one stream (num_chunks=0), as torchft's default.
         return HealTransport(kind, HTTPTransport(timeout=timeout, num_chunks=0))
     if kind == "pg":
-        return HealTransport(kind, PGTransport(pg, timeout=timeout, device=device))
+        return HealTransport(kind, PGTransport(pg, timeout=timeout, device=device), packs=True)
     raise ValueError(f"elastic.heal_transport={kind!r}: must be one of {', '.join(HEAL_TRANSPORTS)}")

@@ -78,3 +78,28 @@ def test_joiner_with_the_other_transport_gets_one_config_error(joiner, peer):
     assert transport.mismatch is err.value and err.value.field == "elastic.heal_transport"
     assert f"elastic.heal_transport={joiner!r}: differs from the running job's ({peer})" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["http", "pg"])
+def test_views_of_one_storage_cross_once_and_stay_views(kind):
+    """Parameters that are views of one buffer (the distributed optimizer's
+    ``param_data``) arrive as views of one buffer of the same size, not as
+    one copy of the whole buffer per view."""
+    buffer = torch.arange(96, dtype=torch.float32)
+    state = {"user": {"w1": buffer[:48].view(6, 8), "w2": buffer[48:].view(8, 6), "main": buffer[60:72]},
+             "torchft": {"step": 3}}
+    store, (sender, receiver) = _pair(kind)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sent = pool.submit(sender.send_checkpoint, [1], 3, state, TIMEOUT)
+            got = pool.submit(receiver.recv_checkpoint, 0, sender.metadata(), 3, TIMEOUT).result()
+            sent.result()
+    finally:
+        for t in (sender, receiver):
+            t.shutdown(wait=False)
+    received = got["user"]
+    for key, tensor in state["user"].items():
+        assert torch.equal(received[key], tensor), key
+    storages = {received[key].untyped_storage().data_ptr() for key in received}
+    assert len(storages) == 1 and received["w1"].untyped_storage().nbytes() == buffer.nbytes
