@@ -45,7 +45,8 @@ def _distopt_job(tmp_path, timeout: float, transport: str = "http") -> Job:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("transport", ["http", "pg"])
-def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path, transport):
+def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path, transport, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_LOG_ALL_RANKS", "1")  # rank 1's heal line too
     job = _distopt_job(tmp_path, timeout=900, transport=transport)
     join_heal_drain(job)
     r1 = job.results["r1"].stderr
