@@ -37,6 +37,7 @@ Checked, against the sample ledger and the reference run:
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Sequence
@@ -389,3 +390,30 @@ def test_join_join_drain_kill_mid_run(tmp_path):
     finally:
         job.close()
     check_membership_scenario(job, last)
+
+
+# make test-all (~1-2 minutes): a joiner with the other transport than the running job's.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_joiner_with_another_heal_transport_exits_2_and_the_job_carries_on(tmp_path):
+    """r0 heals joiners over HTTP; a group started with
+    ``elastic.heal_transport=pg`` reads r0's transport from the quorum,
+    exits 2 with one line before any gradient, and r0 carries on alone."""
+    job = Job(tmp_path, timeout=900, layout=["elastic.heal_transport=http"])
+    try:
+        job.start("r0")
+        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "pause", timeout_s=330)["ok"]
+        job.start("bad", "elastic.heal_transport=pg", omni_run=True)
+        job.wait("bad's control server", lambda: (job.run / "bad" / "control.json").exists())
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "resume", timeout_s=330)["ok"]
+        res = job.results["bad"] = job.wait_exit("bad")
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert re.search(r"^config error: elastic.heal_transport='pg': differs from the running job's \(http\)",
+                         res.stderr, re.MULTILINE), res.stderr[-3000:]
+        job.wait_steps("r0", 2)
+        last = job.finish()
+    finally:
+        job.close()
+    job.check(last)
+    assert not job.records("bad")
