@@ -33,30 +33,33 @@ def _peer_state() -> dict:
     }
 
 
-def _pair(kind: str):
-    """Sender and receiver transports of ``kind`` over a 2-rank torchft gloo group (configured in threads)."""
+def _transfer(kind: str, state: dict, step: int):
+    """Send ``state`` from rank 0 to rank 1 through ``kind`` (two threads, a
+    2-rank torchft gloo group on a local store); returns (the receiver's
+    transport, what it received, torchft's transport class name)."""
     port = free_port()
-    store = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)
+    _store = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # alive while the groups connect
     pgs = [import_torchft().ProcessGroupGloo(timeout=TIMEOUT) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda r: pgs[r].configure(f"localhost:{port}/heal", "0", r, 2), range(2)))
-    return store, [checkpoint_transport(kind, pg, CPU, TIMEOUT) for pg in pgs]
+    sender, receiver = (checkpoint_transport(kind, pg, CPU, TIMEOUT) for pg in pgs)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sent = pool.submit(sender.send_checkpoint, [1], step, state, TIMEOUT)
+            got = pool.submit(receiver.recv_checkpoint, 0, sender.metadata(), step, TIMEOUT).result()
+            sent.result()
+    finally:
+        for t in (sender, receiver):
+            t.shutdown(wait=False)
+    return receiver, got, sender.name
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind, name", [("http", "HTTPTransport"), ("pg", "PGTransport")])
 def test_peer_state_crosses_the_transport_intact(kind, name):
-    store, (sender, receiver) = _pair(kind)
     state = _peer_state()
-    try:
-        assert sender.name == name
-        with ThreadPoolExecutor(2) as pool:
-            sent = pool.submit(sender.send_checkpoint, [1], 7, state, TIMEOUT)
-            got = pool.submit(receiver.recv_checkpoint, 0, sender.metadata(), 7, TIMEOUT).result()
-            sent.result()
-    finally:
-        for t in (sender, receiver):
-            t.shutdown(wait=False)
+    receiver, got, used = _transfer(kind, state, step=7)
+    assert used == name
     mine, theirs = state["user"]["default"], got["user"]["default"]
     for key, tensor in mine["model"].items():
         assert theirs["model"][key].dtype == tensor.dtype and torch.equal(theirs["model"][key], tensor), key
@@ -89,15 +92,7 @@ def test_views_of_one_storage_cross_once_and_stay_views(kind):
     buffer = torch.arange(96, dtype=torch.float32)
     state = {"user": {"w1": buffer[:48].view(6, 8), "w2": buffer[48:].view(8, 6), "main": buffer[60:72]},
              "torchft": {"step": 3}}
-    store, (sender, receiver) = _pair(kind)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            sent = pool.submit(sender.send_checkpoint, [1], 3, state, TIMEOUT)
-            got = pool.submit(receiver.recv_checkpoint, 0, sender.metadata(), 3, TIMEOUT).result()
-            sent.result()
-    finally:
-        for t in (sender, receiver):
-            t.shutdown(wait=False)
+    _, got, _ = _transfer(kind, state, step=3)
     received = got["user"]
     for key, tensor in state["user"].items():
         assert torch.equal(received[key], tensor), key
