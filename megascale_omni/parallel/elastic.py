@@ -153,10 +153,11 @@ class ElasticReplica:
     ``state_dict`` / ``load_state_dict`` capture and restore everything a
     joining replica needs from a live peer (model, optimizer or this rank's
     shard of it, LR scheduler, step); torchft moves it from the same group
-    rank of a peer through ``cfg.heal_transport`` (:mod:`.heal_transport`). ``check_peer_state`` vets a fetched peer
-    state before this replica joins any cross-replica collective (raises on
-    a mismatch). ``device``: where the gradient buffers live (selects the
-    cross-replica process group, see :func:`process_group_for`).
+    rank of a peer through ``cfg.heal_transport`` (:mod:`.heal_transport`).
+    ``check_peer_state`` vets a fetched peer state before this replica joins
+    any cross-replica collective (raises on a mismatch). ``device``: where
+    the gradient buffers live (selects the cross-replica process group, see
+    :func:`process_group_for`).
     """
 
     def __init__(

@@ -65,7 +65,7 @@ def pack_storages(state: Any) -> dict:
     index: dict[tuple, int] = {}
 
     def view(leaf: Any) -> Any:
-        if type(leaf) is not torch.Tensor:
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):  # DTensors and non-tensors as they are
             return leaf
         storage = leaf.untyped_storage()
         key = (leaf.device, storage.data_ptr(), storage.nbytes())
