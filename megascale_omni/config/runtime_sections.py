@@ -202,6 +202,11 @@ class ElasticConfig:
     #: participation while the quorum is requested (its lighthouse round trip
     #: overlaps forward/backward); a step whose quorum differs is recomputed.
     overlap_quorum: bool = True
+    #: How a joining group fetches a live peer's state: ``http`` (torchft's
+    #: HTTP server on every rank, state staged in host memory) or ``pg`` (send
+    #: and receive over the cross-replica process group: gloo on CPU, NCCL
+    #: device to device on GPU). See docs/elastic.md for the measured choice.
+    heal_transport: Literal["http", "pg"] = "http"
 
     def __post_init__(self) -> None:
         check_fields(self, "elastic")

@@ -54,6 +54,7 @@ from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from torch.distributed import ReduceOp
 
 from megascale_omni.config import ElasticConfig
+from megascale_omni.parallel.heal_transport import checkpoint_transport
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +152,12 @@ class ElasticReplica:
 
     ``state_dict`` / ``load_state_dict`` capture and restore everything a
     joining replica needs from a live peer (model, optimizer or this rank's
-    shard of it, LR scheduler, step); torchft moves it over HTTP from the
-    same group rank of a peer. ``check_peer_state`` vets a fetched peer
-    state before this replica joins any cross-replica collective (raises on
-    a mismatch). ``device``: where the gradient buffers live (selects the
-    cross-replica process group, see :func:`process_group_for`).
+    shard of it, LR scheduler, step); torchft moves it from the same group
+    rank of a peer through ``cfg.heal_transport`` (:mod:`.heal_transport`).
+    ``check_peer_state`` vets a fetched peer state before this replica joins
+    any cross-replica collective (raises on a mismatch). ``device``: where
+    the gradient buffers live (selects the cross-replica process group, see
+    :func:`process_group_for`).
     """
 
     def __init__(
@@ -174,6 +176,8 @@ class ElasticReplica:
         self.group_rank = dist.get_rank()
         timeout = timedelta(seconds=cfg.timeout_s)
         self.pg = process_group_for(device, timeout)
+        #: torchft checkpoint transport a joiner fetches this rank's state through (elastic.heal_transport).
+        self.transport = checkpoint_transport(cfg.heal_transport, self.pg, device, timeout)
         # Each replica group has its own torchrun store (MASTER_ADDR/PORT),
         # which torchft uses to find the group's manager server.
         self.manager = Manager(
@@ -189,6 +193,7 @@ class ElasticReplica:
             world_size=dist.get_world_size(),
             lighthouse_addr=cfg.lighthouse,
             replica_id=cfg.replica_id,
+            checkpoint_transport=self.transport,
             # Every replica initialises identically from the seed
             # (layout-invariant init), so step 0 needs no weight sync.
             init_sync=False,
@@ -265,6 +270,8 @@ class ElasticReplica:
         # until should_commit applies it; None when the fetch failed (then
         # the step does not commit and is retried).
         pending = self.manager._pending_state_dict
+        if self.transport.mismatch is not None:  # the peer uses the other elastic.heal_transport
+            raise self.transport.mismatch
         if not self._participation.participating and pending is not None and self._check_peer_state is not None:
             self._check_peer_state(pending["user"]["default"])
         return self._participation

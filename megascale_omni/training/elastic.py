@@ -284,7 +284,8 @@ class ElasticMembership:
     def _load_peer_state(self, state: dict) -> None:
         """Apply a peer's state (training thread, inside should_commit, before the update)."""
         self.state.load_state_dict(state)
-        logger.info("elastic: healed from a live peer: model, optimizer, LR scheduler at step %d", self.state.step)
+        logger.info("elastic: healed from a live peer over %s: model, optimizer, LR scheduler at step %d",
+                    self.replica.transport.name, self.state.step)
 
 
 def build_membership(state: TrainState, cfg: ElasticConfig, dp_rank: int):

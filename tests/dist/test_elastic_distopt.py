@@ -20,6 +20,7 @@ import pytest
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.test_elastic_membership import (
     CTL_TIMEOUT,
+    TRANSPORT_CLASS,
     Job,
     check_membership_scenario,
     join_heal_drain,
@@ -31,19 +32,27 @@ REFERENCE = (1, ["parallel.pp=1"])
 REL_TOL = 1e-6
 
 
-def _distopt_job(tmp_path, timeout: float) -> Job:
-    return Job(tmp_path, timeout=timeout, layout=DIST_OPT, reference=REFERENCE, inner_dp=2, rel_tol=REL_TOL)
+def _distopt_job(tmp_path, timeout: float, transport: str = "http") -> Job:
+    return Job(tmp_path, timeout=timeout, layout=[*DIST_OPT, f"elastic.heal_transport={transport}"],
+               reference=REFERENCE, inner_dp=2, rel_tol=REL_TOL)
 
 
-# make test-all (~60-150 s): one cold join + heal + drain (4 processes at most at once);
-# make test keeps the whole-optimizer standby join/heal/SIGKILL scenario.
+# make test-all (~60-150 s each): one cold join + heal + drain (4 processes at
+# most at once), through each heal transport: every rank of the joiner heals
+# its own optimizer shard from the same rank of r0 over HTTP or over the
+# cross-replica process group. make test keeps the whole-optimizer standby
+# join/heal/SIGKILL scenario.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path):
-    job = _distopt_job(tmp_path, timeout=900)
+@pytest.mark.parametrize("transport", ["http", "pg"])
+def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path, transport, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_LOG_ALL_RANKS", "1")  # rank 1's heal line too
+    job = _distopt_job(tmp_path, timeout=900, transport=transport)
     join_heal_drain(job)
     r1 = job.results["r1"].stderr
-    assert "healed from a live peer" in r1
+    # Both ranks of r1 (inner DP 0 and 1) healed their shard through the transport.
+    healed = re.findall(rf"\[rank (\d)\].*healed from a live peer over {TRANSPORT_CLASS[transport]}", r1)
+    assert sorted(healed) == ["0", "1"], r1[-3000:]
     # Hierarchical reduction: rank 0 sends its shard (half of its fp32
     # gradient buffer, padded to whole buckets) plus the token count and the
     # loss report, i.e. about 2 bytes per parameter instead of 4.

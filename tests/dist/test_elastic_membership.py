@@ -37,6 +37,7 @@ Checked, against the sample ledger and the reference run:
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Sequence
@@ -49,7 +50,7 @@ from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
-from tests.launcher import finish, kill_group, spawn, torchrun_cmd
+from tests.launcher import finish, kill_group, output_of, spawn, torchrun_cmd
 
 GLOBAL_BATCH, SEED = 12, 1234
 #: Far above any test's needs: jobs end by drain, so pacing never depends on speed.
@@ -275,12 +276,25 @@ class Job:
         return merged
 
 
+#: torchft transport class a joiner's log names for each ``elastic.heal_transport``.
+TRANSPORT_CLASS = {"http": "HTTPTransport", "pg": "PGTransport"}
+
+
+def assert_healed_over(job: Job, rid: str, transport: str) -> None:
+    """``rid``'s log (so far) says it healed through ``transport``'s torchft class."""
+    log = output_of(job.procs[rid])
+    assert f"healed from a live peer over {TRANSPORT_CLASS[transport]}" in log, log[-3000:]
+
+
+# The default transport in make test, the other in make test-all (same checks).
 @pytest.mark.timeout(1200)
-def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_membership(tmp_path):
+@pytest.mark.parametrize("transport", ["http", pytest.param("pg", marks=pytest.mark.slow)])
+def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_membership(tmp_path, transport):
     """r0 trains alone; r1 starts as a warm standby, joins on ``omni-ctl
-    join`` and heals from r0; r1 is SIGKILLed and r0 carries on alone (the
-    step in flight is retried). Cold joins run in the full scenario below."""
-    job = Job(tmp_path, timeout=1200)
+    join`` and heals from r0 through ``elastic.heal_transport``; r1 is
+    SIGKILLed and r0 carries on alone (the step in flight is retried). Cold
+    joins run in the full scenario below."""
+    job = Job(tmp_path, timeout=1200, layout=[f"elastic.heal_transport={transport}"])
     try:
         job.start("r0")
         job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
@@ -290,6 +304,7 @@ def test_standby_join_heal_then_sigkill_exactly_once_and_loss_matches_fixed_memb
         replica = omni_ctl(job.run / "r1", "status")["result"]["replica"]
         assert replica["replica_id"] == "r1" and replica["participants"] == 2, replica
         assert replica["participant_rank"] in (0, 1) and not replica["healing"], replica
+        assert_healed_over(job, "r1", transport)
         job.kill_in_flight("r1", hold="r0")
         job.wait_steps("r0", 2)
         last = job.finish()
@@ -379,3 +394,30 @@ def test_join_join_drain_kill_mid_run(tmp_path):
     finally:
         job.close()
     check_membership_scenario(job, last)
+
+
+# make test-all (~1-2 minutes): a joiner with the other transport than the running job's.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_joiner_with_another_heal_transport_exits_2_and_the_job_carries_on(tmp_path):
+    """r0 heals joiners over HTTP; a group started with
+    ``elastic.heal_transport=pg`` reads r0's transport from the quorum,
+    exits 2 with one line before any gradient, and r0 carries on alone."""
+    job = Job(tmp_path, timeout=900, layout=["elastic.heal_transport=http"])
+    try:
+        job.start("r0")
+        job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "pause", timeout_s=330)["ok"]
+        job.start("bad", "elastic.heal_transport=pg", omni_run=True)
+        job.wait("bad's control server", lambda: (job.run / "bad" / "control.json").exists())
+        assert omni_ctl(job.run / "r0", *CTL_TIMEOUT, "resume", timeout_s=330)["ok"]
+        res = job.results["bad"] = job.wait_exit("bad")
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert re.search(r"^config error: elastic.heal_transport='pg': differs from the running job's \(http\)",
+                         res.stderr, re.MULTILINE), res.stderr[-3000:]
+        job.wait_steps("r0", 2)
+        last = job.finish()
+    finally:
+        job.close()
+    job.check(last)
+    assert not job.records("bad")

@@ -84,6 +84,13 @@ EXPECTED = {
         *(rf"^elastic \(overlap_quorum={v}\) / non-elastic, median over 1 rounds: [\d.]+ \(min [\d.]+, max [\d.]+\)$"
           for v in ("false", "true")),
     ],
+    "heal_transport": [
+        r"^state: 0\.008 GiB in 8 fp32 tensors \+ metadata; 1 round\(s\)",
+        *(rf"^transfer {kind}: median [\d.]+ \(min [\d.]+, max [\d.]+\) GB/s$" for kind in ("http", "pg")),
+        r"^ratio pg / http throughput \(baseline http\): median [\d.]+ ",
+        *(rf"^join {kind}: median [\d.]+ \(min [\d.]+, max [\d.]+\) s; heal median " for kind in ("http", "pg")),
+        r"^ratio pg / http join latency \(baseline http\): median [\d.]+ ",
+    ],
     "loader_throughput": [
         r"^\(a\) loader alone: 6 steps of 8 packed rows, DP rank 0 of 1",
         r"^\| in-process \| \d+ \| \d+ \| 1\.00x \| [\d.]+ s \| [\d.]+ ms \|$",
@@ -128,6 +135,7 @@ TIMEOUT_S = {
     "elastic_join": 1200,
     "elastic_shard": 900,
     "elastic_overhead": 600,
+    "heal_transport": 300,
     "loader_throughput": 600,
     "context_parallel": 300,
     "plan_startup": 240,
@@ -135,15 +143,16 @@ TIMEOUT_S = {
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
-        "context_parallel", "elastic_shard", "elastic_overhead"}
+        "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
 #: import megatron, over 20 s; elastic_shard 4 torchrun jobs and 2
-#: lighthouses; gpu_mfu builds and trains a LLaVA, 30-80 s); `make test-all`
-#: runs them. The other single-process benchmarks stay in `make test`.
+#: lighthouses; heal_transport 6 processes and 2 lighthouses, about 30 s;
+#: gpu_mfu builds and trains a LLaVA, 30-80 s); `make test-all` runs them.
+#: The other single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "gpu_mfu"}
+        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "gpu_mfu"}
 
 
 def documented_commands() -> dict[str, list[str]]:

@@ -44,6 +44,8 @@ INVALID = {
     "wrong-type-bool": (["parallel.use_distributed_optimizer=maybe"], 1,
                         ["parallel.use_distributed_optimizer='maybe'", "true or false"]),
     "wrong-choice": (["train.precision=fp8"], 1, ["train.precision='fp8'", "must be one of"]),
+    "heal-transport": (["elastic.heal_transport=nccl"], 1,
+                       ["elastic.heal_transport='nccl'", "must be one of 'http', 'pg'"]),
     "vpp-without-pp": (["parallel.vpp=2"], 1, ["parallel.vpp=2", "pp >= 2"]),
     "context-parallel": (["parallel.cp=2", "model.seq_length=30"], 2, ["model.seq_length=30", "multiple of 4"]),
     "vocab-multiple-vs-tp": (["parallel.tp=2", "model.make_vocab_size_divisible_by=3"], 2,
