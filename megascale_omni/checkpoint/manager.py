@@ -89,6 +89,9 @@ class Checkpointer:
         self.strategy = SaveStrategy(self.group)
         #: Host buffers of the tensors this rank writes, reused by every save.
         self.staging = HostStaging()
+        # Buffers are reserved ahead of time only for periodic async saves;
+        # a requested save allocates them itself.
+        self._periodic_async = cfg.async_save and bool(cfg.interval or cfg.interval_minutes)
         self._reserved = False
         #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes, phases.
         self.saves: list[dict] = []
@@ -208,7 +211,7 @@ class Checkpointer:
             if decision.save_reason != "interval":
                 logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
                             decision.save_reason, state.step)
-        elif self.cfg.async_save and not self._reserved and state.step > 0 and self.writes():
+        elif self._periodic_async and not self._reserved and state.step > 0 and self.writes():
             self._reserve(state)
         if decision.stop and saving:
             logger.warning("SIGTERM: checkpoint at step %d written; stopping", state.step)

@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factorie
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 
 def structure(state: dict[str, Any]) -> list[tuple]:
@@ -79,7 +80,9 @@ class SaveStrategy:
             self._structure = now
             self.builds += 1
         if isinstance(self.strategy, FullyParallelSaveStrategyWrapper):
-            self.strategy.apply_saving_parallelization(state)
+            # On the sharded items only, as megatron's save passes them; they
+            # are the objects of ``state``, whose replica ids change in place.
+            self.strategy.apply_saving_parallelization(extract_sharded_base(state)[0])
         return self.strategy, fresh
 
     def _build(self) -> AsyncSaveShardedStrategy:
