@@ -245,7 +245,7 @@ class Checkpointer:
         clock.lap("target")
         snapshot = state.sharded_state_dict()
         clock.lap("state_dict")
-        strategy, first_of_structure = self.strategy.prepare(snapshot)
+        strategy, validate = self.strategy.prepare(snapshot)
         clock.lap("split")
         # A synchronous save writes the live tensors: training waits for it.
         staged = 0 if synchronous else self.staging.stage(snapshot)
@@ -253,7 +253,7 @@ class Checkpointer:
         clock.lap("host_copy")
         request = dist_checkpointing.save(
             snapshot, str(target), sharded_strategy=strategy, async_sharded_save=True,
-            validate_access_integrity=first_of_structure,
+            validate_access_integrity=validate,
         )
         request = prepare_request(request)
         clock.lap("plan")
@@ -274,7 +274,7 @@ class Checkpointer:
         first async save (every rank of a writing group, once, after a step:
         Adam state exists). The buffers fill on a background thread."""
         snapshot = state.sharded_state_dict()
-        self.strategy.prepare(snapshot)
+        self.strategy.prepare(snapshot, saving=False)
         self.staging.reserve(snapshot)
         self._reserved = True
 

@@ -62,14 +62,16 @@ class SaveStrategy:
         self.parallel_save = parallel_save
         self.strategy: Optional[AsyncSaveShardedStrategy] = None
         self._structure: Optional[list[tuple]] = None
+        self._validated = False
         #: Strategies built so far (1 while the structure repeats).
         self.builds = 0
 
-    def prepare(self, state: dict[str, Any]) -> tuple[AsyncSaveShardedStrategy, bool]:
+    def prepare(self, state: dict[str, Any], saving: bool = True) -> tuple[AsyncSaveShardedStrategy, bool]:
         """Apply megatron's tensor factories and the fully-parallel split to
         ``state`` in place (every rank, before staging: afterwards the main
         replicas are the tensors this rank writes). Returns the strategy and
-        whether this is the first save of its structure (validate it)."""
+        whether to validate the save: the first save of its structure.
+        ``saving=False`` when ``state`` is only inspected, not saved."""
         apply_factories(state)
         now = structure(state)
         changed = torch.tensor([int(now != self._structure)])
@@ -79,11 +81,14 @@ class SaveStrategy:
             self.strategy = self._build()
             self._structure = now
             self.builds += 1
+            self._validated = False
         if isinstance(self.strategy, FullyParallelSaveStrategyWrapper):
             # On the sharded items only, as megatron's save passes them; they
             # are the objects of ``state``, whose replica ids change in place.
             self.strategy.apply_saving_parallelization(extract_sharded_base(state)[0])
-        return self.strategy, fresh
+        validate = saving and not self._validated
+        self._validated = self._validated or saving
+        return self.strategy, validate
 
     def _build(self) -> AsyncSaveShardedStrategy:
         base = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, cached_metadata=True)

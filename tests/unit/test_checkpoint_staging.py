@@ -28,8 +28,8 @@ def trainer(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     cfg, family = parse_for_family("gpt", [
         "--config", "examples/gpt/tiny.yaml", f"logging.output_dir={tmp_path / 'async'}",
-        "logging.tensorboard=false", "logging.progress_bar=false", "train.steps=3",
-        f"checkpoint.dir={tmp_path / 'async' / 'ckpt'}", "checkpoint.interval=1", "checkpoint.keep_last=5",
+        "logging.tensorboard=false", "logging.progress_bar=false", "train.steps=6",
+        f"checkpoint.dir={tmp_path / 'async' / 'ckpt'}", "checkpoint.interval=2", "checkpoint.keep_last=5",
         "checkpoint.save_at_end=false", "checkpoint.async_save=true",
     ], world_size=1)
     t = Trainer(cfg, family)
@@ -68,21 +68,22 @@ def test_async_saves_reuse_buffers_and_plan_and_match_a_sync_save(trainer, tmp_p
     monkeypatch.setattr(MCoreSavePlanner, "create_local_plan", count("local", create_local))
     monkeypatch.setattr(MCoreSavePlanner, "create_global_plan", count("global", create_global))
     ckpt = trainer.checkpointer
-    allocations = []
+    allocations, reserved = [], []
     save = ckpt.save
-    monkeypatch.setattr(ckpt, "save", lambda *a, **k: (save(*a, **k), allocations.append(ckpt.staging.allocations)))
+    monkeypatch.setattr(ckpt, "save", lambda *a, **k: (
+        reserved.append(ckpt._reserved), save(*a, **k), allocations.append(ckpt.staging.allocations)))
 
     trainer.train()
     ckpt.wait()
 
     written = len(written_tensors(trainer.state.sharded_state_dict()))
-    # The first save allocates one buffer per written tensor; the next two reuse them.
-    assert allocations == [written] * 3
+    # The buffers were reserved after step 1, one per written tensor; no save allocates.
+    assert reserved == [True] * 3 and allocations == [written] * 3
     # megatron plans the first save, reuses the local plan from the second
     # (whose global plan validates the cache) and reuses both for the third.
     assert plans == {"local": 1, "global": 2}
     assert ckpt.strategy.plan_cached and ckpt.strategy.builds == 1
-    assert [s["step"] for s in ckpt.saves] == [1, 2, 3]
+    assert [s["step"] for s in ckpt.saves] == [2, 4, 6]
     assert set(ckpt.saves[-1]["phases"]) == {"wait", "target", "state_dict", "split", "host_copy", "plan"}
 
     # The same state saved by the synchronous path (no staging, a fresh strategy).
@@ -93,8 +94,8 @@ def test_async_saves_reuse_buffers_and_plan_and_match_a_sync_save(trainer, tmp_p
         assert sync.staging.allocations == 0
     finally:
         sync.close()
-    async_dir = tmp_path / "async" / "ckpt" / layout.step_dir_name(3)
-    sync_dir = tmp_path / "sync" / layout.step_dir_name(3)
+    async_dir = tmp_path / "async" / "ckpt" / layout.step_dir_name(6)
+    sync_dir = tmp_path / "sync" / layout.step_dir_name(6)
     got, want = _loaded(trainer.state, async_dir), _loaded(trainer.state, sync_dir)
     assert sorted(got) == sorted(want) and len(got) > 10
     for key in want:
@@ -102,6 +103,6 @@ def test_async_saves_reuse_buffers_and_plan_and_match_a_sync_save(trainer, tmp_p
     for name in ("__0_0.distcp", "common.pt"):
         assert (async_dir / name).read_bytes() == (sync_dir / name).read_bytes(), name
     # Buffers were reused, yet each save holds its own step's weights.
-    earlier = _loaded(trainer.state, tmp_path / "async" / "ckpt" / layout.step_dir_name(2))
+    earlier = _loaded(trainer.state, tmp_path / "async" / "ckpt" / layout.step_dir_name(4))
     assert not torch.equal(earlier[".model.embedding.word_embeddings.weight"],
                            got[".model.embedding.word_embeddings.weight"])
