@@ -10,6 +10,10 @@ the same tensors (shapes, dtypes, order); the previous save's writer must be
 done with them first, which the Checkpointer guarantees (at most one save
 in flight). :meth:`HostStaging.reserve` allocates them ahead of the first
 save, on a background thread, so no save pays for the allocation.
+
+Without pinning, the buffers are shared memory: megatron's writer is a
+forked process, and a fork write-protects every private page of the parent,
+so the next copy into private buffers would fault on each page again.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class HostStaging:
 
     ``pin``: page-locked buffers, so device-to-host copies run at full
     bandwidth without a bounce buffer; defaults to True when CUDA is
-    available. Call :meth:`reserve` and :meth:`stage` from the training
+    available. Otherwise shared memory (see the module docstring). Call :meth:`reserve` and :meth:`stage` from the training
     thread only.
     """
 
@@ -62,7 +66,7 @@ class HostStaging:
 
     def _allocate(self, specs: list[tuple]) -> None:
         try:
-            buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for shape, dtype in specs]
+            buffers = [self._new(shape, dtype) for shape, dtype in specs]
             for b in buffers:
                 b.zero_()  # fault the pages in now, not during a save
         except RuntimeError as e:  # out of (pinned) memory: the first save allocates instead
@@ -70,6 +74,11 @@ class HostStaging:
             return
         self._buffers = buffers
         self.allocations += len(buffers)
+
+    def _new(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self.pin:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype).share_memory_()
 
     def _join(self) -> None:
         if self._reserving is not None:
@@ -89,7 +98,7 @@ class HostStaging:
         sources = [v.data.detach() for v in items]
         if [(b.shape, b.dtype) for b in self._buffers] != [(s.shape, s.dtype) for s in sources]:
             self._buffers = []  # free the old buffers before allocating new ones
-            self._buffers = [torch.empty(s.shape, dtype=s.dtype, pin_memory=self.pin) for s in sources]
+            self._buffers = [self._new(s.shape, s.dtype) for s in sources]
             self.allocations += len(sources)
         on_device = False
         for item, src, buf in zip(items, sources, self._buffers):
