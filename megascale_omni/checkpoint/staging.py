@@ -13,12 +13,16 @@ save, on a background thread, so no save pays for the allocation.
 
 Without pinning, the buffers are shared memory: megatron's writer is a
 forked process, and a fork write-protects every private page of the parent,
-so the next copy into private buffers would fault on each page again.
+so the next copy into private buffers would fault on each page again. When
+``/dev/shm`` has no room for them (a container's default is often 64 MB),
+they are private memory instead: touching shared memory past its limit
+raises SIGBUS rather than an error.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Optional
 
@@ -66,7 +70,8 @@ class HostStaging:
 
     def _allocate(self, specs: list[tuple]) -> None:
         try:
-            buffers = [self._new(shape, dtype) for shape, dtype in specs]
+            shared = self._shared_fits(specs)
+            buffers = [self._new(shape, dtype, shared) for shape, dtype in specs]
             for b in buffers:
                 b.zero_()  # fault the pages in now, not during a save
         except RuntimeError as e:  # out of (pinned) memory: the first save allocates instead
@@ -75,10 +80,26 @@ class HostStaging:
         self._buffers = buffers
         self.allocations += len(buffers)
 
-    def _new(self, shape, dtype: torch.dtype) -> torch.Tensor:
+    def _shared_fits(self, specs: list[tuple]) -> bool:
+        """Whether unpinned buffers of ``specs`` fit in ``/dev/shm`` (with a quarter to spare)."""
+        if self.pin:
+            return False
+        need = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            return False
+        fits = st.f_bavail * st.f_frsize >= need * 1.25
+        if not fits:
+            logger.warning("checkpoint: /dev/shm cannot hold %.1f MB of staging buffers; using private memory "
+                           "(each copy after a save then faults its pages in again)", need / 2**20)
+        return fits
+
+    def _new(self, shape, dtype: torch.dtype, shared: bool) -> torch.Tensor:
         if self.pin:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return torch.empty(shape, dtype=dtype).share_memory_()
+        buf = torch.empty(shape, dtype=dtype)
+        return buf.share_memory_() if shared else buf
 
     def _join(self) -> None:
         if self._reserving is not None:
@@ -98,7 +119,9 @@ class HostStaging:
         sources = [v.data.detach() for v in items]
         if [(b.shape, b.dtype) for b in self._buffers] != [(s.shape, s.dtype) for s in sources]:
             self._buffers = []  # free the old buffers before allocating new ones
-            self._buffers = [self._new(s.shape, s.dtype) for s in sources]
+            specs = [(s.shape, s.dtype) for s in sources]
+            shared = self._shared_fits(specs)
+            self._buffers = [self._new(shape, dtype, shared) for shape, dtype in specs]
             self.allocations += len(sources)
         on_device = False
         for item, src, buf in zip(items, sources, self._buffers):

@@ -9,11 +9,12 @@ import os
 import pytest
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.manager import Checkpointer
-from megascale_omni.checkpoint.staging import written_tensors
+from megascale_omni.checkpoint.staging import HostStaging, written_tensors
 from megascale_omni.entry import parse_for_family
 from megascale_omni.training.trainer import Trainer
 
@@ -106,3 +107,34 @@ def test_async_saves_reuse_buffers_and_plan_and_match_a_sync_save(trainer, tmp_p
     earlier = _loaded(trainer.state, tmp_path / "async" / "ckpt" / layout.step_dir_name(4))
     assert not torch.equal(earlier[".model.embedding.word_embeddings.weight"],
                            got[".model.embedding.word_embeddings.weight"])
+
+
+def _sharded(tensors, replica_id=0):
+    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, replica_id=replica_id) for i, t in enumerate(tensors)}
+
+
+@pytest.mark.parametrize("shm_free", [None, 16], ids=["shared-memory", "no-room-in-dev-shm"])
+def test_host_staging_copies_into_the_same_buffers_and_skips_other_replicas(monkeypatch, shm_free):
+    if shm_free is not None:  # /dev/shm too small: private buffers, same results
+        real = os.statvfs
+        monkeypatch.setattr(os, "statvfs", lambda p: real(p) if p != "/dev/shm" else
+                            type("St", (), {"f_bavail": shm_free, "f_frsize": 1})())
+    live = [torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.bfloat16)]
+    staging = HostStaging(pin=False)
+    staging.reserve(_sharded(live))
+    first = _sharded(live)
+    assert staging.stage(first) == 6 * 4 + 4 * 2 and staging.allocations == 2
+    buffers = [first["t0"].data, first["t1"].data]
+    assert all(b.is_shared() == (shm_free is None) for b in buffers)
+    for b, t in zip(buffers, live):
+        assert b.data_ptr() != t.data_ptr() and torch.equal(b, t)
+    for t in live:
+        t.add_(1)  # training moves on: the staged copy keeps the old values
+    assert torch.equal(first["t0"].data, torch.arange(6.0).reshape(2, 3))
+    second = _sharded(live)
+    staging.stage(second)
+    assert staging.allocations == 2 and second["t0"].data.data_ptr() == buffers[0].data_ptr()
+    assert torch.equal(second["t0"].data, live[0]) and torch.equal(second["t1"].data, live[1])
+    # Replicas another rank writes keep their live tensors and need no buffer.
+    other = _sharded(live, replica_id=1)
+    assert staging.stage(other) == 0 and other["t0"].data is live[0]
