@@ -15,12 +15,12 @@ With ``checkpoint.dir`` unset the Checkpointer is disabled: every method is a
 no-op (``request`` raises), so the loop calls it unconditionally.
 
 A save blocks training for building the state dict, megatron's planning
-(cached from the third save on) and the host copy into buffers allocated at
-the first save (:mod:`~megascale_omni.checkpoint.staging`); the writer
-thread writes the files; at a
-later step boundary every rank runs megatron's collective finalisers; then
-rank 0's committer thread hashes the files, publishes ``commit.json``,
-replicates the fast tier to the persistent tier and prunes old checkpoints.
+(cached from the third save on) and the host copy into buffers allocated
+once (:mod:`~megascale_omni.checkpoint.staging`); the writer thread writes
+the files; at a later step boundary every rank runs megatron's collective
+finalisers; then rank 0's committer thread hashes the files, publishes
+``commit.json``, replicates the fast tier to the persistent tier and prunes
+old checkpoints.
 The next save waits for all of that, so at most one save is in flight.
 """
 
