@@ -14,11 +14,13 @@ Lifecycle, all on every rank of the job; ``state`` is the
 With ``checkpoint.dir`` unset the Checkpointer is disabled: every method is a
 no-op (``request`` raises), so the loop calls it unconditionally.
 
-A save blocks training for building the state dict, the host copy and
-megatron's collective planning; the writer thread writes the files; at a
-later step boundary every rank runs megatron's collective finalisers; then
-rank 0's committer thread hashes the files, publishes ``commit.json``,
-replicates the fast tier to the persistent tier and prunes old checkpoints.
+A save blocks training for building the state dict, megatron's planning
+(cached from the third save on) and the host copy into buffers allocated
+once (:mod:`~megascale_omni.checkpoint.staging`); the writer thread writes
+the files; at a later step boundary every rank runs megatron's collective
+finalisers; then rank 0's committer thread hashes the files, publishes
+``commit.json``, replicates the fast tier to the persistent tier and prunes
+old checkpoints.
 The next save waits for all of that, so at most one save is in flight.
 """
 
@@ -35,11 +37,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.errors import CheckpointError
-from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches, stage_to_host
+from megascale_omni.checkpoint.save_strategy import SaveStrategy
+from megascale_omni.checkpoint.staging import HostStaging
+from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
@@ -82,9 +85,15 @@ class Checkpointer:
         self.writer = AsyncWriter()
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._commit: Optional[Future] = None
-        # Kept across saves so megatron can reuse its cached save plan.
-        self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-        #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes.
+        #: megatron's strategy, kept across saves for its cached plan and save split.
+        self.strategy = SaveStrategy(self.group)
+        #: Host buffers of the tensors this rank writes, reused by every save.
+        self.staging = HostStaging()
+        # Buffers are reserved ahead of time only for periodic async saves;
+        # a requested save allocates them itself.
+        self._periodic_async = cfg.async_save and bool(cfg.interval or cfg.interval_minutes)
+        self._reserved = False
+        #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes, phases.
         self.saves: list[dict] = []
         # Written by the committer thread only (one writer per file).
         self._log = JsonlWriter(os.path.join(run_dir, "checkpoints.jsonl")) if self.rank == 0 else None
@@ -202,6 +211,8 @@ class Checkpointer:
             if decision.save_reason != "interval":
                 logger.info("checkpoint (%s) at step %d: another replica group writes the shared checkpoints",
                             decision.save_reason, state.step)
+        elif self._periodic_async and not self._reserved and state.step > 0 and self.writes():
+            self._reserve(state)
         if decision.stop and saving:
             logger.warning("SIGTERM: checkpoint at step %d written; stopping", state.step)
         elif decision.stop:
@@ -229,16 +240,26 @@ class Checkpointer:
         if skip[0]:
             logger.info("checkpoint for step %d already committed; not saving again", step)
             return
+        synchronous = wait or not self.cfg.async_save
+        clock = _PhaseClock(t0 - waited, wait=waited)
+        clock.lap("target")
         snapshot = state.sharded_state_dict()
-        staged = stage_to_host(snapshot)
+        clock.lap("state_dict")
+        strategy, validate = self.strategy.prepare(snapshot)
+        clock.lap("split")
+        # A synchronous save writes the live tensors: training waits for it.
+        staged = 0 if synchronous else self.staging.stage(snapshot)
+        self._reserved = self._reserved or not synchronous
+        clock.lap("host_copy")
         request = dist_checkpointing.save(
-            snapshot, str(target), sharded_strategy=self._strategy, async_sharded_save=True
+            snapshot, str(target), sharded_strategy=strategy, async_sharded_save=True,
+            validate_access_integrity=validate,
         )
         request = prepare_request(request)
+        clock.lap("plan")
         blocking_s = waited + time.perf_counter() - t0
-        synchronous = wait or not self.cfg.async_save
         meta = {"layout": state.layout(), "mode": "sync" if synchronous else "async"}
-        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta)
+        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta, phases=clock.phases)
         self.triggers.saved()
         if not synchronous:
             logger.info(
@@ -247,6 +268,15 @@ class Checkpointer:
             )
             return
         self.wait()
+
+    def _reserve(self, state: TrainState) -> None:
+        """Plan the save split and allocate the staging buffers ahead of the
+        first async save (every rank of a writing group, once, after a step:
+        Adam state exists). The buffers fill on a background thread."""
+        snapshot = state.sharded_state_dict()
+        self.strategy.prepare(snapshot, saving=False)
+        self.staging.reserve(snapshot)
+        self._reserved = True
 
     def _prepare_target(self, target: Path, step: int) -> bool:
         """Rank 0: True if ``step`` is already committed; else an empty ``target``."""
@@ -284,7 +314,7 @@ class Checkpointer:
         blocking_s = total_s if save.meta.get("mode") == "sync" else save.blocking_s
         record = {
             "step": save.step, "reason": save.reason, "mode": save.meta.get("mode"), "blocking_s": blocking_s,
-            "total_s": total_s, "bytes": info.size_bytes, "path": str(path),
+            "total_s": total_s, "bytes": info.size_bytes, "path": str(path), "phases": save.phases,
         }
         logger.info(
             "checkpoint step %d committed: %s, %.1f MB, blocked %.3f s, total %.2f s",
@@ -346,6 +376,19 @@ class Checkpointer:
         self._committer.shutdown(wait=True)
         if self._log is not None:
             self._log.close()
+
+
+class _PhaseClock:
+    """Seconds spent in each blocking phase of one save (``lap`` after each)."""
+
+    def __init__(self, start: float, **phases: float):
+        self.phases = dict(phases)
+        self._last = start + sum(phases.values())
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
 
 
 def _portable(e: Optional[Exception]) -> Optional[tuple]:

@@ -1,5 +1,5 @@
 """Pieces of checkpoint state that need care: RNG streams, Adam state on CPU
-megatron, host staging, and the compatibility checks run before a load.
+megatron, and the compatibility checks run before a load.
 What a checkpoint holds is :class:`megascale_omni.checkpoint.train_state.TrainState`'s
 contract. Every function here is called on every rank.
 """
@@ -14,7 +14,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megascale_omni.config import JobConfig, to_dict
 
@@ -94,26 +94,6 @@ def restore_adam_step(optimizer) -> None:
             for p in group["params"]:
                 if "step" in inner.state[p]:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
-
-def stage_to_host(state: dict[str, Any]) -> int:
-    """Replace every sharded tensor's data by a private host copy, in place.
-
-    After this returns, training may overwrite parameters and optimizer
-    state while the background writer serialises the copies. On GPU this is
-    the device-to-host copy; on CPU a memcpy. Returns bytes copied.
-    """
-    copied = 0
-
-    def stage(v):
-        nonlocal copied
-        if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor):
-            v.data = v.data.detach().to("cpu", copy=True)
-            copied += v.data.numel() * v.data.element_size()
-        return v
-
-    dict_list_map_inplace(stage, state)
-    return copied
 
 
 #: Fields a run may also change when it only starts from a checkpoint's

@@ -41,6 +41,8 @@ class InflightSave:
     blocking_s: float
     #: Recorded in the commit marker (layout, world size).
     meta: dict
+    #: Seconds per blocking phase (wait, state_dict, split, host_copy, plan).
+    phases: dict
 
 
 class AsyncWriter:
@@ -51,12 +53,13 @@ class AsyncWriter:
         self.inflight: Optional[InflightSave] = None
 
     def submit(
-        self, step: int, reason: str, request: AsyncRequest, started: float, blocking_s: float, meta: dict
+        self, step: int, reason: str, request: AsyncRequest, started: float, blocking_s: float, meta: dict,
+        phases: Optional[dict] = None,
     ) -> None:
         """Start writing ``request``'s files in the background (host copies staged)."""
         assert self.inflight is None, "at most one checkpoint save may be in flight"
         future = self._pool.submit(_run_write, request)
-        self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta)
+        self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta, phases or {})
 
     def done_locally(self) -> bool:
         """True when no save is in flight or this rank's files are written."""

@@ -41,11 +41,13 @@ EXPECTED = {
         r"^padding waste\s+[\d.]+%\s+[\d.]+% \(pad to largest\)",
     ],
     "checkpoint_async": [
-        r"^checkpoint size: [\d.]+ GB; saves per run: 2$",
+        r"^checkpoint size: [\d.]+ GB; saves per run: 3$",
         r"^\| mode \| training blocked per save \(s\) \| save complete after \(s\) \|$",
         r"^\| sync \(baseline\) \| [\d.]+ \| [\d.]+ \|$",
         r"^\| async \| [\d.]+ \| [\d.]+ \|$",
         r"^ratio async blocking / sync save: [\d.]+",
+        r"^\| save \| wait \| state_dict \| split \| host_copy \| plan \| blocked \|$",
+        *(rf"^\| step {step} \|( [\d.]+ \|){{6}}$" for step in (1, 2, 3)),
     ],
     "pipeline_partition": [
         r"^config examples/llava/pp4_vit_heavy.yaml, PP=4, 1 measured steps",
