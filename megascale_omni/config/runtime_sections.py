@@ -202,6 +202,11 @@ class ElasticConfig:
     #: participation while the quorum is requested (its lighthouse round trip
     #: overlaps forward/backward); a step whose quorum differs is recomputed.
     overlap_quorum: bool = True
+    #: A group alone in the same quorum as its last committed step commits
+    #: without torchft's per-step vote (a round trip through the group's
+    #: manager server whose outcome is then fixed); torchft's step count
+    #: advances as the vote would advance it.
+    lone_commit: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "elastic")

@@ -31,6 +31,8 @@ optimizer, so it cannot follow a changing participant count.
 A replica group alone in its quorum (the steady state of a job that can
 grow) skips the cross-replica sums, whose result would be its own
 tensors: every rank of the group sees the same quorum, so all skip together.
+Alone in the same quorum as its last committed step it also commits without
+torchft's vote (:meth:`ElasticReplica.should_commit`).
 
 Every method is called by every rank of the replica group, in the same order
 on every replica (the cross-replica collectives must line up).
@@ -38,6 +40,7 @@ on every replica (the cross-replica collectives must line up).
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import time
@@ -56,6 +59,15 @@ from torch.distributed import ReduceOp
 from megascale_omni.config import ElasticConfig
 
 logger = logging.getLogger(__name__)
+
+
+#: torchft releases whose ``Manager.should_commit`` was read for the lone
+#: commit (:meth:`ElasticReplica.should_commit`): for a group alone in an
+#: unchanged quorum, with no error, it does nothing but the vote among the
+#: group's ranks and ``step += 1``, ``batches_committed += participants``
+#: (tests/unit/test_elastic_lone_commit.py checks this against the installed
+#: torchft). Other releases always vote.
+LONE_COMMIT_TORCHFT = ("0.2.0",)
 
 
 def import_torchft():
@@ -194,6 +206,15 @@ class ElasticReplica:
             init_sync=False,
         )
         self._participation: Optional[Participation] = None
+        version = importlib.metadata.version("torchft")
+        self._lone_commit = cfg.lone_commit and version in LONE_COMMIT_TORCHFT
+        if cfg.lone_commit and not self._lone_commit:
+            logger.warning("elastic: torchft %s is not one the lone commit was checked against (%s); "
+                           "every step votes", version, ", ".join(LONE_COMMIT_TORCHFT))
+        # Quorum id of the last committed step (None after an uncommitted one).
+        self._committed_quorum: Optional[int] = None
+        #: Whether the last should_commit asked torchft's vote (False: lone commit).
+        self.voted = False
         #: Seconds this step waited for its quorum (and a heal), in begin_step or confirm.
         self.quorum_wait_s = 0.0
         #: Payload bytes this rank handed to cross-replica all-reduces since
@@ -355,9 +376,38 @@ class ElasticReplica:
 
     def should_commit(self) -> bool:
         """Whether every participant finished the step (every rank). A
-        joining replica applies its peer's state here, before the update."""
-        self.confirm()
-        return bool(self.manager.should_commit())
+        joining replica applies its peer's state here, before the update.
+
+        torchft decides by a vote of the group's ranks through its manager
+        server. A group that participates alone in the same quorum as its
+        last committed step (``elastic.lone_commit``) commits without the
+        vote: the quorum is the same on every rank of the group, and none of
+        torchft's error sources can have fired (no cross-replica collective
+        ran, no process group was reconfigured, nobody healed), so the vote
+        could only say yes. torchft's step count advances as the vote would
+        advance it.
+        """
+        part = self.confirm()
+        self.voted = not (self._lone_commit and self._alone and part.participating
+                          and part.quorum_id == self._committed_quorum and part.size >= self.cfg.min_replicas)
+        if self.voted:
+            committed = bool(self.manager.should_commit())
+        else:
+            self._commit_alone(part)
+            committed = True
+        self._committed_quorum = part.quorum_id if committed else None
+        return committed
+
+    def _commit_alone(self, part: Participation) -> None:
+        """``Manager.should_commit``'s effect on a committed step, without its vote."""
+        # (Not pg.errored(): on NCCL it synchronizes the device, and a group
+        # alone issued nothing on it.)
+        error = self.manager.errored()
+        if error is not None:  # the premise of the lone commit broke: fail, do not commit
+            raise RuntimeError(f"elastic: torchft reports an error in an unchanged quorum of one group: {error}")
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({"step": state["step"] + 1,
+                                      "batches_committed": state["batches_committed"] + part.size})
 
     def current_step(self) -> int:
         """Committed steps according to torchft (equals the trainer's step)."""
