@@ -73,6 +73,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "healed": ("bool", "this group received state from a peer this step"),
     "cross_replica_bytes": ("bytes", "payload this rank handed to cross-replica all-reduces this step "
                                      "(gradients or their shard, token count, loss report)"),
+    "cross_replica_early_buckets": ("", "gradient bucket groups whose cross-replica sum started during "
+                                        "backward (parallel.overlap_grad_reduce)"),
 }
 
 #: Fields of its own step record every rank contributes to the replica
