@@ -15,7 +15,9 @@ rounds so drift on a noisy host hits every side. Per run: the median
 ``step_s`` over the steps after the first ``--warmup``, and for elastic the
 median ``quorum_s`` (blocked waiting for the lighthouse's quorum) and
 ``cross_replica_s`` (that wait, the sums, the commit). Reported: each
-round's ratios elastic / non-elastic and their medians.
+round's ratios elastic / non-elastic and their medians, then where the step
+time goes on each side: the median of every breakdown field of the step
+record (metrics/record.py) over all rounds, side by side.
 
 ``--quick``: 8 steps, 1 round.
 """
@@ -33,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from _quick import add_quick_flag, apply_quick  # noqa: E402
 
+from megascale_omni.metrics.record import BREAKDOWN  # noqa: E402
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records  # noqa: E402
 from tests.launcher import finish, kill_group, spawn, torchrun_cmd  # noqa: E402
 
@@ -93,6 +96,7 @@ def main(argv=None) -> int:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     sides = ("static", *ELASTIC)
     ratios: dict[str, list[float]] = {side: [] for side in ELASTIC}
+    steps: dict[str, list[dict]] = {side: [] for side in sides}
     print(f"{'round':>5} {'static ms':>10} | " + " | ".join(
         f"{side + ' ms':>10} {'quorum':>7} {'x-repl':>7} {'ratio':>6}" for side in ELASTIC))
     with tempfile.TemporaryDirectory(prefix="elastic-overhead-") as tmp:
@@ -102,6 +106,8 @@ def main(argv=None) -> int:
                 out = Path(tmp) / f"{side}{k}"
                 records[side] = (run_static(out, args.steps) if side == "static"
                                  else run_elastic(out, args.steps, ELASTIC[side][1]))
+            for side in sides:
+                steps[side].extend(records[side][args.warmup:])
             static = _median(records["static"], "step_s", args.warmup)
             cells = []
             for side in ELASTIC:
@@ -115,6 +121,10 @@ def main(argv=None) -> int:
         r = ratios[side]
         print(f"elastic ({label}) / non-elastic, median over {args.rounds} rounds: {statistics.median(r):.3f} "
               f"(min {min(r):.3f}, max {max(r):.3f})")
+    print(f"\nmedian ms per step over all rounds\n{'':>16}" + "".join(f"{side:>10}" for side in sides))
+    for key in ("step_s", *BREAKDOWN, "other_s"):
+        print(f"{key:>16}" + "".join(f"{statistics.median(r.get(key, 0.0) for r in steps[side]) * 1e3:>10.3f}"
+                                     for side in sides))
     return 0
 
 
