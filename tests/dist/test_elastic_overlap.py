@@ -1,4 +1,4 @@
-"""Cross-replica gradient sums overlapped with backward
+"""Cross-replica gradient sums overlapped with backward (make test-all)
 (``parallel.overlap_grad_reduce=true``): each bucket group's sum starts from
 megatron's backward hook as soon as its inner reduction started
 (:mod:`megascale_omni.parallel.elastic_buckets`).
@@ -6,7 +6,7 @@ megatron's backward hook as soon as its inner reduction started
 - Two replica groups (TP1 x PP2, fp32) together from step 0: every step's
   loss and gradient norm equal those of the same job without the overlap,
   bit for bit, and with the overlap the sums did start during backward.
-- Join, heal and drain with the overlap on (make test-all): the join makes
+- Join, heal and drain with the overlap on: the join makes
   the running group recompute a step whose quorum changed (MembershipChanged,
   raised after backward; nothing was sent before the quorum was confirmed),
   and every step's loss matches the fixed-membership run.
@@ -43,6 +43,9 @@ def _two_groups(out: Path, overlap: bool) -> dict[str, list[dict]]:
     return {rid: step_records(out / rid) for rid in procs}
 
 
+# make test-all (~50 s: two runs of two groups); make test covers the order and
+# the waits in tests/unit/test_elastic_buckets.py.
+@pytest.mark.slow
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_overlapped_sums_equal_the_sums_after_backward(tmp_path):
     after = _two_groups(tmp_path / "after", overlap=False)
