@@ -207,6 +207,11 @@ class ElasticConfig:
     #: and receive over the cross-replica process group: gloo on CPU, NCCL
     #: device to device on GPU). See docs/elastic.md for the measured choice.
     heal_transport: Literal["http", "pg"] = "http"
+    #: A group alone in the same quorum as its last committed step commits
+    #: without torchft's per-step vote (a round trip through the group's
+    #: manager server whose outcome is then fixed); torchft's step count
+    #: advances as the vote would advance it.
+    lone_commit: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "elastic")

@@ -8,9 +8,11 @@ by :data:`PHASES`, which the seams below feed:
   pipeline send/receive, blocking until the peer is ready: the measured
   bubble plus transfer), wrapped once by :func:`install_pipeline_timer`;
 - ``grad_sync``: megatron's ``finalize_model_grads`` (DP all-reduce of the
-  grad buffers, tied-embedding sync, token-count scaling), timed by the
+  grad buffers, tied-embedding sync, token-count scaling; elastic: also the
+  wait for the per-bucket cross-replica gradient sums), timed by the
   ``finalize_model_grads_func`` we install;
-- ``cross_replica``: the elastic cross-replica reductions and commit vote.
+- ``cross_replica``: the elastic quorum wait, token-count and loss sums and
+  the commit.
 
 The step subtracts these from its forward/backward time to get pure
 compute. The clock is per process and used by the training thread only.

@@ -29,8 +29,9 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "compute_s": ("s", "forward and backward compute (fwd/bwd minus the waits below)"),
     "pipeline_wait_s": ("s", "blocked in pipeline send/receive (measured bubble + transfer)"),
     "bubble_analytic": ("fraction", "1F1B bubble share (pp-1)/(m+pp-1) of the pipeline schedule"),
-    "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings)"),
-    "cross_replica_s": ("s", "gradient and loss reduction across replica groups (elastic)"),
+    "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings; "
+                         "elastic: with the wait for the per-bucket cross-replica gradient sums)"),
+    "cross_replica_s": ("s", "elastic: quorum wait, token-count and loss sums across replica groups, commit"),
     "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
     "metrics_s": ("s", "building and exporting the previous step's record, collecting the group's rank rows"),
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
@@ -73,6 +74,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "healed": ("bool", "this group received state from a peer this step"),
     "cross_replica_bytes": ("bytes", "payload this rank handed to cross-replica all-reduces this step "
                                      "(gradients or their shard, token count, loss report)"),
+    "cross_replica_early_buckets": ("", "gradient bucket groups whose cross-replica sum started during "
+                                        "backward (parallel.overlap_grad_reduce)"),
 }
 
 #: Fields of its own step record every rank contributes to the replica

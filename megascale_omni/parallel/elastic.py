@@ -7,11 +7,15 @@ step and sums gradients over the participants through a reconfigurable
 process group (gloo on CPU, NCCL for CUDA buffers) that connects the same
 group rank of every replica.
 
-Seam (why here): megatron's ``finalize_model_grads`` reduces inside the
-replica. :meth:`ElasticReplica.finalize_model_grads` runs it *without* the
-per-token scaling, then sums the gradients this rank's optimizer reads and
-the token count across replicas, then scales by ``1 / global tokens``.
-Without the distributed optimizer that is every DDP buffer's whole
+Seam (why here): megatron's DDP reduces inside the replica, bucket group by
+bucket group. Right after it starts a group's inner reduction,
+:class:`~megascale_omni.parallel.elastic_buckets.BucketSums` starts the sum
+of the gradients this rank's optimizer reads from that group across
+replicas (during backward with ``overlap_grad_reduce``), and megatron's
+``finalize_model_grads``, run *without* the per-token scaling, awaits them.
+:meth:`ElasticReplica.reduce_grads_across_replicas` then sums the token
+count across replicas and scales by ``1 / global tokens``. Without the
+distributed optimizer the summed views are every bucket's whole
 ``grad_data`` (megatron all-reduced it inside the group). With it, megatron
 reduce-scattered each bucket inside the group, so only this rank's shard of
 each bucket holds the group's sum and only that shard is read by this
@@ -31,6 +35,8 @@ optimizer, so it cannot follow a changing participant count.
 A replica group alone in its quorum (the steady state of a job that can
 grow) skips the cross-replica sums, whose result would be its own
 tensors: every rank of the group sees the same quorum, so all skip together.
+Alone in the same quorum as its last committed step it also commits without
+torchft's vote (:meth:`ElasticReplica.should_commit`).
 
 Every method is called by every rank of the replica group, in the same order
 on every replica (the cross-replica collectives must line up).
@@ -38,6 +44,7 @@ on every replica (the cross-replica collectives must line up).
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import time
@@ -50,13 +57,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
-from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 from torch.distributed import ReduceOp
 
 from megascale_omni.config import ElasticConfig
+from megascale_omni.parallel.elastic_buckets import BucketSums
 from megascale_omni.parallel.heal_transport import checkpoint_transport
 
 logger = logging.getLogger(__name__)
+
+
+#: torchft releases whose ``Manager.should_commit`` was read for the lone
+#: commit (:meth:`ElasticReplica.should_commit`): for a group alone in an
+#: unchanged quorum, with no error, it does nothing but the vote among the
+#: group's ranks and ``step += 1``, ``batches_committed += participants``
+#: (tests/unit/test_elastic_lone_commit.py checks this against the installed
+#: torchft). Other releases always vote.
+LONE_COMMIT_TORCHFT = ("0.2.0",)
 
 
 def import_torchft():
@@ -74,28 +90,6 @@ def import_torchft():
     import torchft
 
     return torchft
-
-
-def cross_replica_grads(model: Sequence[Any]) -> list[torch.Tensor]:
-    """The gradient views this rank sums across replica groups, after the
-    inner-group reduction (any rank; fp32 views into megatron's DDP buffers).
-
-    Without the distributed optimizer: each DDP buffer's whole ``grad_data``.
-    With it: for every bucket, the contiguous shard ``intra-instance rank`` of
-    ``intra-instance size`` that megatron's reduce-scatter filled and that
-    this rank's optimizer shard reads (the same views megatron's own
-    inter-instance all-reduce uses), so the views hold
-    ``1 / inner DP`` of the buffer elements.
-    """
-    views = []
-    for chunk in model:
-        if not chunk.ddp_config.use_distributed_optimizer:
-            views.extend(buffer.grad_data for buffer in chunk.buffers)
-            continue
-        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
-            views.extend(shard_buffer(bucket.grad_data, size)[rank] for bucket in group.buckets)
-    return views
 
 
 def process_group_for(device: torch.device, timeout: timedelta):
@@ -199,11 +193,23 @@ class ElasticReplica:
             init_sync=False,
         )
         self._participation: Optional[Participation] = None
+        version = importlib.metadata.version("torchft")
+        self._lone_commit = cfg.lone_commit and version in LONE_COMMIT_TORCHFT
+        if cfg.lone_commit and not self._lone_commit:
+            logger.warning("elastic: torchft %s is not one the lone commit was checked against (%s); "
+                           "every step votes", version, ", ".join(LONE_COMMIT_TORCHFT))
+        # Quorum id of the last committed step (None after an uncommitted one).
+        self._committed_quorum: Optional[int] = None
+        #: Whether the last should_commit asked torchft's vote (False: lone commit).
+        self.voted = False
         #: Seconds this step waited for its quorum (and a heal), in begin_step or confirm.
         self.quorum_wait_s = 0.0
         #: Payload bytes this rank handed to cross-replica all-reduces since
         #: the last begin_step (gradients, token count, loss report).
         self.bytes_sent = 0
+        #: Bucket groups whose gradient sums started during backward
+        #: (``overlap_grad_reduce``) in the current step.
+        self.early_buckets = 0
         #: Counters (float64 vector, same on every rank of the group) this
         #: replica adds to the job's totals in the current attempt, e.g. bad
         #: samples; summed over the participants with the token count in
@@ -214,6 +220,14 @@ class ElasticReplica:
         self._alone = False
         # The participation begin_step assumed, until confirm() checks it.
         self._expected: Optional[Participation] = None
+        # The per-bucket gradient sums of the model (attach()).
+        self._buckets: Optional[BucketSums] = None
+
+    def attach(self, model: Sequence[Any]) -> None:
+        """Sum ``model``'s gradients across replicas bucket group by bucket
+        group as megatron reduces them inside the group (every rank, once,
+        before the first step; :mod:`megascale_omni.parallel.elastic_buckets`)."""
+        self._buckets = BucketSums(model, self._sends_allowed, self._allreduce_sum)
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, expect: Optional[Participation] = None) -> Participation:
@@ -233,6 +247,7 @@ class ElasticReplica:
         another rank or participant count (its micro-batches were then the
         wrong share)."""
         self.bytes_sent = 0
+        self.early_buckets = 0
         self.quorum_wait_s = 0.0
         self.manager.start_quorum()
         if expect is not None:
@@ -252,6 +267,18 @@ class ElasticReplica:
         if (actual.rank, actual.size) != (expected.rank, expected.size):
             raise MembershipChanged(actual, expected)
         return actual
+
+    def _sends_allowed(self) -> bool:
+        """Whether this step's gradient sums may start (every rank, before
+        the first; may run in a backward hook). Awaits an assumed quorum but
+        never raises :class:`MembershipChanged`: if the quorum is not the
+        assumed one nothing is sent, and :meth:`confirm` raises it after
+        backward, outside megatron's schedule."""
+        if self._expected is not None:
+            actual = self._await_quorum()
+            if (actual.rank, actual.size) != (self._expected.rank, self._expected.size):
+                return False
+        return not self._alone
 
     def _await_quorum(self) -> Participation:
         t0 = time.perf_counter()
@@ -293,11 +320,15 @@ class ElasticReplica:
 
     def reduce_grads_across_replicas(self, model: Sequence[Any], num_tokens: Optional[torch.Tensor],
                                      pg_collection: Any = None) -> None:
-        """The cross-replica half of :meth:`finalize_model_grads`: sum the
-        token count, :attr:`step_counts` and :func:`cross_replica_grads`
-        over the participants, then scale by ``1 / global tokens`` (every
-        rank, after the inner-replica sync)."""
+        """The cross-replica half of :meth:`finalize_model_grads` (every
+        rank, after megatron's ``finalize_model_grads``, which awaited the
+        gradient sums of :meth:`attach`): sum the token count and
+        :attr:`step_counts` over the participants, then scale the gradients
+        by ``1 / global tokens``. Alone in the quorum the sums are this
+        group's own values and nothing leaves the device."""
         assert num_tokens is not None, "elastic training needs per-token loss (calculate_per_token_loss)"
+        assert self._buckets is not None, "attach() the model before its first step"
+        self.early_buckets = self._buckets.end_step()
         self.confirm()
         if pg_collection is not None:
             pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
@@ -308,20 +339,20 @@ class ElasticReplica:
         # the other stages, then sum over the inner DP ranks.
         dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
         dist.all_reduce(num_tokens, group=dp_cp_group)
-        # One all-reduce carries the token count and the job's step counters.
-        sums = num_tokens.to(self.device, torch.float64).reshape(1)
-        if self.step_counts is not None:
-            sums = torch.cat([sums, self.step_counts.to(self.device, torch.float64)])
-        works = [self._allreduce_sum(sums)]
-        works.extend(self._allreduce_sum(grad) for grad in cross_replica_grads(model))
-        for work in works:
-            work.wait()
-        if self.step_counts is not None:
-            self.step_counts = sums[1:].cpu()
-        total = float(sums[0].item())
-        if total > 0:
-            for chunk in model:
-                chunk.scale_gradients(1.0 / total)
+        total = num_tokens.to(self.device, torch.float64)
+        if not self._alone:
+            # One all-reduce carries the token count and the job's step counters.
+            sums = total.reshape(1)
+            if self.step_counts is not None:
+                sums = torch.cat([sums, self.step_counts.to(self.device, torch.float64)])
+            self._allreduce_sum(sums).wait()
+            if self.step_counts is not None:
+                self.step_counts = sums[1:].cpu()
+            total = sums[0]
+        # A device scalar (no host sync). No tokens anywhere: the gradients are zero.
+        scale = (1.0 / total.clamp(min=1.0)).to(torch.float32)
+        for chunk in model:
+            chunk.scale_gradients(scale)
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the participants in place (same group rank of
@@ -362,9 +393,38 @@ class ElasticReplica:
 
     def should_commit(self) -> bool:
         """Whether every participant finished the step (every rank). A
-        joining replica applies its peer's state here, before the update."""
-        self.confirm()
-        return bool(self.manager.should_commit())
+        joining replica applies its peer's state here, before the update.
+
+        torchft decides by a vote of the group's ranks through its manager
+        server. A group that participates alone in the same quorum as its
+        last committed step (``elastic.lone_commit``) commits without the
+        vote: the quorum is the same on every rank of the group, and none of
+        torchft's error sources can have fired (no cross-replica collective
+        ran, no process group was reconfigured, nobody healed), so the vote
+        could only say yes. torchft's step count advances as the vote would
+        advance it.
+        """
+        part = self.confirm()
+        self.voted = not (self._lone_commit and self._alone and part.participating
+                          and part.quorum_id == self._committed_quorum and part.size >= self.cfg.min_replicas)
+        if self.voted:
+            committed = bool(self.manager.should_commit())
+        else:
+            self._commit_alone(part)
+            committed = True
+        self._committed_quorum = part.quorum_id if committed else None
+        return committed
+
+    def _commit_alone(self, part: Participation) -> None:
+        """``Manager.should_commit``'s effect on a committed step, without its vote."""
+        # (Not pg.errored(): on NCCL it synchronizes the device, and a group
+        # alone issued nothing on it.)
+        error = self.manager.errored()
+        if error is not None:  # the premise of the lone commit broke: fail, do not commit
+            raise RuntimeError(f"elastic: torchft reports an error in an unchanged quorum of one group: {error}")
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({"step": state["step"] + 1,
+                                      "batches_committed": state["batches_committed"] + part.size})
 
     def current_step(self) -> int:
         """Committed steps according to torchft (equals the trainer's step)."""

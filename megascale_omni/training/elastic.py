@@ -137,6 +137,7 @@ class ElasticMembership:
         device = next(self.state.chunks[0].parameters()).device
         self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state,
                                       check_peer_state=self.state.check_peer_state, device=device)
+        self.replica.attach(self.state.chunks)
         for chunk in self.state.chunks:
             chunk.config.finalize_model_grads_func = self._finalize_model_grads
         # One writer per inner DP rank: its TP ranks and CP ranks compute the same samples.
@@ -241,11 +242,13 @@ class ElasticMembership:
 
     def annotate(self, record: dict, share: StepShare) -> None:
         """Replica fields of the step record: participants, quorum wait,
-        healed, and the payload bytes this rank sent to cross-replica
-        all-reduces in the step (gradients, token count, loss report)."""
+        healed, the payload bytes this rank sent to cross-replica
+        all-reduces in the step (gradients, token count, loss report), and
+        how many gradient bucket groups' sums started during backward."""
         p = self.replica.participation
         record.update(participants=p.size, quorum_s=self.replica.quorum_wait_s, healed=not p.participating,
-                      cross_replica_bytes=self.replica.bytes_sent)
+                      cross_replica_bytes=self.replica.bytes_sent,
+                      cross_replica_early_buckets=self.replica.early_buckets)
 
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoints: it was

@@ -20,15 +20,16 @@ LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
 HEARTBEAT_TIMEOUT_MS = 10000
 
 
-def start_lighthouse(timeout: float) -> tuple[subprocess.Popen, str]:
-    """A lighthouse on a free port; returns (process, address)."""
+def start_lighthouse(timeout: float, min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
+    """A lighthouse on a free port that forms quorums of ``min_replicas``
+    groups or more; returns (process, address)."""
     port = free_port()
     proc = spawn(
         # join_timeout far above a step time and above any pause in the tests:
         # a quorum forms only once every heartbeating replica asks for it, so
         # joiners never form a quorum of their own while a replica is mid-step
         # or paused.
-        [LIGHTHOUSE_BIN, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
+        [LIGHTHOUSE_BIN, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
          "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", "50"],
         timeout=timeout,
     )

@@ -81,10 +81,13 @@ EXPECTED = {
         r"^loss, sharded vs whole, max relative difference over \d+ steps: [\d.e+-]+$",
     ],
     "elastic_overhead": [
-        r"^round  static ms \| elastic ms  quorum  x-repl  ratio \| overlap ms  quorum  x-repl  ratio$",
-        r"^    0 +[\d.]+ \| +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ \| +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$",
-        *(rf"^elastic \(overlap_quorum={v}\) / non-elastic, median over 1 rounds: [\d.]+ \(min [\d.]+, max [\d.]+\)$"
-          for v in ("false", "true")),
+        r"^round  static ms \|    vote ms  quorum  x-repl  ratio \| overlap ms  quorum  x-repl  ratio \|"
+        r"    lone ms  quorum  x-repl  ratio$",
+        r"^    0 +[\d.]+" + r" \| +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+" * 3 + "$",
+        *(rf"^elastic \({label}\) / non-elastic, median over 1 rounds: [\d.]+ \(min [\d.]+, max [\d.]+\)$"
+          for label in ("quorum awaited, vote", "quorum overlapped, vote", "overlapped, lone commit")),
+        r"^ +static +vote +overlap +lone$",
+        *(rf"^ +{key} +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$" for key in ("step_s", "grad_sync_s", "cross_replica_s")),
     ],
     "heal_transport": [
         r"^state: 0\.008 GiB in 8 fp32 tensors \+ metadata; 1 round\(s\)",

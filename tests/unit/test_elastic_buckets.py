@@ -1,0 +1,140 @@
+"""BucketSums on stand-ins of megatron's DDP chunks and bucket groups: the
+order sums start in, when they are awaited, and what is summed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megascale_omni.parallel.elastic_buckets import BucketSums, group_views
+
+
+class Handle:
+    """An inner reduction in flight; records when it is awaited."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(("inner done", self.name))
+
+
+class Group:
+    """A bucket group: ``start_grad_sync`` starts its inner reduction (async
+    when ``overlap``, as megatron's with overlap_grad_reduce)."""
+
+    def __init__(self, log: list, name: str, numel: int = 4, distopt: bool = False, overlap: bool = True):
+        self.log, self.name, self.overlap = log, name, overlap
+        self.ddp_config = SimpleNamespace(use_distributed_optimizer=distopt)
+        self.buckets = [SimpleNamespace(grad_data=torch.arange(float(numel)))]
+        self.intra_distributed_optimizer_instance_size, self.intra_distributed_optimizer_instance_rank = 2, 1
+        self.grad_reduce_handle = None
+
+    def start_grad_sync(self, force_all_reduce=False) -> None:
+        self.log.append(("inner start", self.name))
+        self.grad_reduce_handle = Handle(self.log, self.name) if self.overlap else None
+
+
+class Chunk:
+    """A DDP chunk: ``finish_grad_sync`` starts the groups backward did not start, in index order."""
+
+    def __init__(self, groups: list[Group]):
+        self.bucket_groups, self.expert_parallel_bucket_groups = groups, []
+
+    def finish_grad_sync(self, force_all_reduce=False) -> None:
+        for group in self.bucket_groups:
+            if group.grad_reduce_handle is None:
+                group.start_grad_sync()
+            group.grad_reduce_handle = None
+
+
+class Work:
+    def __init__(self, log: list, view: torch.Tensor):
+        self.log, self.view = log, view
+
+    def wait(self) -> None:
+        self.log.append(("sum done", self.view.numel()))
+
+
+def _model(log: list, overlap: bool = True) -> list[Chunk]:
+    # Bucket sizes tell the groups apart in the send log: a0=1, a1=2, b0=3.
+    return [Chunk([Group(log, "a0", 1, overlap=overlap), Group(log, "a1", 2, overlap=overlap)]),
+            Chunk([Group(log, "b0", 3, overlap=overlap)])]
+
+
+def _sums(model: list[Chunk], log: list, allowed: bool = True) -> BucketSums:
+    def send(view):
+        log.append(("sum start", view.numel()))
+        return Work(log, view)
+
+    def ask():
+        log.append(("allowed?",))
+        return allowed
+
+    return BucketSums(model, ask, send)
+
+
+def test_sums_start_in_fixed_order_after_each_inner_reduction_and_are_awaited_in_finish():
+    log: list = []
+    model = _model(log)
+    sums = _sums(model, log)
+    # Backward fills a1 before a0, then b0 (hooks call start_grad_sync).
+    model[0].bucket_groups[1].start_grad_sync()
+    assert log == [("inner start", "a1")]  # a1 waits for a0: nothing sent yet
+    model[0].bucket_groups[0].start_grad_sync()
+    model[1].bucket_groups[0].start_grad_sync()
+    assert log[1:] == [("inner start", "a0"), ("allowed?",), ("inner done", "a0"), ("sum start", 1),
+                       ("inner done", "a1"), ("sum start", 2), ("inner start", "b0"), ("inner done", "b0"),
+                       ("sum start", 3)]
+    del log[:]
+    for chunk in model:
+        chunk.finish_grad_sync()
+    assert log == [("sum done", 1), ("sum done", 2), ("sum done", 3)]
+    assert sums.end_step() == 3  # all three started during backward
+    # The next step starts afresh.
+    del log[:]
+    for chunk in model:
+        chunk.finish_grad_sync()
+    assert [e for e in log if e[0] == "sum start"] == [("sum start", 1), ("sum start", 2), ("sum start", 3)]
+    assert sums.end_step() == 0  # started by finish_grad_sync, not during backward
+
+
+def test_without_overlap_each_sum_starts_after_its_synchronous_inner_reduction():
+    log: list = []
+    model = _model(log, overlap=False)
+    sums = _sums(model, log)
+    for chunk in model:
+        chunk.finish_grad_sync()
+    assert log == [("inner start", "a0"), ("allowed?",), ("sum start", 1), ("inner start", "a1"), ("sum start", 2),
+                   ("sum done", 1), ("sum done", 2), ("inner start", "b0"), ("sum start", 3), ("sum done", 3)]
+    assert sums.end_step() == 0
+
+
+def test_nothing_is_sent_when_not_allowed():
+    log: list = []
+    model = _model(log)
+    sums = _sums(model, log, allowed=False)
+    model[0].bucket_groups[0].start_grad_sync()
+    for chunk in model:
+        chunk.finish_grad_sync()
+    assert not [e for e in log if e[0].startswith("sum")]
+    assert log.count(("allowed?",)) == 1
+    assert sums.end_step() == 0
+
+
+def test_end_step_fails_if_a_group_never_started():
+    log: list = []
+    model = _model(log)
+    sums = _sums(model, log)
+    model[0].finish_grad_sync()
+    with pytest.raises(AssertionError, match="did not run on every bucket group"):
+        sums.end_step()
+
+
+def test_views_are_whole_buckets_or_this_ranks_shard():
+    whole, shard = Group([], "w", 6), Group([], "s", 6, distopt=True)
+    assert [v.tolist() for v in group_views(whole)] == [[0, 1, 2, 3, 4, 5]]
+    # Rank 1 of 2 holds the second half of each bucket after the reduce-scatter.
+    assert [v.tolist() for v in group_views(shard)] == [[3, 4, 5]]
