@@ -37,7 +37,6 @@ which :meth:`~megascale_omni.tasks.base.Task.cp_local` then cuts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +45,7 @@ import torch.distributed as dist
 
 from megascale_omni.data.errors import DataQualityError
 from megascale_omni.data.health import SkipCounter
+from megascale_omni.data.step_buffer import layout, pack_step, views
 
 #: Entries of a micro-batch that only the first pipeline stage uses (the vision tower's input).
 IMAGE_KEYS = ("images",)
@@ -180,28 +180,19 @@ class BatchBroadcast:
                 out[i].update({k: batches[i][k] for k, _, _ in spec})
         if size == 1:
             return
-        total = sum(_nbytes(dtype, shape) for spec in specs for _, dtype, shape in spec)
+        # One buffer laid out as a worker's hand-over is (step_buffer); the receivers derive
+        # the layout from the specs and read their entries as views of it.
+        slots, total = layout(specs)
         if self.groups.reads:
             if total:
-                flat = [batches[i][k].contiguous().reshape(-1).view(torch.uint8) for i, spec in enumerate(specs)
-                        for k, _, _ in spec]
-                dist.broadcast(torch.cat(flat).to(self.device), src=src, group=group)
+                packed = pack_step([{k: batches[i][k] for k, _, _ in spec} for i, spec in enumerate(specs)])
+                dist.broadcast(packed.buffer.to(self.device), src=src, group=group)
             return
         buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         if total:
             dist.broadcast(buf, src=src, group=group)
-        buf = buf.cpu()
-        offset = 0
-        for i, spec in enumerate(specs):
-            for k, dtype, shape in spec:
-                n = _nbytes(dtype, shape)
-                # clone: a fresh, aligned storage per entry (view(dtype) needs it; the buffer can go).
-                out[i][k] = buf[offset : offset + n].clone().view(dtype).reshape(shape)
-                offset += n
-
-
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    return math.prod(shape) * dtype.itemsize
+        for entries, received in zip(out, views(buf.cpu(), slots, len(specs))):
+            entries.update(received)
 
 
 def batch_broadcast(tp: int, pp: int, device: Optional[torch.device] = None) -> BatchBroadcast:
