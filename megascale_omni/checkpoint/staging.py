@@ -84,7 +84,7 @@ class HostStaging:
         """Whether unpinned buffers of ``specs`` fit in ``/dev/shm`` (with a quarter to spare)."""
         if self.pin:
             return False
-        need = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
+        need = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
         try:
             st = os.statvfs("/dev/shm")
         except OSError:
