@@ -62,6 +62,7 @@ from torch.distributed import ReduceOp
 from megascale_omni.config import ElasticConfig
 from megascale_omni.parallel.elastic_buckets import BucketSums
 from megascale_omni.parallel.heal_transport import checkpoint_transport
+from megascale_omni.parallel.schedules import model_device
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +318,17 @@ class ElasticReplica:
         """
         finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         self.reduce_grads_across_replicas(model, num_tokens, pg_collection)
+
+    def finalize_without_backward(self, model: Sequence[Any]) -> None:
+        """:meth:`finalize_model_grads` for a rank without micro-batches this
+        step (a healing replica, or more DP ranks than micro-batches; every
+        rank of such a pipeline): starts its bucket groups' reductions as
+        backward would have, then joins every collective with zero
+        gradients and zero tokens."""
+        assert self._buckets is not None, "attach() the model before its first step"
+        self._buckets.start_without_backward()
+        # On the model's device, as megatron's schedules hand it over (NCCL takes device tensors only).
+        self.finalize_model_grads(model, num_tokens=torch.zeros([], dtype=torch.int, device=model_device(model)))
 
     def reduce_grads_across_replicas(self, model: Sequence[Any], num_tokens: Optional[torch.Tensor],
                                      pg_collection: Any = None) -> None:

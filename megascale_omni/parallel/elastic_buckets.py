@@ -13,12 +13,16 @@ rest. Each chunk's sums are awaited at the end of its ``finish_grad_sync``,
 before megatron's other gradient all-reduces (tied embeddings, layer norms)
 read the buffers.
 
-Order: cross-replica collectives must line up across replicas, whose
-backward may fill groups in another order and a healing one has no
-backward at all. Sums therefore start in one fixed order, the chunks' order
-and each chunk's bucket groups in index order; a group filled early waits
-for those before it. The numbers do not depend on when a sum starts: the
-same views are summed in the same order with or without the overlap.
+Order: collectives must line up, the cross-replica sums across replicas
+(whose backward may fill groups in another order; a healing one runs no
+backward) and the inner reductions across the inner DP ranks of a group
+(which may hold different numbers of micro-batches, some none, and so be
+in megatron's first batch at different steps). Both therefore start in
+one fixed order: the chunks in reverse (the order backward finishes them),
+each chunk's bucket groups by index (the order backward fills them); a
+group filled early waits for those before it. The numbers do not depend on
+when a sum starts: the same views are summed in the same order with or
+without the overlap.
 
 Why not megatron's own inter-instance all-reduce
 (``num_distributed_optimizer_instances``): see the seam note in
@@ -51,8 +55,19 @@ def bucket_groups(chunk: Any) -> list[Any]:
 
 
 class BucketSums:
-    """Starts and awaits the cross-replica sums of ``model``'s bucket groups
-    (every rank; one instance per model, installed once on its DDP chunks).
+    """Orders the inner reductions of ``model``'s bucket groups and starts
+    and awaits their cross-replica sums (every rank; one instance per model,
+    installed once on its DDP chunks).
+
+    Every request to start a group's inner reduction (megatron's backward
+    hooks, its schedule's ``grad_sync_func``, ``finish_grad_sync``, or
+    :meth:`start_without_backward`) goes through here, and the reductions
+    start in one fixed order: a group requested early waits for the groups
+    before it. That order is the same on every rank of the replica group
+    whatever ran on it this step (a full backward, a first batch, whose
+    groups megatron starts only in ``finish_grad_sync``, or no backward at
+    all), so the inner collectives line up across the inner DP ranks even
+    when they hold different numbers of micro-batches.
 
     ``allowed()`` is asked once per step, before the first sum: False sends
     nothing this step (the replica is alone in its quorum, or the quorum is
@@ -62,11 +77,16 @@ class BucketSums:
 
     def __init__(self, model: Sequence[Any], allowed: Callable[[], bool], send: Callable[[torch.Tensor], Any]):
         self.model = list(model)
-        self.groups = [group for chunk in self.model for group in bucket_groups(chunk)]
+        # Chunks in reverse: the order backward finishes them (megatron's
+        # interleaved schedule ends with chunk 0); a chunk's groups by index,
+        # the order backward fills them.
+        self.groups = [group for chunk in reversed(self.model) for group in bucket_groups(chunk)]
         self._allowed_fn, self._send = allowed, send
+        #: megatron's own ``start_grad_sync`` of each group (the inner reduction).
+        self._inner = [group.start_grad_sync for group in self.groups]
         index = {id(group): i for i, group in enumerate(self.groups)}
-        for group in self.groups:
-            group.start_grad_sync = self._after(group.start_grad_sync, index[id(group)])
+        for i, group in enumerate(self.groups):
+            group.start_grad_sync = self._request(i)
         for chunk in self.model:
             chunk.finish_grad_sync = self._then_wait(chunk.finish_grad_sync,
                                                      [index[id(group)] for group in bucket_groups(chunk)])
@@ -77,16 +97,19 @@ class BucketSums:
         #: ``finish_grad_sync`` (during backward) in the current step.
         self.early = 0
         self._finishing = False
-        self._started = [False] * len(self.groups)
-        self._next = 0  # the next group whose sums start, in self.groups order
+        self._requested = [False] * len(self.groups)
+        self._next = 0  # the next group to start, in self.groups order
         self._works: list[list[Any]] = [[] for _ in self.groups]
         self._allowed: bool | None = None
 
-    def _after(self, start_grad_sync: Callable, i: int) -> Callable:
-        def start(*args, **kwargs):
-            start_grad_sync(*args, **kwargs)
-            self._started[i] = True
-            self._launch_ready()
+    def _request(self, i: int) -> Callable:
+        def start(force_all_reduce: bool = False, **kwargs):
+            if self._finishing:
+                # finish_grad_sync runs after this rank's backward: the
+                # groups before this one hold their final gradients too.
+                self._requested[:i] = [True] * i
+            self._requested[i] = True
+            self._launch_ready(force_all_reduce)
 
         return start
 
@@ -105,10 +128,21 @@ class BucketSums:
 
         return finish
 
-    def _launch_ready(self) -> None:
-        """Start the sums of every started group not yet sent, in order."""
-        while self._next < len(self.groups) and self._started[self._next]:
+    def start_without_backward(self) -> None:
+        """Start every group's inner reduction and cross-replica sums, in
+        order, on a rank that runs no backward this step (no micro-batches),
+        before megatron's ``finish_grad_sync``: with ``overlap_grad_reduce``
+        megatron starts them only from backward hooks after the first batch,
+        and would find none started."""
+        self._requested = [True] * len(self.groups)
+        self._launch_ready()
+
+    def _launch_ready(self, force_all_reduce: bool = False) -> None:
+        """Start the inner reductions of the requested groups not yet
+        started, in order, each followed by its cross-replica sums."""
+        while self._next < len(self.groups) and self._requested[self._next]:
             group = self.groups[self._next]
+            self._inner[self._next](force_all_reduce=force_all_reduce)
             if self._allowed is None:
                 self._allowed = bool(self._allowed_fn())
             if self._allowed:

@@ -29,6 +29,8 @@ class CrossReplica(Protocol):
 
     def finalize_model_grads(self, model: Sequence, num_tokens: Optional[torch.Tensor] = None) -> None: ...
 
+    def finalize_without_backward(self, model: Sequence) -> None: ...
+
 
 def run_forward_backward(
     chunks: Sequence[torch.nn.Module],

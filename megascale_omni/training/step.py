@@ -6,13 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megascale_omni.metrics.breakdown import PHASES
-from megascale_omni.parallel.schedules import CrossReplica, model_device, reduce_reported_loss, run_forward_backward
+from megascale_omni.parallel.schedules import CrossReplica, reduce_reported_loss, run_forward_backward
 
 
 @dataclass
@@ -77,9 +76,7 @@ def train_step(
         reports = run_forward_backward(chunks, forward_step_func, microbatches, seq_length, micro_batch_size)
     else:
         assert cross_replica is not None, "a step needs micro-batches"
-        # On the model's device, as megatron's schedules hand it over (NCCL takes device tensors only).
-        cross_replica.finalize_model_grads(list(chunks), num_tokens=torch.zeros([], dtype=torch.int,
-                                                                                device=model_device(chunks)))
+        cross_replica.finalize_without_backward(list(chunks))
         reports = []
     loss, count = (None, None)
     committed = True

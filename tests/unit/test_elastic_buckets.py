@@ -1,5 +1,5 @@
 """BucketSums on stand-ins of megatron's DDP chunks and bucket groups: the
-order sums start in, when they are awaited, and what is summed."""
+order inner reductions and sums start in, when they are awaited, and what is summed."""
 
 from __future__ import annotations
 
@@ -76,28 +76,33 @@ def _sums(model: list[Chunk], log: list, allowed: bool = True) -> BucketSums:
     return BucketSums(model, ask, send)
 
 
-def test_sums_start_in_fixed_order_after_each_inner_reduction_and_are_awaited_in_finish():
+def test_reductions_and_sums_start_in_fixed_order_and_are_awaited_in_finish():
     log: list = []
     model = _model(log)
     sums = _sums(model, log)
-    # Backward fills a1 before a0, then b0 (hooks call start_grad_sync).
-    model[0].bucket_groups[1].start_grad_sync()
-    assert log == [("inner start", "a1")]  # a1 waits for a0: nothing sent yet
+    # The order is b0, a0, a1 (chunks in reverse, groups by index). Backward
+    # fills a0 first: it waits for b0; b0 then starts both.
     model[0].bucket_groups[0].start_grad_sync()
+    assert log == []
     model[1].bucket_groups[0].start_grad_sync()
-    assert log[1:] == [("inner start", "a0"), ("allowed?",), ("inner done", "a0"), ("sum start", 1),
-                       ("inner done", "a1"), ("sum start", 2), ("inner start", "b0"), ("inner done", "b0"),
-                       ("sum start", 3)]
+    assert log == [("inner start", "b0"), ("allowed?",), ("inner done", "b0"), ("sum start", 3),
+                   ("inner start", "a0"), ("inner done", "a0"), ("sum start", 1)]
+    del log[:]
+    model[0].bucket_groups[1].start_grad_sync()
+    assert log == [("inner start", "a1"), ("inner done", "a1"), ("sum start", 2)]
     del log[:]
     for chunk in model:
         chunk.finish_grad_sync()
     assert log == [("sum done", 1), ("sum done", 2), ("sum done", 3)]
     assert sums.end_step() == 3  # all three started during backward
-    # The next step starts afresh.
+    # The next step starts afresh; finish_grad_sync of the first chunk starts
+    # the groups before its own too (backward is over).
     del log[:]
     for chunk in model:
         chunk.finish_grad_sync()
-    assert [e for e in log if e[0] == "sum start"] == [("sum start", 1), ("sum start", 2), ("sum start", 3)]
+    assert [e for e in log if e[0].endswith("start")] == [
+        ("inner start", "b0"), ("sum start", 3), ("inner start", "a0"), ("sum start", 1),
+        ("inner start", "a1"), ("sum start", 2)]
     assert sums.end_step() == 0  # started by finish_grad_sync, not during backward
 
 
@@ -107,9 +112,38 @@ def test_without_overlap_each_sum_starts_after_its_synchronous_inner_reduction()
     sums = _sums(model, log)
     for chunk in model:
         chunk.finish_grad_sync()
-    assert log == [("inner start", "a0"), ("allowed?",), ("sum start", 1), ("inner start", "a1"), ("sum start", 2),
-                   ("sum done", 1), ("sum done", 2), ("inner start", "b0"), ("sum start", 3), ("sum done", 3)]
+    assert log == [("inner start", "b0"), ("allowed?",), ("sum start", 3), ("inner start", "a0"), ("sum start", 1),
+                   ("inner start", "a1"), ("sum start", 2), ("sum done", 1), ("sum done", 2), ("sum done", 3)]
     assert sums.end_step() == 0
+
+
+def _inner_starts(run) -> list[str]:
+    log: list = []
+    model = _model(log)
+    sums = _sums(model, log, allowed=False)
+    run(model, sums)
+    for chunk in model:
+        chunk.finish_grad_sync()
+    sums.end_step()
+    return [e[1] for e in log if e[0] == "inner start"]
+
+
+def test_inner_reductions_start_in_the_same_order_with_or_without_backward():
+    """Inner DP ranks of one group may hold different numbers of micro-batches
+    (some none): their inner collectives must still line up."""
+
+    def backward(model, sums):  # hooks in another order than the fixed one
+        for chunk, i in ((0, 1), (1, 0), (0, 0)):
+            model[chunk].bucket_groups[i].start_grad_sync()
+
+    def first_batch(model, sums):  # megatron starts every group in finish_grad_sync
+        pass
+
+    def no_backward(model, sums):  # no micro-batches this step
+        sums.start_without_backward()
+
+    orders = [_inner_starts(run) for run in (backward, first_batch, no_backward)]
+    assert orders == [["b0", "a0", "a1"]] * 3
 
 
 def test_nothing_is_sent_when_not_allowed():
@@ -128,7 +162,7 @@ def test_end_step_fails_if_a_group_never_started():
     log: list = []
     model = _model(log)
     sums = _sums(model, log)
-    model[0].finish_grad_sync()
+    model[1].finish_grad_sync()  # b0 only: first in the order
     with pytest.raises(AssertionError, match="did not run on every bucket group"):
         sums.end_step()
 
