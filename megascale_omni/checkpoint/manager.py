@@ -21,7 +21,10 @@ the files; at a later step boundary every rank runs megatron's collective
 finalisers; then rank 0's committer thread hashes the files, publishes
 ``commit.json``, replicates the fast tier to the persistent tier and prunes
 old checkpoints.
-The next save waits for all of that, so at most one save is in flight.
+The next save waits for the previous one's files to be written and
+finalised (its staging buffers are reused), not for its commit: commits
+run in save order on the one committer thread, and pruning never touches
+a save newer than the newest committed one.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ class Checkpointer:
         self.triggers.install_signal_handlers()
         self.writer = AsyncWriter()
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
-        self._commit: Optional[Future] = None
+        #: (step, commit) submitted to the committer thread and not yet collected (rank 0), oldest first.
+        self._commits: list[tuple[int, Future]] = []
         #: megatron's strategy, kept across saves for its cached plan and save split.
         self.strategy = SaveStrategy(self.group)
         #: Host buffers of the tensors this rank writes, reused by every save.
@@ -228,12 +232,14 @@ class Checkpointer:
         if not self.enabled:
             return
         t_request = time.perf_counter()
-        self.wait()  # at most one save in flight
+        self._wait_written()  # at most one save writing: the staging buffers are reused
         t0 = time.perf_counter()
         waited = t0 - t_request
         if waited > 0.01:
-            logger.info("checkpoint: waited %.2f s for the previous save to commit", waited)
+            logger.info("checkpoint: waited %.2f s for the previous save's files", waited)
         step = state.step
+        if any(pending == step for pending, _ in self._commits):
+            self.wait()  # the same step again (e.g. the final save): decide once it is committed
         target = self.save_root / layout.step_dir_name(step)
         skip = [self._prepare_target(target, step) if self.rank == 0 else None]
         dist.broadcast_object_list(skip, src=0, group=self.group)
@@ -289,20 +295,27 @@ class Checkpointer:
         return False
 
     def wait(self) -> None:
-        """Block until the in-flight save, if any, is committed (every rank)."""
+        """Block until every save so far is committed (every rank)."""
         if not self.enabled:
             return
+        self._wait_written()
+        while self._commits:
+            self._commits.pop(0)[1].result()
+
+    def _wait_written(self) -> None:
+        """Block until the in-flight save's files are written and finalised
+        (every rank; collective). Its commit may still be running; a commit
+        that failed since the last call raises here."""
         if self.writer.inflight is not None:
             self.writer.wait_locally()
             self._finalize()
-        if self._commit is not None:
-            self._commit.result()
-            self._commit = None
+        while self._commits and self._commits[0][1].done():
+            self._commits.pop(0)[1].result()
 
     def _finalize(self) -> None:
         save = self.writer.finalize()
         if self.rank == 0:
-            self._commit = self._committer.submit(self._publish, save)
+            self._commits.append((save.step, self._committer.submit(self._publish, save)))
 
     def _publish(self, save: InflightSave) -> None:
         """Rank 0, committer thread: checksum, commit marker, replicate, prune."""
