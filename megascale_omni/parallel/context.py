@@ -59,21 +59,23 @@ def cp_token_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
             a multiple of ``2 * cp_size`` long.
 
     Returns:
-        ``[t / cp_size]`` int64: for each segment, chunk ``cp_rank`` then
-        chunk ``2 * cp_size - 1 - cp_rank``.
+        ``[t / cp_size]`` int64 on ``cu_seqlens_padded.device``: for each
+        segment, chunk ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank``.
+        The boundaries are read on the host (one copy when they live on a GPU).
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
     bounds = check_divisible(cu_seqlens_padded, cp_size)
+    device = cu_seqlens_padded.device
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         m = (end - start) // (2 * cp_size)
         if m == 0:
             continue
         for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            parts.append(torch.arange(start + chunk * m, start + (chunk + 1) * m))
+            parts.append(torch.arange(start + chunk * m, start + (chunk + 1) * m, device=device))
     if not parts:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat(parts)
 
 
@@ -97,13 +99,14 @@ def pad_segments(cu_seqlens: torch.Tensor, multiple: int) -> PaddedSegments:
 
     Scatter a ``[t, ...]`` tensor into the padded layout with
     ``padded = x.new_zeros(padded_length, ...); padded[position] = x``.
+    Outputs are on ``cu_seqlens.device``.
     """
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     padded = -(-lengths // multiple) * multiple
     cu_padded = torch.cat([cu.new_zeros(1), torch.cumsum(padded, 0)])
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    position = torch.arange(int(cu[-1])) - cu[seg] + cu_padded[seg]
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    position = torch.arange(int(cu[-1]), device=cu.device) - cu[seg] + cu_padded[seg]
     return PaddedSegments(cu.to(torch.int32), cu_padded.to(torch.int32), position)
 
 
