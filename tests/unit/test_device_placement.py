@@ -13,6 +13,8 @@ per-layer attention path never makes the host wait for the device.
 * Ring attention's forward (models/ring_attention.py) is checked for the ops
   that read a device value back to the host (``.item()``, ``nonzero``,
   boolean-mask indexing), each a stall of the host's kernel queue per layer.
+* A step's loss reports (parallel/schedules.py) reach the host in one copy,
+  counted with the reports on ``meta``.
 """
 
 from __future__ import annotations
@@ -113,3 +115,35 @@ def test_ring_attention_forward_reads_nothing_back_from_the_device(world_of_one,
         out = ring_attention(q, k, v, segments, causal=causal, scale=0.3, group=world_of_one)
     assert reads.seen == []
     assert out.shape == q.shape and out[0, :, 5].abs().max() == 0 and out[0, :, 4].abs().max() > 0
+
+
+class _HostCopies(TorchDispatchMode):
+    """Counts copies from the stand-in device (``meta``) to the host; each
+    would be a wait for the GPU. Returns zeros for them (meta holds no data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device") == torch.device("cpu"):
+            self.count += 1
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+def test_step_reports_reach_the_host_in_one_copy(world_of_one, monkeypatch):
+    from megascale_omni.parallel import schedules
+
+    monkeypatch.setattr(schedules.mpu, "is_pipeline_last_stage", lambda **_: True)
+    monkeypatch.setattr(schedules.mpu, "get_data_parallel_group", lambda **_: world_of_one)
+    reports = [{schedules.LOSS_KEY: torch.ones(2, device="meta"), "accuracy": torch.ones(2, device="meta")}
+               for _ in range(8)]
+    with _HostCopies() as copies:
+        totals = schedules.reduce_reports(reports)
+    assert copies.count == 1
+    assert sorted(totals) == ["accuracy", schedules.LOSS_KEY] and all(v.device.type == "cpu" for v in totals.values())
+    # The numbers, on the host.
+    host = [{k: torch.tensor([2.0, 3.0]) for k in r} for r in reports]
+    assert schedules.reduce_reports(host)[schedules.LOSS_KEY].tolist() == [16.0, 24.0]
