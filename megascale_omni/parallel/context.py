@@ -38,10 +38,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def check_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> list[int]:
+def as_ints(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Segment boundaries as ints (read to the host when a tensor)."""
+    return [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+
+
+def check_divisible(cu_seqlens: torch.Tensor | Sequence[int], cp_size: int) -> list[int]:
     """``cu_seqlens`` as a list, after checking every segment length is a
     multiple of ``2 * cp_size`` (ValueError naming the first that is not)."""
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = as_ints(cu_seqlens)
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if (end - start) % (2 * cp_size):
             raise ValueError(
@@ -121,13 +126,15 @@ class LocalSegment(NamedTuple):
     valid: int
 
 
-def local_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> list[LocalSegment]:
+def local_segments(
+    cu_seqlens: torch.Tensor | Sequence[int], cu_seqlens_padded: torch.Tensor | Sequence[int], cp_size: int
+) -> list[LocalSegment]:
     """The local layout of every non-empty segment, identical on all CP ranks.
 
     ``cu_seqlens`` are the real global boundaries and ``cu_seqlens_padded``
-    the padded ones (the same tensor when nothing is padded)."""
+    the padded ones (the same when nothing is padded); tensors or ints."""
     padded = check_divisible(cu_seqlens_padded, cp_size)
-    real = [int(x) for x in cu_seqlens.tolist()]
+    real = as_ints(cu_seqlens)
     if len(real) != len(padded):
         raise ValueError(f"cu_seqlens has {len(real) - 1} segments but cu_seqlens_padded {len(padded) - 1}")
     out = []

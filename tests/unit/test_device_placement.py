@@ -13,22 +13,26 @@ per-layer attention path never makes the host wait for the device.
 * Ring attention's forward (models/ring_attention.py) is checked for the ops
   that read a device value back to the host (``.item()``, ``nonzero``,
   boolean-mask indexing), each a stall of the host's kernel queue per layer.
+* THD micro-batches (models/attention.py) read their segment boundaries to
+  the host once, when ``PackedSeqParams`` is built; the local core attention
+  then runs with every tensor on ``meta`` (nothing to read back per layer).
 * A step's loss reports (parallel/schedules.py) reach the host in one copy,
   counted with the reports on ``meta``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megascale_omni.models.attention import cp_shard_batch, thd_inputs
+from megascale_omni.models.attention import PackedCoreAttention, cp_shard_batch, packed_seq_params, thd_inputs
 from megascale_omni.models.ring_attention import ring_attention
 from megascale_omni.parallel.context import cp_token_index, local_segments, pad_segments
 from megascale_omni.parallel.schedules import batch_to, model_device
-from tests.launcher import free_port
 
 
 def test_batch_to_moves_every_nested_tensor_and_keeps_the_rest():
@@ -100,19 +104,21 @@ class _HostReads(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+def one_rank():
+    """megatron's TP1/PP1/CP1 state in this process (a gloo world of one)."""
+    from megascale_omni.models.standalone import one_process
+
+    with one_process(seed=0):
+        yield dist.group.WORLD
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_forward_reads_nothing_back_from_the_device(world_of_one, causal):
+def test_ring_attention_forward_reads_nothing_back_from_the_device(one_rank, causal):
     # Padded segments (real 5, 1, 9 tokens), so the padding mask is applied.
     segments = local_segments(torch.tensor([0, 5, 6, 15]), torch.tensor([0, 6, 8, 18]), 1)
     q, k, v = (torch.randn(1, heads, 18, 8) for heads in (4, 2, 2))
     with _HostReads() as reads:
-        out = ring_attention(q, k, v, segments, causal=causal, scale=0.3, group=world_of_one)
+        out = ring_attention(q, k, v, segments, causal=causal, scale=0.3, group=one_rank)
     assert reads.seen == []
     assert out.shape == q.shape and out[0, :, 5].abs().max() == 0 and out[0, :, 4].abs().max() > 0
 
@@ -133,11 +139,9 @@ class _HostCopies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_step_reports_reach_the_host_in_one_copy(world_of_one, monkeypatch):
+def test_step_reports_reach_the_host_in_one_copy(one_rank):
     from megascale_omni.parallel import schedules
 
-    monkeypatch.setattr(schedules.mpu, "is_pipeline_last_stage", lambda **_: True)
-    monkeypatch.setattr(schedules.mpu, "get_data_parallel_group", lambda **_: world_of_one)
     reports = [{schedules.LOSS_KEY: torch.ones(2, device="meta"), "accuracy": torch.ones(2, device="meta")}
                for _ in range(8)]
     with _HostCopies() as copies:
@@ -147,3 +151,31 @@ def test_step_reports_reach_the_host_in_one_copy(world_of_one, monkeypatch):
     # The numbers, on the host.
     host = [{k: torch.tensor([2.0, 3.0]) for k in r} for r in reports]
     assert schedules.reduce_reports(host)[schedules.LOSS_KEY].tolist() == [16.0, 24.0]
+
+
+def test_thd_inputs_read_the_boundaries_once(monkeypatch):
+    lists = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: lists.append(self.shape) or tolist(self))
+    with _HostReads() as reads:
+        packed = thd_inputs(_thd_batch()).packed_seq_params
+    assert reads.seen == [] and len(lists) == 1
+    assert packed.host_cu_seqlens == (0, 4, 8, 16) and packed.max_seqlen_q == 8
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_local_core_attention_takes_segments_from_the_host_copy(one_rank, ring):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, hidden_dropout=0.0)
+    attn = PackedCoreAttention(config, 1, AttnMaskType.causal, "self")
+    attn.force_ring = ring  # ring attention over a CP group of one
+    cu = packed_seq_params(torch.tensor([0, 4, 6, 12]), with_padded=ring)
+    meta_cu = cu.cu_seqlens_q.to("meta")
+    params = dataclasses.replace(cu, cu_seqlens_q=meta_cu, cu_seqlens_kv=meta_cu,
+                                 **({"cu_seqlens_q_padded": meta_cu, "cu_seqlens_kv_padded": meta_cu} if ring else {}))
+    q, k, v = (torch.randn(12, heads, 8, device="meta") for heads in (4, 2, 2))
+    out = attn(q, k, v, None, packed_seq_params=params)  # a read of meta_cu would raise
+    assert out.shape == (12, 32) and out.is_meta
