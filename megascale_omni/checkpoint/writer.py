@@ -31,7 +31,8 @@ writer thread, forks one process per write bucket): safe, for three reasons.
   ``_disable_gc`` holds cyclic GC off across the fork. ``gc.disable`` is
   process-wide, so while a write runs the trainer's own cyclic GC is off too
   (reference counting still frees memory).
-* Pinned pages are shared with the child, not copied on write, so the
+* Pinned pages can be shared with the child rather than copied on write
+  (megatron's own async path met this with reused pinned buffers), so the
   parent must not refill them while the child reads them. It does not:
   ``Checkpointer.save`` waits for the previous save before staging again (at
   most one save in flight), and the write function returns only after every
