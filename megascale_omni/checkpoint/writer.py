@@ -14,6 +14,29 @@ process, at most one request in flight, and completion agreed through the
 caller's per-step flag collective (see :mod:`megascale_omni.checkpoint.manager`).
 The writer thread only forks megatron's file-writer process and waits, so it
 holds the GIL for microseconds.
+
+Forking after CUDA is initialised (megatron-core 0.16.1,
+``FileSystemWriterAsync.write_preloaded_data_multiproc``, run here on the
+writer thread, forks one process per write bucket): safe, for three reasons.
+
+* The child calls no CUDA API. By the time ``async_fn`` runs every tensor it
+  writes is a host tensor (our staging buffers, and ``prepare_request`` ran
+  megatron's ``preload_fn``); the child asserts ``tensor.is_cpu`` and
+  serialises with ``torch.save``, whose CPU branch only reads the storage's
+  bytes. Pinned (``cudaHostAlloc``) memory is ordinary host memory to read.
+  A CUDA call in the child would raise (PyTorch marks a forked child
+  "bad fork"), not corrupt the parent.
+* Nothing is freed in the child: the buffers stay referenced by the process
+  arguments until the child leaves through ``os._exit``, and megatron's
+  ``_disable_gc`` holds cyclic GC off across the fork. ``gc.disable`` is
+  process-wide, so while a write runs the trainer's own cyclic GC is off too
+  (reference counting still frees memory).
+* Pinned pages can be shared with the child rather than copied on write
+  (megatron's own async path met this with reused pinned buffers), so the
+  parent must not refill them while the child reads them. It does not:
+  ``Checkpointer.save`` waits for the previous save before staging again (at
+  most one save in flight), and the write function returns only after every
+  child has reported.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Mapping, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +55,42 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, with_padded: bool = False) -> PackedSeqParams:
+@dataclass
+class ThdPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` that also holds its boundaries as host ints, read
+    from the device once per micro-batch: :class:`PackedCoreAttention` takes
+    its segments from them at every layer instead of reading
+    ``cu_seqlens_q`` back (a wait for the device per layer)."""
+
+    #: ``cu_seqlens_q`` (= ``cu_seqlens_kv``, and the padded ones when set) as ints.
+    host_cu_seqlens: Optional[tuple[int, ...]] = None
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, with_padded: bool = False) -> ThdPackedSeqParams:
     """Self-attention ``PackedSeqParams`` for segments ``cu_seqlens``
-    (``[n + 1]`` integer, 0 first, ``t`` last), on ``cu_seqlens.device``.
+    (``[n + 1]`` integer, 0 first, ``t`` last), on ``cu_seqlens.device``;
+    the boundaries are read to the host once.
 
     ``with_padded`` also sets ``cu_seqlens_{q,kv}_padded`` to the same
     boundaries (segments already padded for context parallelism), which
     transformer-engine's THD context parallelism reads."""
     cu = cu_seqlens.to(torch.int32)
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {cu.tolist()}")
-    longest = int((cu[1:] - cu[:-1]).max())
+    bounds = cu.tolist()
+    if cu.dim() != 1 or len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0, got {bounds}")
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     padded = cu if with_padded else None
-    return PackedSeqParams(
+    return ThdPackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+        cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, host_cu_seqlens=tuple(bounds),
     )
+
+
+def host_bounds(params: PackedSeqParams, cu: torch.Tensor) -> Sequence[int]:
+    """``cu`` (one of ``params``' boundary tensors) as ints: the host copy
+    :class:`ThdPackedSeqParams` carries, else read from ``cu``."""
+    host = getattr(params, "host_cu_seqlens", None)
+    return host if host is not None and cu is params.cu_seqlens_q else cu.tolist()
 
 
 class ThdInputs(NamedTuple):
@@ -91,15 +112,16 @@ def thd_inputs(batch: Mapping[str, torch.Tensor], cp_size: int = 1) -> ThdInputs
     ``cu_seqlens`` stays global."""
     tokens = batch["tokens"]
     t = tokens.numel()
-    cu = batch["cu_seqlens"]
-    if int(cu[-1]) != t * cp_size:
-        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the micro-batch has {t} x cp={cp_size} tokens")
+    params = packed_seq_params(batch["cu_seqlens"], with_padded=cp_size > 1)
+    end = params.host_cu_seqlens[-1]
+    if end != t * cp_size:
+        raise ValueError(f"cu_seqlens ends at {end} but the micro-batch has {t} x cp={cp_size} tokens")
     labels = batch.get("labels")
     return ThdInputs(
         tokens.reshape(1, t),
         batch["position_ids"].reshape(1, t),
         None if labels is None else labels.reshape(1, t),
-        packed_seq_params(cu, with_padded=cp_size > 1),
+        params,
     )
 
 
@@ -257,7 +279,7 @@ class PackedCoreAttention(MegatronModule):
         if params.qkv_format != "thd":
             raise ValueError(f"PackedCoreAttention reads qkv_format='thd' only, got {params.qkv_format!r}")
         padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        segments = local_segments(params.cu_seqlens_q, padded, self.cp_size)
+        segments = local_segments(host_bounds(params, params.cu_seqlens_q), host_bounds(params, padded), self.cp_size)
         t = query.shape[0]
         heads_first = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, n, t, d]
         out = ring_attention(*heads_first, segments, causal=causal, scale=self.softmax_scale, group=group)
@@ -274,7 +296,7 @@ class PackedCoreAttention(MegatronModule):
         if cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("PackedCoreAttention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
         t = query.shape[0]
-        bounds = cu_q.tolist()
+        bounds = host_bounds(params, cu_q)
         if bounds[0] != 0 or bounds[-1] != t:
             raise ValueError(f"cu_seqlens span [{bounds[0]}, {bounds[-1]}) but the sequence has {t} tokens")
         parts = []

@@ -210,7 +210,8 @@ class _RingAttention(torch.autograd.Function):
                 _wait(requests)
         valid = _query_valid_mask(segments, ring.rank, ring.size, q.shape[2])
         if valid is not None:
-            out[:, :, ~valid.to(q.device)] = 0.0
+            # masked_fill, not boolean indexing: no device-to-host sync for the mask's count.
+            out.masked_fill_(~valid.to(q.device)[None, None, :, None], 0.0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.segments, ctx.causal, ctx.scale, ctx.group, ctx.valid = segments, causal, scale, group, valid

@@ -38,10 +38,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def check_divisible(cu_seqlens: torch.Tensor, cp_size: int) -> list[int]:
+def as_ints(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Segment boundaries as ints (read to the host when a tensor)."""
+    return [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+
+
+def check_divisible(cu_seqlens: torch.Tensor | Sequence[int], cp_size: int) -> list[int]:
     """``cu_seqlens`` as a list, after checking every segment length is a
     multiple of ``2 * cp_size`` (ValueError naming the first that is not)."""
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = as_ints(cu_seqlens)
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if (end - start) % (2 * cp_size):
             raise ValueError(
@@ -59,21 +64,23 @@ def cp_token_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) 
             a multiple of ``2 * cp_size`` long.
 
     Returns:
-        ``[t / cp_size]`` int64: for each segment, chunk ``cp_rank`` then
-        chunk ``2 * cp_size - 1 - cp_rank``.
+        ``[t / cp_size]`` int64 on ``cu_seqlens_padded.device``: for each
+        segment, chunk ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank``.
+        The boundaries are read on the host (one copy when they live on a GPU).
     """
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
     bounds = check_divisible(cu_seqlens_padded, cp_size)
+    device = cu_seqlens_padded.device
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         m = (end - start) // (2 * cp_size)
         if m == 0:
             continue
         for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            parts.append(torch.arange(start + chunk * m, start + (chunk + 1) * m))
+            parts.append(torch.arange(start + chunk * m, start + (chunk + 1) * m, device=device))
     if not parts:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat(parts)
 
 
@@ -97,13 +104,14 @@ def pad_segments(cu_seqlens: torch.Tensor, multiple: int) -> PaddedSegments:
 
     Scatter a ``[t, ...]`` tensor into the padded layout with
     ``padded = x.new_zeros(padded_length, ...); padded[position] = x``.
+    Outputs are on ``cu_seqlens.device``.
     """
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     padded = -(-lengths // multiple) * multiple
     cu_padded = torch.cat([cu.new_zeros(1), torch.cumsum(padded, 0)])
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    position = torch.arange(int(cu[-1])) - cu[seg] + cu_padded[seg]
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    position = torch.arange(int(cu[-1]), device=cu.device) - cu[seg] + cu_padded[seg]
     return PaddedSegments(cu.to(torch.int32), cu_padded.to(torch.int32), position)
 
 
@@ -118,13 +126,15 @@ class LocalSegment(NamedTuple):
     valid: int
 
 
-def local_segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> list[LocalSegment]:
+def local_segments(
+    cu_seqlens: torch.Tensor | Sequence[int], cu_seqlens_padded: torch.Tensor | Sequence[int], cp_size: int
+) -> list[LocalSegment]:
     """The local layout of every non-empty segment, identical on all CP ranks.
 
     ``cu_seqlens`` are the real global boundaries and ``cu_seqlens_padded``
-    the padded ones (the same tensor when nothing is padded)."""
+    the padded ones (the same when nothing is padded); tensors or ints."""
     padded = check_divisible(cu_seqlens_padded, cp_size)
-    real = [int(x) for x in cu_seqlens.tolist()]
+    real = as_ints(cu_seqlens)
     if len(real) != len(padded):
         raise ValueError(f"cu_seqlens has {len(real) - 1} segments but cu_seqlens_padded {len(padded) - 1}")
     out = []

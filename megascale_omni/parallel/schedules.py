@@ -102,16 +102,17 @@ def reduce_reports(reports: Sequence[dict]) -> Optional[dict[str, torch.Tensor]]
     if not mpu.is_pipeline_last_stage(ignore_virtual=True):
         return None
     keys = sorted(reports[0]) if reports else [LOSS_KEY]
-    total = torch.zeros(len(keys), 2, dtype=torch.float64)
-    for r in reports:
-        for i, k in enumerate(keys):
-            total[i] += r[k].to(torch.float64).cpu()
+    if reports:
+        # Summed where the reports live: one copy to the host per step, not one per micro-batch.
+        total = torch.stack([torch.stack([r[k] for k in keys]) for r in reports]).to(torch.float64).sum(0)
+    else:
+        total = torch.zeros(len(keys), 2, dtype=torch.float64)
     group = mpu.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         # NCCL takes device tensors only.
         total = total.to(collective_device(group))
         dist.all_reduce(total, group=group)
-        total = total.cpu()
+    total = total.cpu()
     return {k: total[i] for i, k in enumerate(keys)}
 
 

@@ -1,4 +1,5 @@
-"""TP2, PP2 and DP2 with the distributed optimizer train the tiny GPT of
+"""TP2, PP2, DP2 with the distributed optimizer and CP2 (ring attention on the
+local spec, transformer-engine's CP attention on its spec) train the tiny GPT of
 tests/dist/test_layout_equivalence.py to the single-process run's per-step
 losses and grad norms, on the suite's device and backend (NCCL on CUDA),
 within the :class:`~tests.gpu.conftest.Target`'s tolerances for its
@@ -16,7 +17,7 @@ from tests.launcher import assert_same_training, train_and_read
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 STEPS = 10
-NAMES = ("tp2", "pp2", "dp2-distopt")
+NAMES = ("tp2", "pp2", "dp2-distopt", "cp2-distopt-overlap")
 
 
 def _train(target, tmp_path_factory, name: str, nproc: int, overrides: list[str]) -> list[dict]:

@@ -173,14 +173,15 @@ class DiTChunk(MegatronModule):
         index: Optional[torch.Tensor] = None,
     ):
         """Stage 0: ``(x [N, B, h], ctx [L, B, h], c [B, h])``; with ``index``
-        (context parallelism) ``x`` holds only those tokens, ``[len(index), B, h]``."""
+        (context parallelism; int64 on the host, where the position table is
+        built) ``x`` holds only those tokens, ``[len(index), B, h]``."""
         _, _, height, width = x_t.shape
         patches = patchify(x_t, self.patch)  # [N, B, C p p]
         pos = sincos_2d(height // self.patch, width // self.patch, self.config.hidden_size)
         if index is not None:
             # The embedding is per token: embedding only the local patches
             # gives the same tokens for 1/cp of the work.
-            patches, pos = patches[index], pos[index.cpu()]
+            patches, pos = patches[index.to(patches.device)], pos[index]
         x, _ = self.x_embedder(patches)
         x = x + pos.to(device=x.device, dtype=x.dtype)[:, None, :]
         emb = self.text_embedding(text) if self.text_embedding is not None else text.to(x.dtype)  # [B, L, D]
@@ -204,7 +205,8 @@ class DiTChunk(MegatronModule):
         n = (height // self.patch) * (width // self.patch)
         index = None
         if self.cp > 1:
-            index = image_token_index(n, self.cp, mpu.get_context_parallel_rank()).to(x_t.device)
+            # On the host: reading a device index back for the position table would wait for the GPU.
+            index = image_token_index(n, self.cp, mpu.get_context_parallel_rank())
         local = n if index is None else index.numel()
         if self.pre_process:
             x, ctx, c = self.embed(x_t, t, text, text_mask, index)
@@ -223,7 +225,7 @@ class DiTChunk(MegatronModule):
             return unpatchify(out, self.patch, height, width, self.channels)
         goal = patchify(target, self.patch)
         if index is not None:
-            goal = goal[index]
+            goal = goal[index.to(goal.device)]
         err = (out.float() - goal.float()) ** 2
         return err.mean(-1).transpose(0, 1).contiguous()  # [B, N / cp]
 
