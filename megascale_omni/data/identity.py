@@ -17,7 +17,11 @@ validated at start-up, never of the shards (they can be terabytes):
   (:func:`~megascale_omni.data.costs.fingerprint` of the vocabulary and
   rules, and for ``data.format=chat`` the chat template and special tokens):
   token counts decide how samples pack into rows, hence each step's samples;
-- synthetic data: its generating parameters.
+- DiT's ``dataset.json`` (pixels or latents, channels, text): a
+  :func:`~megascale_omni.data.costs.fingerprint` of its parsed content.
+
+Synthetic data (the GPT smoke task) needs no digest: its generating
+parameters are config fields, compared as such.
 
 Covered: what decides the training samples of a step, i.e. each ``train``
 split read (``data.path``'s, or every ``data.blend`` member's) and the
