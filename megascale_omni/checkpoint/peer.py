@@ -8,8 +8,9 @@ exactly those elements. A joining group's rank ``r`` takes the shard of the
 peer group's rank ``r``, which is the same shard only when both groups have
 the same layout (tp, pp, cp, vpp, inner dp) and the same model (same bucket
 sizes). Beyond the optimizer, every replica group must train the same model
-on the same sample plan (:func:`replica_config`). :func:`check_peer_state`
-verifies all three before anything is applied, so a joiner started with
+on the same sample plan (:func:`replica_config`) from the same data (the
+task's data identity). :func:`check_peer_state` verifies all of it before
+anything is applied, so a joiner started with
 another config is refused with one line. Every function is called by every
 rank (no collectives).
 """
@@ -22,6 +23,7 @@ from megatron.core.optimizer import DistributedOptimizer
 
 from megascale_omni.checkpoint.state import restore_adam_step
 from megascale_omni.config import ConfigError, JobConfig, to_dict
+from megascale_omni.data.identity import check_data_identity
 
 
 def _optimizers(optimizer: Any) -> list:
@@ -75,6 +77,9 @@ def load_peer_optimizer_state(optimizer: Any, states: list[dict]) -> None:
 #: data.* fields replica groups may set differently: how fast the data is
 #: read, and the one a scheduler may change at run time; not what it is.
 _PER_GROUP_DATA_FIELDS = ("num_workers", "prefetch_steps", "max_bad_sample_fraction")
+#: data.* paths compared by the content they select (the task's data
+#: identity), not as strings: nodes may mount one dataset at different paths.
+_CONTENT_DATA_FIELDS = ("path", "tokenizer")
 
 
 def replica_config(cfg: JobConfig) -> dict[str, Any]:
@@ -83,10 +88,16 @@ def replica_config(cfg: JobConfig) -> dict[str, Any]:
     ``dit.*``), the data and what decides each step's samples (``data.*``
     but :data:`_PER_GROUP_DATA_FIELDS`; ``train.seed``,
     ``train.global_batch_size``, ``train.micro_batch_size``) and
-    ``train.precision``."""
+    ``train.precision``. Dataset and tokenizer paths (``data.path``,
+    ``data.tokenizer``, each ``data.blend`` member's ``path``) are left out:
+    :func:`check_peer_state` compares the digests of their content instead
+    (:mod:`megascale_omni.data.identity`); ``data.blend`` keeps its members'
+    weights."""
     plain = to_dict(cfg)
     fields = {f"{section}.{k}": v for section in ("model", "vision", "dit") for k, v in plain[section].items()}
-    fields.update((f"data.{k}", v) for k, v in plain["data"].items() if k not in _PER_GROUP_DATA_FIELDS)
+    skipped = _PER_GROUP_DATA_FIELDS + _CONTENT_DATA_FIELDS
+    fields.update((f"data.{k}", v) for k, v in plain["data"].items() if k not in skipped)
+    fields["data.blend"] = [{k: v for k, v in source.items() if k != "path"} for source in plain["data"]["blend"]]
     fields.update((f"train.{k}", plain["train"][k])
                   for k in ("seed", "global_batch_size", "micro_batch_size", "precision"))
     return fields
@@ -94,8 +105,11 @@ def replica_config(cfg: JobConfig) -> dict[str, Any]:
 
 def check_peer_state(own: dict, peer: dict) -> None:
     """Raise ConfigError (one line) unless ``peer``'s ``"layout"``,
-    ``"config"`` (:func:`replica_config`) and ``"optimizer_layout"`` equal
-    ``own``'s (:meth:`TrainState.peer_facts`)."""
+    ``"config"`` (:func:`replica_config`), ``"data"`` (the task's data
+    identity: every digest of ``own`` equal in ``peer``,
+    :func:`~megascale_omni.data.identity.check_data_identity`) and
+    ``"optimizer_layout"`` equal ``own``'s (:meth:`TrainState.peer_facts`).
+    Reads only: torchft's quorum thread calls it on a joiner."""
     if peer.get("layout") != own["layout"]:
         raise ConfigError(
             "parallel", _layout_text(own["layout"]),
@@ -111,6 +125,7 @@ def check_peer_state(own: dict, peer: dict) -> None:
                 f"differs from the running job's ({running}): every replica group trains the same model on "
                 f"the same data; start this group with the running job's {name}",
             )
+    check_data_identity(own.get("data", {}), peer.get("data", {}))
     if peer.get("optimizer_layout") != own["optimizer_layout"]:
         raise ConfigError(
             "model", "gradient buckets " + str(own["optimizer_layout"]),

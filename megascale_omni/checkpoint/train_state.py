@@ -14,8 +14,8 @@ with the same keys::
     "task"                              the task's own state (counters, EMA, ...)
     "trainer": {"step": N}              committed optimizer steps
 
-in memory only, ``"peer"`` (layout and gradient buckets, checked by a
-joiner before it applies anything), and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
+in memory only, ``"peer"`` (layout, shared config, data digests and
+gradient buckets, checked by a joiner before it applies anything), and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
 ``"config"`` (the job config as a plain dict) and ``"layout"``. The data
 position is the step: every sample plan is step-indexed. Every method is
 called on every rank.
@@ -51,6 +51,8 @@ class StatefulTask(Protocol):
     def state_dict(self, sharded: bool) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def data_identity(self) -> dict[str, dict]: ...
 
 
 class TrainState:
@@ -152,10 +154,12 @@ class TrainState:
     def peer_facts(self) -> dict[str, Any]:
         """What a joining rank checks before taking this rank's state: the
         layout (with whether the optimizer is distributed), the shared config
-        fields (:func:`replica_config`) and the gradient buckets of a
+        fields (:func:`replica_config`), the content digests of the training
+        data (the task's ``data_identity()``) and the gradient buckets of a
         distributed optimizer (:func:`check_peer_state`)."""
         layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
-        return {"layout": layout, "config": replica_config(self.cfg), "optimizer_layout": optimizer_layout(self.optimizer)}
+        return {"layout": layout, "config": replica_config(self.cfg), "data": self.task.data_identity(),
+                "optimizer_layout": optimizer_layout(self.optimizer)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain tensors, for the same rank of a joining
@@ -164,7 +168,7 @@ class TrainState:
 
     def check_peer_state(self, state: dict[str, Any]) -> None:
         """Raise ConfigError (one line) if a peer's :meth:`state_dict` cannot
-        be this rank's: another layout or model (any thread; reads only)."""
+        be this rank's: another layout, model, config or data (any thread; reads only)."""
         check_peer_state(self.peer_facts(), state.get("peer", {}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

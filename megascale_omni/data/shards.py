@@ -28,6 +28,7 @@ shard sets.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import operator
@@ -232,7 +233,9 @@ class ShardedSampleReader:
     reader's scan of every sample's metadata therefore hashes the whole set
     once). Every member read also checks the tar header in front of the data
     (name, size, checksum), so an index that does not describe its shard is
-    reported instead of silently yielding wrong bytes.
+    reported instead of silently yielding wrong bytes. :attr:`index_digest`
+    identifies the split's content without reading a shard
+    (:mod:`megascale_omni.data.identity`).
 
     Raises (from ``__init__``):
         FileNotFoundError: ``root`` is not a directory; the message names
@@ -256,10 +259,14 @@ class ShardedSampleReader:
         if not index_path.is_file():
             raise DataFileError(index_path, "shard index missing", missing_hint)
         try:
-            text = index_path.read_text(encoding="utf-8")
+            raw = index_path.read_bytes()
+            text = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise DataFileError(index_path, f"shard index unreadable ({exc})", INDEX_FIX) from None
         self.index = ShardIndex.from_json(text, index_path)
+        #: sha256 hex of the ``index.json`` bytes: the split's content identity
+        #: (every shard's size and sha256, every sample's location and cost).
+        self.index_digest = hashlib.sha256(raw).hexdigest()
         self.verify = verify
         self._fds: dict[int, int] = {}
         #: Shards whose checksum this process has checked (kept across pickling: same files).

@@ -98,6 +98,14 @@ class Task(ABC):
         """Cumulative data-health counters for the step record."""
         return {}
 
+    def data_identity(self) -> dict[str, dict]:
+        """Content digests of the data the training plan is built from
+        (:mod:`megascale_omni.data.identity`), compared before a replica group
+        joins an elastic job. Computed at construction from what was already
+        read: no I/O here (torchft's quorum thread calls it). Empty: nothing
+        beyond the config decides the samples."""
+        return {}
+
     def state_dict(self, sharded: bool) -> dict:
         """The task's own state (data counters, EMA weights, ...), the same on
         every call. ``sharded``: for a checkpoint, where tensors that are split

@@ -14,6 +14,7 @@ embedded default dataset is the captioned multi-aspect shapes set
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from functools import partial
 from pathlib import Path
@@ -24,10 +25,13 @@ import torch
 
 from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.balance import imbalance
+from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
 from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.data.identity import dataset_source, tokenizer_source, train_split_source
 from megascale_omni.data.shards import BadSampleError
+from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.models.dit.context import image_token_index
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
@@ -67,6 +71,22 @@ def resolve_dit_dataset(cfg: JobConfig) -> tuple[Path, dict]:
     return root, desc
 
 
+def _data_identity(cfg: JobConfig, reader: DitSampleReader, description: dict,
+                   tokenizer: Optional[TextTokenizer]) -> dict[str, dict]:
+    """The content identity of the training data (:mod:`megascale_omni.data.identity`):
+    the train split, ``dataset.json`` (pixels or latents, channels, text) and
+    the caption tokenizer when captions are embedded by the model."""
+    path = cfg.data.path
+    identity = {
+        "data.path": train_split_source("data.path", path, reader.shards.index_digest),
+        "dataset.json": dataset_source("data.path", path, "dataset.json",
+                                       fingerprint(json.dumps(description, sort_keys=True))),
+    }
+    if tokenizer is not None:
+        identity["tokenizer"] = tokenizer_source(cfg.data.tokenizer, path, fingerprint(tokenizer.to_str()))
+    return identity
+
+
 class DitTask(Task):
     """The DiT family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
 
@@ -84,6 +104,7 @@ class DitTask(Task):
         self.table = BucketTable(d.buckets, d.patch_size, d.token_budget)
         self.reader = DitSampleReader(root / "train", self.description.get("kind", "pixels"))
         self.train_ids, bucket_ids = self._scan(self.reader)
+        self._identity = _data_identity(cfg, self.reader, self.description, self.tokenizer)
         try:
             self.plan = BucketPlan(bucket_ids, self.table, cfg.train.global_batch_size, cfg.train.seed)
         except ValueError as err:
@@ -185,6 +206,10 @@ class DitTask(Task):
 
     def data_stats(self) -> dict[str, float]:
         return {**self.bad_samples.stats(), "rank_token_imbalance": self.rank_token_imbalance}
+
+    def data_identity(self) -> dict[str, dict]:
+        """Digests of the train split, ``dataset.json`` and tokenizer (computed at construction)."""
+        return self._identity
 
     # ----------------------------------------------------------------- model
     def forward_step(self, data_iterator: Any, model):

@@ -29,6 +29,7 @@ from megascale_omni.config.validate import sequence_multiple
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
 from megascale_omni.data.health import check_bad_fraction
+from megascale_omni.data.identity import tokenizer_source, train_split_source
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
@@ -126,6 +127,18 @@ def _train_reader(cfg: JobConfig, root: Path):
     return ConcatReader(readers)
 
 
+def _data_identity(cfg: JobConfig, train_reader, tokenizer_digest: str) -> dict[str, dict]:
+    """The content identity of the training data (:mod:`megascale_omni.data.identity`):
+    the train split of ``data.path`` or of every ``data.blend`` member, and the tokenizer."""
+    if cfg.data.blend:
+        identity = {f"data.blend[{i}]": train_split_source(f"data.blend[{i}].path", source.path, reader.index_digest)
+                    for i, (source, reader) in enumerate(zip(cfg.data.blend, train_reader.readers, strict=True))}
+    else:
+        identity = {"data.path": train_split_source("data.path", cfg.data.path, train_reader.index_digest)}
+    identity["tokenizer"] = tokenizer_source(cfg.data.tokenizer, cfg.data.path, tokenizer_digest)
+    return identity
+
+
 #: The evaluation's accuracy metric per ``data.format`` (see :meth:`LlavaTask.evaluate`).
 ACCURACY_METRIC = {"words": "image_word_accuracy", "chat": "answer_token_accuracy"}
 
@@ -160,6 +173,7 @@ class LlavaTask(Task):
         if self.val_reader is not None:
             self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
+        self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:
             order = BlendedOrder(self.train_reader.source_of(self.train_ids), [b.weight for b in cfg.data.blend],
@@ -234,6 +248,10 @@ class LlavaTask(Task):
 
     def data_stats(self) -> dict[str, float]:
         return dict(self.bad_samples.stats())
+
+    def data_identity(self) -> dict[str, dict]:
+        """Digests of the train split(s) and the tokenizer (computed at construction)."""
+        return self._identity
 
     def state_dict(self, sharded: bool) -> dict:
         """Data-health totals over all ranks (the data position itself is the

@@ -4,11 +4,14 @@ processes on loopback (free ports, hard timeouts, process-group cleanup)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
+
+import pytest
 
 from tests.launcher import finish, free_port, spawn, torchrun_cmd
 
@@ -68,6 +71,20 @@ def step_records(output_dir: Path) -> list[dict]:
         if "loss" in r:
             out.append(r)
     return out
+
+
+def merged_steps(records: Iterable[list[dict]]) -> dict[int, dict]:
+    """Step -> record over the step records of every replica group: groups in
+    one quorum report the same global loss, the steps run 1..last without a
+    gap and every loss is finite (all asserted)."""
+    merged: dict[int, dict] = {}
+    for group in records:
+        for r in group:
+            seen = merged.setdefault(r["step"], r)
+            assert r["loss"] == pytest.approx(seen["loss"], rel=1e-12), (r, seen)
+    assert sorted(merged) == list(range(1, max(merged) + 1)), sorted(merged)
+    assert all(math.isfinite(r["loss"]) for r in merged.values())
+    return merged
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float, procs: Sequence[subprocess.Popen] = ()) -> None:

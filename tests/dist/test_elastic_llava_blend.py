@@ -12,9 +12,8 @@ mis-split share, or a plan that depends on the participant count, fails.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
-import numpy as np
 import pytest
 
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
@@ -25,6 +24,7 @@ from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
+from tests.dist.elastic_helpers import merged_steps
 from tests.dist.test_elastic_membership import CTL_TIMEOUT, Job
 from tests.launcher import finish, launch_cmd, spawn
 
@@ -36,15 +36,14 @@ WEIGHTS = (1.0, 3.0)
 
 
 class LlavaJob(Job):
-    """:class:`Job` with LLaVA replica groups of one process on ``data.blend``."""
+    """:class:`Job` with LLaVA replica groups of one process on the data of ``data_args``."""
 
-    def __init__(self, tmp_path, sources, timeout: float):
+    def __init__(self, tmp_path, data_args: Sequence[str], timeout: float):
         super().__init__(tmp_path, timeout)
-        blend = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(sources, WEIGHTS))
         self.args = [
             "--config", "examples/llava/tiny_cpu.yaml", "elastic.enabled=true", f"elastic.lighthouse={self.addr}",
             f"elastic.ledger_dir={self.ledger}", "elastic.quorum_timeout_s=1200", "elastic.min_replicas=1",
-            f"data.path={sources[0]}", f"data.blend=[{blend}]", "model.num_layers=2", "vision.num_layers=1",
+            *data_args, "model.num_layers=2", "vision.num_layers=1",
             "train.steps=100000", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=1",
             "train.eval_interval=0", "train.lr_decay_style=constant", "checkpoint.save_at_end=false",
             "logging.tensorboard=false", "logging.progress_bar=false",
@@ -56,22 +55,39 @@ class LlavaJob(Job):
         ]), timeout=self.timeout)
 
 
-def _expected_batches(sources) -> Callable[[int], list[int]]:
-    """Step -> sorted dataset indices of the blended plan's global batch, as LlavaTask plans it."""
-    reader = ConcatReader([ShardedSampleReader(p / "train") for p in sources])
+def expected_batches(sources, weights: Optional[Sequence[float]] = WEIGHTS) -> Callable[[int], list[int]]:
+    """Step -> sorted dataset indices of the global batch, as LlavaTask plans
+    it: blended over ``sources`` by ``weights``, or ``sources[0]`` alone when None."""
+    reader = ConcatReader([ShardedSampleReader(p / "train") for p in sources]) if weights else \
+        ShardedSampleReader(sources[0] / "train")
     encoder = LlavaEncoder(load_shapes_tokenizer(sources[0]), TOKENS_PER_IMAGE)
     scan = PlanScanner(encoder, TOKENS_PER_IMAGE, SEQ, 1).scan(reader)
-    assert scan.from_index == len(reader)  # both sources carry token counts for this tokenizer
-    order = BlendedOrder(reader.source_of(scan.ids), WEIGHTS, SEED)
+    assert scan.from_index == len(reader)  # every source carries token counts for this tokenizer
+    order = BlendedOrder(reader.source_of(scan.ids), weights, SEED) if weights else None
     plan = PackedEpochPlan(scan.lengths, SEQ, GLOBAL_BATCH, SEED, costs=scan.costs, order=order)
     return lambda step: sorted(int(scan.ids[sid]) for p in plan.global_batch(step) for sid in p.sample_ids)
+
+
+def check_exactly_once(job: Job, expected: Callable[[int], list[int]]) -> dict[int, list[int]]:
+    """Every replica's records agree per step, steps run 1..last with one and
+    two participants, and the ledger's committed steps consumed exactly
+    ``expected(step)`` once; returns step -> consumed ids."""
+    merged = merged_steps(job.records(rid) for rid in job.procs)
+    last = max(merged)
+    assert {r["participants"] for r in merged.values()} == {1, 2}
+    consumed = consumed_samples(read_ledger(job.ledger))
+    assert sorted(consumed) == list(range(last))
+    for step, ids in consumed.items():
+        assert sorted(ids) == expected(step), f"step {step}: {sorted(ids)} != {expected(step)}"
+    return consumed
 
 
 def test_join_and_drain_on_blended_data_keep_the_ledger_exactly_once(tmp_path):
     sources = (tmp_path / "a", tmp_path / "b")
     make_shapes_dataset(sources[0], num_train=120, num_val=8, seed=1, samples_per_shard=60)
     make_shapes_dataset(sources[1], num_train=40, num_val=8, seed=2, samples_per_shard=40)
-    job = LlavaJob(tmp_path, sources, timeout=1200)
+    blend = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(sources, WEIGHTS))
+    job = LlavaJob(tmp_path, [f"data.path={sources[0]}", f"data.blend=[{blend}]"], timeout=1200)
     try:
         job.start("r0")
         job.wait("r0's first committed steps", lambda: len(job.records("r0")) >= 2)
@@ -86,20 +102,8 @@ def test_join_and_drain_on_blended_data_keep_the_ledger_exactly_once(tmp_path):
         assert res.returncode == 0, res.stderr[-4000:]
     finally:
         job.close()
-    merged = {}
-    for rid in ("r0", "r1"):
-        for r in job.records(rid):
-            seen = merged.setdefault(r["step"], r)
-            assert r["loss"] == pytest.approx(seen["loss"], rel=1e-12), (rid, r, seen)
-    last = max(merged)
-    assert sorted(merged) == list(range(1, last + 1)) and all(np.isfinite(r["loss"]) for r in merged.values())
-    assert {r["participants"] for r in merged.values()} == {1, 2}
     assert job.records("r1")[0]["healed"]
-    expected = _expected_batches(sources)
-    consumed = consumed_samples(read_ledger(job.ledger))
-    assert sorted(consumed) == list(range(last))
-    for step, ids in consumed.items():
-        assert sorted(ids) == expected(step), f"step {step}: {sorted(ids)} != {expected(step)}"
+    consumed = check_exactly_once(job, expected_batches(sources))
     # Both sources are drawn from (ids of b follow a's 120 in the blended item space).
     drawn = [i for ids in consumed.values() for i in ids]
     assert min(drawn) < 120 <= max(drawn)

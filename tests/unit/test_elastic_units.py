@@ -128,8 +128,8 @@ CONFIG = replica_config(JobConfig())
          "model.num_layers", "differs from the running job's (6)"),
         ({"layout": LAYOUT, "config": {**CONFIG, "dit.ema_decay": 0.5}, "optimizer_layout": BUCKETS},
          "dit.ema_decay", "start this group with the running job's dit.ema_decay"),
-        ({"layout": LAYOUT, "config": {**CONFIG, "data.path": "/elsewhere"}, "optimizer_layout": BUCKETS},
-         "data.path", "differs from the running job's ('/elsewhere')"),
+        ({"layout": LAYOUT, "config": {**CONFIG, "data.blend": [{"weight": 2.0}]}, "optimizer_layout": BUCKETS},
+         "data.blend", "differs from the running job's ([{'weight': 2.0}])"),
         ({"layout": LAYOUT, "config": {**CONFIG, "train.seed": 7}, "optimizer_layout": BUCKETS},
          "train.seed", "the same model on the same data"),
         ({"layout": LAYOUT, "optimizer_layout": BUCKETS}, "model.family", "(not set)"),
@@ -150,3 +150,14 @@ def test_replica_groups_may_differ_in_how_they_read_data_and_where_they_log():
                                   "logging": {"output_dir": "runs/elsewhere"}, "train": {"lr": 0.5, "steps": 7},
                                   "elastic": {**ELASTIC, "replica_id": "r9"}})
     assert replica_config(other) == replica_config(base)
+
+
+def test_dataset_and_tokenizer_paths_are_compared_by_content_not_as_strings():
+    """Nodes may mount one dataset at different paths: the task's data digests
+    (tests/unit/test_data_identity.py) decide, not the path strings."""
+    here = from_dict(JobConfig, {"data": {"path": "/mnt/a/data", "tokenizer": "/mnt/a/tok.json",
+                                          "blend": [{"path": "/mnt/a/x", "weight": 1.0}]}})
+    there = from_dict(JobConfig, {"data": {"path": "/data", "blend": [{"path": "/x", "weight": 1.0}]}})
+    assert replica_config(here) == replica_config(there)
+    assert replica_config(here)["data.blend"] == [{"weight": 1.0}]
+    assert not {"data.path", "data.tokenizer"} & set(replica_config(here))

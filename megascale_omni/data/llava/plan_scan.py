@@ -75,7 +75,8 @@ class PlanScanner:
         self.multiple = multiple
         self.num_views = num_views
         self.truncates = truncates
-        self._basis = encoder.cost_basis()
+        #: ``encoder.cost_basis()``: the index token counts this run can use.
+        self.basis = encoder.cost_basis()
 
     def check_index(self, reader: ShardedSampleReader) -> None:
         """Raise DataFileError (naming its ``index.json``) if ``reader``'s
@@ -93,10 +94,10 @@ class PlanScanner:
                         "to start from the index", path, reader.index.format_version, REINDEX_FIX)
             return False
         basis = reader.index.cost_basis
-        if basis != self._basis:
+        if basis != self.basis:
             why = "no token counts" if basis is None else (
                 f"token counts for data.format={basis['format']} with another tokenizer"
-                if basis["format"] == self._basis["format"] else f"token counts for data.format={basis['format']}")
+                if basis["format"] == self.basis["format"] else f"token counts for data.format={basis['format']}")
             logger.info("%s has %s: planning from every sample's JSON member; %s with this run's tokenizer to "
                         "start from the index", path, why, REINDEX_FIX)
             return False
