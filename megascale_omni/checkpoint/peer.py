@@ -36,6 +36,15 @@ def optimizer_layout(optimizer: Any) -> list:
             for opt in _optimizers(optimizer)]
 
 
+def grad_buckets(chunks: Any, bucket_size: Any) -> dict:
+    """``{"ddp_bucket_size": bucket_size, "numel": [[elements of each DDP
+    bucket] per model chunk]}``. Replica groups sum gradients across each
+    other bucket by bucket, so the buckets must be identical: the same model
+    and layout, ``parallel.ddp_bucket_size`` and ``overlap_grad_reduce``."""
+    numel = [[b.numel_unpadded for g in chunk.bucket_groups for b in g.buckets] for chunk in chunks]
+    return {"ddp_bucket_size": bucket_size, "numel": numel}
+
+
 def peer_optimizer_state(optimizer: Any) -> list[dict]:
     """Optimizer state of this rank for its peer rank (plain tensors, no copies).
 
@@ -94,8 +103,9 @@ def replica_config(cfg: JobConfig) -> dict[str, Any]:
 
 def check_peer_state(own: dict, peer: dict) -> None:
     """Raise ConfigError (one line) unless ``peer``'s ``"layout"``,
-    ``"config"`` (:func:`replica_config`) and ``"optimizer_layout"`` equal
-    ``own``'s (:meth:`TrainState.peer_facts`)."""
+    ``"config"`` (:func:`replica_config`), ``"grad_buckets"``
+    (:func:`grad_buckets`) and ``"optimizer_layout"`` equal ``own``'s
+    (:meth:`TrainState.peer_facts`)."""
     if peer.get("layout") != own["layout"]:
         raise ConfigError(
             "parallel", _layout_text(own["layout"]),
@@ -111,6 +121,14 @@ def check_peer_state(own: dict, peer: dict) -> None:
                 f"differs from the running job's ({running}): every replica group trains the same model on "
                 f"the same data; start this group with the running job's {name}",
             )
+    if "grad_buckets" in own and peer.get("grad_buckets") != own["grad_buckets"]:
+        mine, theirs = own["grad_buckets"], peer.get("grad_buckets") or {}
+        raise ConfigError(
+            "parallel.ddp_bucket_size", mine["ddp_bucket_size"],
+            f"gives gradient buckets {mine['numel']}, the running job's are {theirs.get('numel')} (its "
+            f"ddp_bucket_size {theirs.get('ddp_bucket_size')}): replica groups sum gradients bucket by bucket; "
+            "start this group with the running job's parallel.ddp_bucket_size and parallel.overlap_grad_reduce",
+        )
     if peer.get("optimizer_layout") != own["optimizer_layout"]:
         raise ConfigError(
             "model", "gradient buckets " + str(own["optimizer_layout"]),
