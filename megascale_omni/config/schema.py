@@ -64,8 +64,10 @@ class ParallelConfig:
     #: instead of synchronously inside ``optimizer.step()``. ``null`` = on
     #: with CUDA, the distributed optimizer and DP > 1 (Megatron-LM's GPU
     #: default), off on CPU; ``true`` also works on gloo and turns
-    #: ``overlap_grad_reduce`` on when that is ``null`` (megatron buckets
-    #: parameters only when it reduces gradients during backward).
+    #: ``overlap_grad_reduce`` on when that is ``null``: megatron buckets
+    #: parameters only when it reduces gradients during backward, and with a
+    #: single bucket per buffer the first forward module awaits the whole
+    #: gather.
     overlap_param_gather: Optional[bool] = None
     #: Elements per DDP bucket (gradient reduction and parameter gather) of
     #: the first model chunk; ``null`` = megatron's default, max(40M, 1M x DP).
@@ -104,12 +106,6 @@ class ParallelConfig:
                 "parallel.overlap_param_gather", True,
                 "needs parallel.use_distributed_optimizer=true (megatron gathers parameters only for the "
                 "distributed optimizer's shards); set use_distributed_optimizer=true or overlap_param_gather=false",
-            )
-        if self.overlap_param_gather and self.overlap_grad_reduce is False:
-            raise ConfigError(
-                "parallel.overlap_param_gather", True,
-                "needs parallel.overlap_grad_reduce (megatron buckets parameters only when it reduces gradients "
-                "during backward); set overlap_grad_reduce=true or null, or overlap_param_gather=false",
             )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1; set it to false")

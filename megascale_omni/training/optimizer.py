@@ -65,9 +65,10 @@ def wrap_ddp(
         check_for_nan_in_grad=True,
         bucket_size=parallel.ddp_bucket_size,
     )
-    if parallel.ddp_bucket_size is not None and not overlap:
-        logger.info("parallel.ddp_bucket_size=%d has no effect: without overlap_grad_reduce megatron keeps one "
-                    "bucket per gradient buffer", parallel.ddp_bucket_size)
+    if not overlap and (parallel.ddp_bucket_size is not None or overlap_gather):
+        logger.info("without overlap_grad_reduce megatron keeps one bucket per gradient buffer: %s",
+                    "parallel.ddp_bucket_size has no effect" if not overlap_gather
+                    else "each chunk's whole parameter gather is awaited by its first forward module")
     wrapped = []
     for i, chunk in enumerate(chunks):
         wrapped.append(
