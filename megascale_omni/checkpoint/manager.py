@@ -249,6 +249,7 @@ class Checkpointer:
         synchronous = wait or not self.cfg.async_save
         clock = _PhaseClock(t0 - waited, wait=waited)
         clock.lap("target")
+        state.sync_params()
         snapshot = state.sharded_state_dict()
         clock.lap("state_dict")
         strategy, validate = self.strategy.prepare(snapshot)

@@ -38,6 +38,15 @@ def optimizer_layout(optimizer: Any) -> list:
             for opt in _optimizers(optimizer)]
 
 
+def grad_buckets(chunks: Any, bucket_size: Any) -> dict:
+    """``{"ddp_bucket_size": bucket_size, "numel": [[elements of each DDP
+    bucket] per model chunk]}``. Replica groups sum gradients across each
+    other bucket by bucket, so the buckets must be identical: the same model
+    and layout, ``parallel.ddp_bucket_size`` and ``overlap_grad_reduce``."""
+    numel = [[b.numel_unpadded for g in chunk.bucket_groups for b in g.buckets] for chunk in chunks]
+    return {"ddp_bucket_size": bucket_size, "numel": numel}
+
+
 def peer_optimizer_state(optimizer: Any) -> list[dict]:
     """Optimizer state of this rank for its peer rank (plain tensors, no copies).
 
@@ -107,8 +116,9 @@ def check_peer_state(own: dict, peer: dict) -> None:
     """Raise ConfigError (one line) unless ``peer``'s ``"layout"``,
     ``"config"`` (:func:`replica_config`), ``"data"`` (the task's data
     identity: every digest of ``own`` equal in ``peer``,
-    :func:`~megascale_omni.data.identity.check_data_identity`) and
-    ``"optimizer_layout"`` equal ``own``'s (:meth:`TrainState.peer_facts`).
+    :func:`~megascale_omni.data.identity.check_data_identity`),
+    ``"grad_buckets"`` (:func:`grad_buckets`) and ``"optimizer_layout"``
+    equal ``own``'s (:meth:`TrainState.peer_facts`).
     Reads only: torchft's quorum thread calls it on a joiner."""
     if peer.get("layout") != own["layout"]:
         raise ConfigError(
@@ -126,6 +136,14 @@ def check_peer_state(own: dict, peer: dict) -> None:
                 f"the same data; start this group with the running job's {name}",
             )
     check_data_identity(own.get("data", {}), peer.get("data", {}))
+    if "grad_buckets" in own and peer.get("grad_buckets") != own["grad_buckets"]:
+        mine, theirs = own["grad_buckets"], peer.get("grad_buckets") or {}
+        raise ConfigError(
+            "parallel.ddp_bucket_size", mine["ddp_bucket_size"],
+            f"gives gradient buckets {mine['numel']}, the running job's are {theirs.get('numel')} (its "
+            f"ddp_bucket_size {theirs.get('ddp_bucket_size')}): replica groups sum gradients bucket by bucket; "
+            "start this group with the running job's parallel.ddp_bucket_size and parallel.overlap_grad_reduce",
+        )
     if peer.get("optimizer_layout") != own["optimizer_layout"]:
         raise ConfigError(
             "model", "gradient buckets " + str(own["optimizer_layout"]),

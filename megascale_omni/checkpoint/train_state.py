@@ -23,12 +23,13 @@ called on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from megascale_omni.checkpoint.peer import (
     check_peer_state,
+    grad_buckets,
     load_peer_optimizer_state,
     optimizer_layout,
     peer_optimizer_state,
@@ -55,6 +56,12 @@ class StatefulTask(Protocol):
     def data_identity(self) -> dict[str, dict]: ...
 
 
+class ParamSync(Protocol):
+    """What a TrainState needs of the parameter gather (:class:`~megascale_omni.training.param_gather.ParamGather`)."""
+
+    def sync(self) -> None: ...
+
+
 class TrainState:
     """Model chunks (DDP-wrapped), optimizer, LR scheduler, step and task state
     of one rank."""
@@ -67,8 +74,12 @@ class TrainState:
         task: StatefulTask,
         cfg: JobConfig,
         dims: ParallelDims,
+        param_gather: Optional[ParamSync] = None,
     ):
         self.chunks = list(chunks)
+        #: Completes a pending all-gather of updated parameters
+        #: (:class:`~megascale_omni.training.param_gather.ParamGather`); None: nothing is ever pending.
+        self.param_gather = param_gather
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.task = task
@@ -80,6 +91,13 @@ class TrainState:
         #: import record: HF configs, image token); carried into every
         #: checkpoint so an export of the trained model knows it.
         self.provenance: dict = {}
+
+    def sync_params(self) -> None:
+        """Make the weights whole before anything reads them outside a
+        training forward (``parallel.overlap_param_gather``; every rank of
+        the DP group at the same point: a collective)."""
+        if self.param_gather is not None:
+            self.param_gather.sync()
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -155,15 +173,18 @@ class TrainState:
         """What a joining rank checks before taking this rank's state: the
         layout (with whether the optimizer is distributed), the shared config
         fields (:func:`replica_config`), the content digests of the training
-        data (the task's ``data_identity()``) and the gradient buckets of a
-        distributed optimizer (:func:`check_peer_state`)."""
+        data (the task's ``data_identity()``), the DDP gradient buckets and
+        those of a distributed optimizer (:func:`check_peer_state`)."""
         layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
         return {"layout": layout, "config": replica_config(self.cfg), "data": self.task.data_identity(),
-                "optimizer_layout": optimizer_layout(self.optimizer)}
+                "optimizer_layout": optimizer_layout(self.optimizer),
+                "grad_buckets": grad_buckets(self.chunks, self.cfg.parallel.ddp_bucket_size)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as plain tensors, for the same rank of a joining
-        replica group (torchft's quorum thread calls this)."""
+        replica group (torchft's quorum thread calls this; the weights are
+        whole by then: the elastic membership calls :meth:`sync_params`
+        before it requests the quorum)."""
         return {**self._capture(sharded=False), "peer": self.peer_facts()}
 
     def check_peer_state(self, state: dict[str, Any]) -> None:

@@ -58,6 +58,22 @@ class ParallelConfig:
     #: overlap), instead of once after it. ``null`` = on with CUDA and DP > 1
     #: (Megatron-LM's GPU default), off on CPU; ``true`` also works on gloo.
     overlap_grad_reduce: Optional[bool] = None
+    #: With the distributed optimizer, all-gather the updated parameters
+    #: bucket by bucket during the next forward (megatron DDP
+    #: ``overlap_param_gather``: each bucket is awaited in a forward pre-hook)
+    #: instead of synchronously inside ``optimizer.step()``. ``null`` = on
+    #: with CUDA, the distributed optimizer and DP > 1 (Megatron-LM's GPU
+    #: default), off on CPU; ``true`` also works on gloo and turns
+    #: ``overlap_grad_reduce`` on when that is ``null``: megatron buckets
+    #: parameters only when it reduces gradients during backward, and with a
+    #: single bucket per buffer the first forward module awaits the whole
+    #: gather.
+    overlap_param_gather: Optional[bool] = None
+    #: Elements per DDP bucket (gradient reduction and parameter gather) of
+    #: the first model chunk; ``null`` = megatron's default, max(40M, 1M x DP).
+    #: Buckets exist only with ``overlap_grad_reduce``: without it every
+    #: buffer is one bucket.
+    ddp_bucket_size: Optional[int] = checked(None, gt=0)
     #: Megatron sequence parallelism (requires tp > 1).
     sequence_parallel: bool = False
     #: Transformer layers (LM layers, DiT blocks) per pipeline stage.
@@ -85,6 +101,12 @@ class ParallelConfig:
                 raise ConfigError("parallel.vpp", self.vpp, "must be >= 2, or null to disable interleaving")
             if self.pp < 2:
                 raise ConfigError("parallel.vpp", self.vpp, "interleaving needs parallel.pp >= 2; set vpp: null")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "parallel.overlap_param_gather", True,
+                "needs parallel.use_distributed_optimizer=true (megatron gathers parameters only for the "
+                "distributed optimizer's shards); set use_distributed_optimizer=true or overlap_param_gather=false",
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1; set it to false")
 

@@ -80,6 +80,10 @@ class Task(ABC):
         elastic sample ledger. Families that support elastic jobs implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not report sample ids (elastic.ledger_dir)")
 
+    #: :meth:`after_step` reads the weights (the Trainer completes a pending
+    #: parameter gather first, ``parallel.overlap_param_gather``).
+    reads_weights_after_step: bool = False
+
     def after_step(self, step: int) -> None:
         """Called on every rank after each committed optimizer step; ``step``
         already counts it (e.g. DiT's EMA update)."""

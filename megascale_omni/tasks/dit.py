@@ -159,6 +159,11 @@ class DitTask(Task):
             self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
         return self.ema
 
+    @property
+    def reads_weights_after_step(self) -> bool:
+        """The EMA update reads the weights."""
+        return self.cfg.dit.ema_decay > 0
+
     def after_step(self, step: int) -> None:
         """EMA update after each optimizer step (every rank, own shards)."""
         if self._ensure_ema() is not None:

@@ -178,7 +178,11 @@ class ElasticMembership:
         replica participated, the share is computed for the same
         participation without waiting: the quorum is confirmed at the step's
         first cross-replica collective, and the Trainer recomputes the step
-        with :meth:`reshare` if membership changed."""
+        with :meth:`reshare` if membership changed. The weights are made
+        whole first (:meth:`TrainState.sync_params`): a joining replica may
+        read them on torchft's quorum thread at any time during the step."""
+        # Before the quorum: a joiner's peer state is read on torchft's quorum thread during the step.
+        self.state.sync_params()
         last = self.replica.participation
         expect = last if self.cfg.overlap_quorum and self.last_committed and last and last.participating else None
         return self._share(self.replica.begin_step(expect))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -14,33 +15,60 @@ from megatron.core.transformer.module import MegatronModule
 from megascale_omni.config import ParallelConfig, TrainConfig
 from megascale_omni.metrics.breakdown import timed
 
+logger = logging.getLogger(__name__)
+
 
 def overlaps_grad_reduce(parallel: ParallelConfig, cuda: bool, dp: int) -> bool:
-    """``parallel.overlap_grad_reduce`` resolved: as set, else on with CUDA and DP > 1."""
+    """``parallel.overlap_grad_reduce`` resolved: as set, else on with CUDA and
+    DP > 1, or when ``parallel.overlap_param_gather`` is set true (megatron
+    buckets parameters only when it reduces gradients during backward)."""
     if parallel.overlap_grad_reduce is not None:
         return parallel.overlap_grad_reduce
-    return cuda and dp > 1
+    return (cuda and dp > 1) or bool(parallel.overlap_param_gather)
+
+
+def overlaps_param_gather(parallel: ParallelConfig, cuda: bool, dp: int) -> bool:
+    """``parallel.overlap_param_gather`` resolved: as set, else on with CUDA,
+    the distributed optimizer and DP > 1 (unless ``overlap_grad_reduce`` is
+    set false)."""
+    if parallel.overlap_param_gather is not None:
+        return parallel.overlap_param_gather
+    return cuda and parallel.use_distributed_optimizer and dp > 1 and parallel.overlap_grad_reduce is not False
 
 
 def wrap_ddp(
     chunks: Sequence[MegatronModule], config: TransformerConfig, parallel: ParallelConfig, overlap: bool = False,
+    overlap_gather: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron DDP (every rank).
 
     Gradients accumulate in fp32 buffers. Without ``overlap`` the reduce
     runs once per step in ``finalize_model_grads`` (on gloo the overlap buys
     little and the synchronous path is easiest to reason about). With it,
-    each bucket is reduced as soon as backward fills it, and megatron's
-    schedules hold the reduction back for all but the last micro-batch
+    each bucket (``parallel.ddp_bucket_size`` elements, first chunk only) is
+    reduced as soon as backward fills it, and megatron's schedules hold the
+    reduction back for all but the last micro-batch
     (``config.no_sync_func`` / ``grad_sync_func``, set here);
     ``finalize_model_grads`` then only waits for the buckets in flight.
+
+    ``overlap_gather`` (distributed optimizer only): ``optimizer.step()``
+    leaves the all-gather of the updated parameters to megatron's forward
+    pre-hooks, which start it bucket by bucket in the next forward;
+    :class:`~megascale_omni.training.param_gather.ParamGather` completes it
+    for every other reader of the weights.
     """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap_gather,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         check_for_nan_in_grad=True,
+        bucket_size=parallel.ddp_bucket_size,
     )
+    if not overlap and (parallel.ddp_bucket_size is not None or overlap_gather):
+        logger.info("without overlap_grad_reduce megatron keeps one bucket per gradient buffer: %s",
+                    "parallel.ddp_bucket_size has no effect" if not overlap_gather
+                    else "each chunk's whole parameter gather is awaited by its first forward module")
     wrapped = []
     for i, chunk in enumerate(chunks):
         wrapped.append(
@@ -53,6 +81,7 @@ def wrap_ddp(
                 disable_bucketing=i > 0,
             )
         )
+    logger.info("DDP buckets per model chunk: %s", [bucket_count(chunk) for chunk in wrapped])
     config.finalize_model_grads_func = timed("grad_sync", finalize_model_grads)
     if overlap:
         no_sync = [chunk.no_sync for chunk in wrapped]
@@ -60,6 +89,11 @@ def wrap_ddp(
         config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
         config.grad_sync_func = start[0] if len(wrapped) == 1 else start
     return wrapped
+
+
+def bucket_count(chunk: DistributedDataParallel) -> int:
+    """Buckets (units of gradient reduction and parameter gather) of one DDP chunk."""
+    return sum(len(group.buckets) for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups)
 
 
 def optimizer_state_bytes(optimizer: MegatronOptimizer, chunks: Sequence[torch.nn.Module]) -> int:
@@ -104,6 +138,9 @@ def build_optimizer(
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        # Read by megatron for MXFP8 parameter buffers only; kept equal to the
+        # DDP setting, which decides whether step() gathers (as Megatron-LM does).
+        overlap_param_gather=chunks[0].ddp_config.overlap_param_gather,
     )
     overrides = {ParamKey(name=pattern): {"max_lr": train.lr * mult, "min_lr": train.min_lr * mult}
                  for pattern, mult in (lr_mult or {}).items() if mult != 1.0}

@@ -45,7 +45,14 @@ from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_par
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.elastic import build_membership
-from megascale_omni.training.optimizer import build_optimizer, optimizer_state_bytes, overlaps_grad_reduce, wrap_ddp
+from megascale_omni.training.optimizer import (
+    build_optimizer,
+    optimizer_state_bytes,
+    overlaps_grad_reduce,
+    overlaps_param_gather,
+    wrap_ddp,
+)
+from megascale_omni.training.param_gather import ParamGather
 from megascale_omni.training.step import StepProgress, StepStats, train_step
 
 logger = logging.getLogger(__name__)
@@ -112,7 +119,8 @@ class Trainer:
         optimizer, scheduler = build_optimizer(
             chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision), self.task.lr_mult()
         )
-        self.state = TrainState(chunks, optimizer, scheduler, self.task, cfg, self.dims)
+        gather = ParamGather(chunks, chunks[0].ddp_config.overlap_param_gather, serves_peers=cfg.elastic.enabled)
+        self.state = TrainState(chunks, optimizer, scheduler, self.task, cfg, self.dims, param_gather=gather)
         self.state.provenance = provenance
         if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
             logger.info(
@@ -182,8 +190,9 @@ class Trainer:
             "initialised %d parameter tensors (layout-invariant); parameters on this rank: %d, trainable %d",
             n, total, trainable,
         )
-        overlap = overlaps_grad_reduce(self.cfg.parallel, self.platform.is_cuda, self.dims.dp)
-        return wrap_ddp(chunks, chunks[0].config, self.cfg.parallel, overlap), provenance
+        parallel, cuda, dp = self.cfg.parallel, self.platform.is_cuda, self.dims.dp
+        overlap, gather = overlaps_grad_reduce(parallel, cuda, dp), overlaps_param_gather(parallel, cuda, dp)
+        return wrap_ddp(chunks, chunks[0].config, parallel, overlap, gather), provenance
 
     @property
     def step(self) -> int:
@@ -274,12 +283,16 @@ class Trainer:
             share = self.membership.reshare(changed)
             mbs = self.membership.microbatches(share)
             stats = self._train_step(mbs, progress)
+        # With parallel.overlap_param_gather the optimizer left the weights' all-gather pending.
+        self.state.param_gather.step_done(stats.update_successful)
         t_end = time.perf_counter()
         self.membership.end_step(share, stats.committed)
         membership_s = (t_quorum - t0) + (time.perf_counter() - t_end)
         if not stats.committed:
             return None
         self.state.step += 1
+        if self.task.reads_weights_after_step:
+            self.state.sync_params()
         self.task.after_step(self.state.step)
         extra: dict = self.task.data_stats()
         self.membership.annotate(extra, share)
@@ -306,6 +319,7 @@ class Trainer:
         return record
 
     def _evaluate(self) -> None:
+        self.state.sync_params()
         result = self.task.evaluate(self.state.chunks, self.state.step)
         if result and self.is_loss_rank:
             record = {"step": self.state.step, **{f"eval/{k}": v for k, v in result.items()}}

@@ -31,6 +31,10 @@ LAYOUTS = {
     # Megatron-LM's GPU default: buckets reduced during backward (async on gloo too).
     "dp2-overlap": (2, ["parallel.overlap_grad_reduce=true"]),
     "dp2-distopt-overlap": (2, ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]),
+    # Megatron-LM's GPU default with the distributed optimizer: updated parameters all-gathered
+    # during the next forward, bucket by bucket (9 buckets of 20,000 elements).
+    "dp2-distopt-overlap-gather": (2, ["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true",
+                                       "parallel.ddp_bucket_size=20000"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     # Context parallelism, learned absolute positions (LLaVA's layouts cover RoPE); with the
     # distributed optimizer and overlapped reduction, both sharded over the DP x CP group.
@@ -53,8 +57,9 @@ def baseline(tmp_path_factory) -> list[dict]:
     return records
 
 
-# tp2-pp2 and cp4 (4 processes) and dp2-distopt-overlap run in make test-all; the tied-embeddings TP2xPP2 case
-# below stays in make test.
+# tp2-pp2 and cp4 (4 processes) and dp2-distopt-overlap (covered by dp2-distopt-overlap-gather, which
+# overlaps the reduction too) run in make test-all; the tied-embeddings TP2xPP2 case below stays in make test.
+# tests/dist/test_param_gather.py (make test-all) adds evaluation and checkpoints with the gather overlapped.
 SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap", "cp4")
 
 

@@ -5,6 +5,7 @@ until they failed, or silently did something else)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megascale_omni.config import ConfigError, JobConfig, apply_overrides, from_dict, load_yaml
 from megascale_omni.tasks.registry import get_family
@@ -28,6 +29,8 @@ BAD_VALUES = [
     ("model.vocab_size=1000000000", "model.vocab_size", "in [0, 16777216]"),
     ("model.vocab_size=0", "model.vocab_size", "> 0 for the gpt family"),
     ("parallel.cp=0", "parallel.cp", "> 0"),
+    ("parallel.ddp_bucket_size=-5", "parallel.ddp_bucket_size", "> 0"),
+    ("parallel.overlap_param_gather=true", "parallel.overlap_param_gather", "use_distributed_optimizer=true"),
     ("data.max_bad_sample_fraction=1.5", "data.max_bad_sample_fraction", "in [0, 1]"),
     ("control.tcp_port=70000", "control.tcp_port", "in [0, 65535] (0 = any free port) or null"),
     ("logging.memory_fraction_cap=2", "logging.memory_fraction_cap", "in [0, 1] (0 = no cap)"),
@@ -120,6 +123,54 @@ def test_overlap_grad_reduce_resolves_and_wires_megatrons_sync_hooks():
         [ddp] = wrap_ddp([model], model.config, cfg.parallel, overlap=True)
         assert ddp.ddp_config.overlap_grad_reduce
         assert model.config.no_sync_func == ddp.no_sync and model.config.grad_sync_func == ddp.start_grad_sync
+
+
+def test_overlap_param_gather_resolves_and_leaves_the_gather_to_the_forward():
+    """Auto is Megatron-LM's GPU default (on with CUDA, the distributed
+    optimizer and DP > 1); setting it turns an unset overlap_grad_reduce on.
+    When on, DDP carries it and ``ddp_bucket_size`` (so the distributed
+    optimizer's ``step()`` does not gather) and megatron's forward pre-hooks
+    are registered; :class:`ParamGather` turns them off when it completes the
+    gather and on again after the next update. tests/dist/test_param_gather.py
+    shows DP2 with it equals one process."""
+    from megascale_omni.config import ParallelConfig
+    from megascale_omni.models.standalone import build_model, one_process
+    from megascale_omni.training.optimizer import build_optimizer, overlaps_grad_reduce, overlaps_param_gather, wrap_ddp
+    from megascale_omni.training.param_gather import ParamGather
+
+    distopt = ParallelConfig(use_distributed_optimizer=True)
+    assert overlaps_param_gather(distopt, cuda=True, dp=8)
+    assert not overlaps_param_gather(distopt, cuda=True, dp=1) and not overlaps_param_gather(distopt, cuda=False, dp=8)
+    assert not overlaps_param_gather(ParallelConfig(), cuda=True, dp=8)
+    assert not overlaps_param_gather(ParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False),
+                                     cuda=True, dp=8)
+    explicit = ParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True, ddp_bucket_size=20000)
+    assert overlaps_param_gather(explicit, cuda=False, dp=2) and overlaps_grad_reduce(explicit, cuda=False, dp=2)
+    cfg = from_dict(JobConfig, apply_overrides(load_yaml(BASE), ["parallel.use_distributed_optimizer=true",
+                                                                 "parallel.overlap_param_gather=true",
+                                                                 "parallel.ddp_bucket_size=20000"]))
+    with one_process(seed=0):
+        model = build_model(cfg, cfg.model.padded_vocab_size(cfg.model.vocab_size))
+        [ddp] = wrap_ddp([model], model.config, cfg.parallel, overlap=True, overlap_gather=True)
+        assert ddp.ddp_config.overlap_param_gather and ddp.ddp_config.bucket_size == 20000
+        assert len(ddp.bucket_groups) == 9 and ddp.remove_forward_pre_hook_handles
+        optimizer, _ = build_optimizer([ddp], cfg.train, cfg.parallel, torch.float32)
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            assert opt.ddp_config.overlap_param_gather and opt.config.overlap_param_gather
+        gather = ParamGather([ddp], overlap=True, serves_peers=False)
+        gather.step_done(updated=True)
+        assert gather.pending and ddp.remove_forward_pre_hook_handles
+        gather.sync()
+        assert not gather.pending and not ddp.remove_forward_pre_hook_handles
+        gather.step_done(updated=True)
+        assert gather.pending and ddp.remove_forward_pre_hook_handles
+        # Elastic jobs: no pre-hooks; the gather starts after the step and completes at sync().
+        elastic = ParamGather([ddp], overlap=True, serves_peers=True)
+        assert not ddp.remove_forward_pre_hook_handles
+        elastic.step_done(updated=True)
+        assert elastic.pending and all(g.param_gather_handle is not None for g in ddp.bucket_groups)
+        elastic.sync()
+        assert not elastic.pending and all(g.param_gather_handle is None for g in ddp.bucket_groups)
 
 
 # Context parallelism cuts every sequence into 2*cp equal chunks (world size 2: cp=2).

@@ -111,6 +111,7 @@ def test_ledger_rejects_one_step_committed_twice(tmp_path):
 
 LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": 1, "world_size": 2, "distributed_optimizer": True}
 BUCKETS = [{0: {"float32": [2048, 512]}}]
+GRAD_BUCKETS = {"ddp_bucket_size": None, "numel": [[2560]]}
 CONFIG = replica_config(JobConfig())
 
 
@@ -121,7 +122,8 @@ CONFIG = replica_config(JobConfig())
          "differs from the running job's replica groups (tp=1 pp=2 cp=1 dp=1"),
         ({"layout": {**LAYOUT, "distributed_optimizer": False}, "optimizer_layout": [None]}, "parallel",
          "distributed_optimizer=False"),
-        ({"layout": LAYOUT, "config": CONFIG, "optimizer_layout": [{0: {"float32": [4096, 512]}}]}, "model",
+        ({"layout": LAYOUT, "config": CONFIG, "optimizer_layout": [{0: {"float32": [4096, 512]}}],
+          "grad_buckets": GRAD_BUCKETS}, "model",
          "start this group with the running job's model.* config"),
         ({}, "parallel", "(unknown layout)"),
         ({"layout": LAYOUT, "config": {**CONFIG, "model.num_layers": 6}, "optimizer_layout": BUCKETS},
@@ -133,10 +135,14 @@ CONFIG = replica_config(JobConfig())
         ({"layout": LAYOUT, "config": {**CONFIG, "train.seed": 7}, "optimizer_layout": BUCKETS},
          "train.seed", "the same model on the same data"),
         ({"layout": LAYOUT, "optimizer_layout": BUCKETS}, "model.family", "(not set)"),
+        ({"layout": LAYOUT, "config": CONFIG, "optimizer_layout": BUCKETS,
+          "grad_buckets": {"ddp_bucket_size": 1024, "numel": [[1024, 1024, 512]]}}, "parallel.ddp_bucket_size",
+         "the running job's are [[1024, 1024, 512]] (its ddp_bucket_size 1024): replica groups sum gradients "
+         "bucket by bucket; start this group with the running job's parallel.ddp_bucket_size"),
     ],
 )
 def test_peer_state_of_another_layout_model_or_data_is_refused_in_one_line(peer, field, fragment):
-    own = {"layout": LAYOUT, "config": CONFIG, "optimizer_layout": BUCKETS}
+    own = {"layout": LAYOUT, "config": CONFIG, "optimizer_layout": BUCKETS, "grad_buckets": GRAD_BUCKETS}
     check_peer_state(own, own)
     with pytest.raises(ConfigError) as err:
         check_peer_state(own, peer)
