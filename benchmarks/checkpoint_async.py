@@ -10,7 +10,7 @@ state dict, megatron's planning and the host copy only). Each run saves every
 ``--interval`` steps; the per-save numbers come from the run's
 ``checkpoints.jsonl``. Prints one table, the ratio async blocking / sync save
 time, and the async blocking time of each save split into its phases (wait
-for the previous save, state dict, save split, host copy, planning).
+for the previous save's write, state dict, save split, host copy, planning).
 ``--quick``: hidden 64, 2 layers, vocab 1024, 3 steps, a save every step.
 """
 
@@ -81,7 +81,7 @@ def main() -> None:
     print(f"| async | {async_block:.3f} | {async_total:.2f} |")
     print(f"ratio async blocking / sync save: {async_block / sync_s:.3f}")
     own = statistics.mean(r["blocking_s"] - r["phases"].get("wait", 0.0) for r in results["async"])
-    print(f"ratio without waiting for the previous save to commit: {own / sync_s:.3f}")
+    print(f"ratio without waiting for the previous save: {own / sync_s:.3f}")
     print("async blocking per save, by phase (s):")
     print("| save | " + " | ".join(PHASES) + " | blocked |")
     print("|---" * (len(PHASES) + 2) + "|")
