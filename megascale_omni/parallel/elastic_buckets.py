@@ -37,6 +37,17 @@ import torch
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
 
+class _Waited:
+    """A bucket group's inner reduction that :class:`BucketSums` already
+    awaited; megatron's ``finish_grad_sync`` waits on it again."""
+
+    def wait(self) -> None:
+        pass
+
+
+_WAITED = _Waited()
+
+
 def group_views(group: Any) -> list[torch.Tensor]:
     """The views of one bucket group that this rank sums across replica
     groups after the inner reduction (fp32 views into megatron's buffers):
@@ -149,8 +160,14 @@ class BucketSums:
                 if group.grad_reduce_handle is not None:
                     # The inner reduction is in flight (overlap_grad_reduce):
                     # the sum reads its result. NCCL: orders the streams
-                    # without blocking; gloo: waits for it.
+                    # without blocking; gloo: waits for it. Then hand
+                    # megatron's finish_grad_sync a finished handle for its
+                    # own wait: gloo's coalesced reduce-scatter copies its
+                    # result into the shards on *every* wait(), so a second
+                    # wait would overwrite the cross-replica sum started below
+                    # (in flight or done) with this group's own sum.
                     group.grad_reduce_handle.wait()
+                    group.grad_reduce_handle = _WAITED
                 self._works[self._next] = [self._send(view) for view in group_views(group)]
                 self.early += not self._finishing
             self._next += 1

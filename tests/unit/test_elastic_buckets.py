@@ -172,3 +172,45 @@ def test_views_are_whole_buckets_or_this_ranks_shard():
     assert [v.tolist() for v in group_views(whole)] == [[0, 1, 2, 3, 4, 5]]
     # Rank 1 of 2 holds the second half of each bucket after the reduce-scatter.
     assert [v.tolist() for v in group_views(shard)] == [[3, 4, 5]]
+
+
+class CopyingHandle:
+    """gloo's coalesced reduce-scatter in flight: every ``wait()`` copies the
+    group's own sum into this rank's shard (measured on torch 2.13 gloo)."""
+
+    def __init__(self, shard: torch.Tensor, result: torch.Tensor):
+        self.shard, self.result = shard, result
+
+    def wait(self) -> None:
+        self.shard.copy_(self.result)
+
+
+class MegatronGroup(Group):
+    """A distributed-optimizer bucket group whose ``finish_grad_sync`` waits
+    on the reduce-scatter handle like megatron's (overlap_grad_reduce)."""
+
+    def start_grad_sync(self, force_all_reduce=False) -> None:
+        shard = group_views(self)[0]
+        self.grad_reduce_handle = CopyingHandle(shard, torch.full_like(shard, 10.0))
+
+    def finish_grad_sync(self, force_all_reduce=False) -> None:
+        self.grad_reduce_handle.wait()
+        self.grad_reduce_handle = None
+
+
+def test_megatron_waiting_the_reduce_scatter_again_keeps_the_cross_replica_sum():
+    """The sum started in place on the shard during backward must survive
+    megatron's own wait on the reduce-scatter in ``finish_grad_sync``."""
+    group = MegatronGroup([], "g", 6, distopt=True)
+    chunk = Chunk([group])
+    chunk.finish_grad_sync = lambda force_all_reduce=False: group.finish_grad_sync()
+
+    def send(view):  # the peer replica's shard holds 1.0: the sum lands in place
+        view.add_(1.0)
+        return Work([], view)
+
+    sums = BucketSums([chunk], lambda: True, send)
+    group.start_grad_sync()  # megatron's grad-ready hook during backward
+    chunk.finish_grad_sync()
+    assert sums.end_step() == 1
+    assert group_views(group)[0].tolist() == [11.0, 11.0, 11.0]
