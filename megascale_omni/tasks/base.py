@@ -27,6 +27,7 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.health import SkipCounter, check_bad_fraction
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.parallel import ParallelDims
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.schedules import run_forward_backward
 from megascale_omni.platform import Platform
 
@@ -73,6 +74,11 @@ class Task(ABC):
     # ------------------------------------------------------ optional hooks
     def images_of(self, step: int) -> Optional[int]:
         """Images in global batch ``step`` (None: a text-only family)."""
+        return None
+
+    def batch_shape(self, step: int) -> Optional[BatchShape]:
+        """What global batch ``step`` holds (all DP ranks), for its model FLOPs
+        (:func:`megascale_omni.metrics.flops.step_model_flops`); None: not counted."""
         return None
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
