@@ -283,8 +283,15 @@ def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] 
     )
     patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
     patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
-    ph = v.projector_hidden_size or m.hidden_size
-    proj_params = v.hidden_size * ph + ph + ph * m.hidden_size + m.hidden_size
+    if v.projector_type == "mlp":  # vision -> ph -> LM hidden
+        ph = v.projector_hidden_size or m.hidden_size
+        proj_matmul = v.hidden_size * ph + ph * m.hidden_size
+        proj_params = proj_matmul + ph + m.hidden_size
+        proj_act = v.hidden_size + 2 * ph  # fc1 input, fc1 and GELU outputs
+    else:  # one linear layer (megatron's "affine")
+        proj_matmul = v.hidden_size * m.hidden_size
+        proj_params = proj_matmul + m.hidden_size
+        proj_act = v.hidden_size
     proj_trains = not v.freeze_projector
     return {
         VISION: ComponentCost(
@@ -294,10 +301,10 @@ def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] 
             activation_bytes=0.0 if v.freeze else v.layers_built * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
         ),
         PROJECTOR: ComponentCost(
-            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * (v.hidden_size * ph + ph * m.hidden_size) / tp,
+            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * proj_matmul / tp,
             params=proj_params // tp,
             trainable_params=proj_params // tp if proj_trains else 0,
-            activation_bytes=vtokens * (v.hidden_size + 2 * ph) * nbytes / tp if proj_trains or not v.freeze else 0.0,
+            activation_bytes=vtokens * proj_act * nbytes / tp if proj_trains or not v.freeze else 0.0,
         ),
     }
 
