@@ -106,11 +106,14 @@ def device_peak(configured: float, device_name: Optional[str]) -> DevicePeak:
     return DevicePeak(None, "unknown")
 
 
-def step_model_flops(cfg: JobConfig, cost_model_fn: CostModelFn, batch: BatchShape) -> float:
+def step_model_flops(cfg: JobConfig, cost_model_fn: CostModelFn, batch: BatchShape, vocab_size: int = 0) -> float:
     """Model FLOPs of training on ``batch`` (a whole global batch: every DP
-    rank's and every replica group's share), by the module's convention."""
+    rank's and every replica group's share), by the module's convention.
+    ``vocab_size``: the vocabulary the model was built with, when the task
+    resolved it (``model.vocab_size: 0`` takes a tokenizer's); 0: the config's."""
+    model = dataclasses.replace(cfg.model, recompute=False, vocab_size=vocab_size or cfg.model.vocab_size)
     # One unsplit model: the count does not depend on the layout (and CP's repeated ViT is not model work).
-    whole = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=False),
+    whole = dataclasses.replace(cfg, model=model,
                                 parallel=dataclasses.replace(cfg.parallel, tp=1, cp=1))
     m = cost_model_fn(whole, False, None, batch)
     fixed = sum(m.components[n].flops for n in (*m.head, *m.tail))

@@ -42,6 +42,10 @@ class Task(ABC):
 
     #: Tokens per sequence as seen by the pipeline (the p2p tensor length).
     seq_length: int
+    #: Vocabulary rows the language model was built with when the task
+    #: resolved them (LLaVA's ``model.vocab_size: 0`` takes the tokenizer's);
+    #: 0: ``model.vocab_size``. The step record's model FLOPs count with it.
+    vocab_size: int = 0
     #: Job-wide bad-sample totals; families that read samples set one (and
     #: update it in :meth:`microbatches`), elastic jobs sum it across replicas.
     bad_samples: Optional["BadSampleAccount"] = None

@@ -166,7 +166,7 @@ class Trainer:
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
         """The step recorder, counting each step's model FLOPs with the family's cost model."""
         cfg = self.cfg
-        flops_of = (functools.partial(step_model_flops, cfg, family.cost_model_fn(cfg))
+        flops_of = (functools.partial(step_model_flops, cfg, family.cost_model_fn(cfg), vocab_size=self.task.vocab_size)
                     if family.cost_model is not None else None)
         name = torch.cuda.get_device_name(self.platform.device) if self.platform.is_cuda else None
         peak = device_peak(cfg.logging.peak_tflops, name)

@@ -78,7 +78,7 @@ def test_swiglu_layer_counts_three_matrices():
 LLAVA = BatchShape(segments=(100, 60, 90), tower_inputs=3)
 
 
-def _llava_by_hand(vit_passes, patch_passes, projector_passes, lm_passes, projector=64 * 128 + 128 * 128):
+def _llava_by_hand(vit_passes, patch_passes, projector_passes, lm_passes, projector=64 * 128 + 128 * 128, vocab=128):
     # examples/llava/tiny_cpu.yaml: LM 4 layers, h 128, 4 heads, ffn 512; ViT 2 layers, h 64, 4 heads,
     # ffn 256, 32 px images in 8 px patches = 16 tokens each; projector 64 -> 128 -> 128; vocab 0 counts
     # as one multiple of 128.
@@ -89,7 +89,7 @@ def _llava_by_hand(vit_passes, patch_passes, projector_passes, lm_passes, projec
     tokens = 100 + 60 + 90
     pairs = 100 * 101 / 2 + 60 * 61 / 2 + 90 * 91 / 2
     lm = 4 * lm_passes * _layer_forward(tokens, pairs, 128, 512, 4, 4)
-    output = lm_passes * 2 * tokens * 128 * 128 + 5 * tokens * 128
+    output = lm_passes * 2 * tokens * 128 * vocab + 5 * tokens * vocab
     return vit + patch + projector + lm + 3 * tokens * 128 + output
 
 
@@ -101,6 +101,8 @@ def test_packed_llava_by_hand():
     assert step_model_flops(cfg, llava_cost_model, LLAVA) == expected
     # CP ranks each run the ViT on every image: repeated work, not model FLOPs.
     assert step_model_flops(_cfg("examples/llava/tiny_cpu.yaml", "parallel.cp=2"), llava_cost_model, LLAVA) == expected
+    # With the tokenizer's 1000 words (model.vocab_size: 0) the output layer has 1024 rows (multiples of 128).
+    assert step_model_flops(cfg, llava_cost_model, LLAVA, vocab_size=1000) == _llava_by_hand(3, 2, 3, 3, vocab=1024)
     # A linear projector is one 64 -> 128 matrix.
     linear = _cfg("examples/llava/tiny_cpu.yaml", "vision.projector_type=linear")
     assert step_model_flops(linear, llava_cost_model, LLAVA) == _llava_by_hand(3, 2, 3, 3, projector=64 * 128)
