@@ -106,18 +106,36 @@ def device_peak(configured: float, device_name: Optional[str]) -> DevicePeak:
     return DevicePeak(None, "unknown")
 
 
-def step_model_flops(cfg: JobConfig, cost_model_fn: CostModelFn, batch: BatchShape, vocab_size: int = 0) -> float:
-    """Model FLOPs of training on ``batch`` (a whole global batch: every DP
-    rank's and every replica group's share), by the module's convention.
+class StepFlops:
+    """Model FLOPs of training on a global batch, by the module's convention
+    (callable; the unsplit model's config is prepared once, not per step).
+
     ``vocab_size``: the vocabulary the model was built with, when the task
-    resolved it (``model.vocab_size: 0`` takes a tokenizer's); 0: the config's."""
-    model = dataclasses.replace(cfg.model, recompute=False, vocab_size=vocab_size or cfg.model.vocab_size)
-    # One unsplit model: the count does not depend on the layout (and CP's repeated ViT is not model work).
-    whole = dataclasses.replace(cfg, model=model,
-                                parallel=dataclasses.replace(cfg.parallel, tp=1, cp=1))
-    m = cost_model_fn(whole, False, None, batch)
-    fixed = sum(m.components[n].flops for n in (*m.head, *m.tail))
-    return fixed + cfg.model.num_layers * m.components[m.layer].flops
+    resolved it (``model.vocab_size: 0`` takes a tokenizer's); 0: the config's.
+    """
+
+    def __init__(self, cfg: JobConfig, cost_model_fn: CostModelFn, vocab_size: int = 0):
+        model = dataclasses.replace(cfg.model, recompute=False, vocab_size=vocab_size or cfg.model.vocab_size)
+        # One unsplit model: the count does not depend on the layout (and CP's repeated ViT is not model work).
+        self.cfg = dataclasses.replace(cfg, model=model, parallel=dataclasses.replace(cfg.parallel, tp=1, cp=1))
+        self.cost_model_fn = cost_model_fn
+        # Fixed-shape batches (GPT's full rows) repeat every step: count them once.
+        self._last: tuple[Optional[BatchShape], float] = (None, 0.0)
+
+    def __call__(self, batch: BatchShape) -> float:
+        """FLOPs of ``batch`` (a whole global batch: every DP rank's and every replica group's share)."""
+        if batch == self._last[0]:
+            return self._last[1]
+        m = self.cost_model_fn(self.cfg, False, None, batch)
+        fixed = sum(m.components[n].flops for n in (*m.head, *m.tail))
+        flops = fixed + self.cfg.model.num_layers * m.components[m.layer].flops
+        self._last = (batch, flops)
+        return flops
+
+
+def step_model_flops(cfg: JobConfig, cost_model_fn: CostModelFn, batch: BatchShape, vocab_size: int = 0) -> float:
+    """:class:`StepFlops` of ``batch``, once."""
+    return StepFlops(cfg, cost_model_fn, vocab_size)(batch)
 
 
 def throughput_fields(flops_per_step: Optional[float], step_s: float, devices: int,

@@ -46,7 +46,7 @@ class StepRecorder:
     """Turns one step's measurements into its record (every rank).
 
     ``flops_of``: model FLOPs of training on a global batch
-    (:func:`~megascale_omni.metrics.flops.step_model_flops` of the family's
+    (:class:`~megascale_omni.metrics.flops.StepFlops` of the family's
     cost model; None: no cost model); ``devices``: ranks of this replica
     group; ``peak_tflops``: one device's peak (None: no MFU); ``pp``/``vpp``:
     for the analytic bubble.

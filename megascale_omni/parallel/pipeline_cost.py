@@ -188,7 +188,7 @@ def padded_vocab_size(cfg: JobConfig) -> int:
 #: ``batch`` (a :class:`~megascale_omni.parallel.batch_shape.BatchShape`)
 #: replaces the config's nominal micro-batch by the samples it describes:
 #: how the step record counts the model FLOPs of a global batch
-#: (:func:`megascale_omni.metrics.flops.step_model_flops`).
+#: (:class:`megascale_omni.metrics.flops.StepFlops`).
 CostModelFn = Callable[..., PipelineCostModel]
 
 

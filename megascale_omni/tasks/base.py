@@ -82,7 +82,7 @@ class Task(ABC):
 
     def batch_shape(self, step: int) -> Optional[BatchShape]:
         """What global batch ``step`` holds (all DP ranks), for its model FLOPs
-        (:func:`megascale_omni.metrics.flops.step_model_flops`); None: not counted."""
+        (:class:`megascale_omni.metrics.flops.StepFlops`); None: not counted."""
         return None
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:

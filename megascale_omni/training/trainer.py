@@ -14,7 +14,6 @@ the loop never branches on them either.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
 from megascale_omni.metrics.clock import events_for
-from megascale_omni.metrics.flops import device_peak, step_model_flops
+from megascale_omni.metrics.flops import StepFlops, device_peak
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
 from megascale_omni.models.init import init_layout_invariant
@@ -166,7 +165,7 @@ class Trainer:
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
         """The step recorder, counting each step's model FLOPs with the family's cost model."""
         cfg = self.cfg
-        flops_of = (functools.partial(step_model_flops, cfg, family.cost_model_fn(cfg), vocab_size=self.task.vocab_size)
+        flops_of = (StepFlops(cfg, family.cost_model_fn(cfg), vocab_size=self.task.vocab_size)
                     if family.cost_model is not None else None)
         name = torch.cuda.get_device_name(self.platform.device) if self.platform.is_cuda else None
         peak = device_peak(cfg.logging.peak_tflops, name)

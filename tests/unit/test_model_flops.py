@@ -14,7 +14,13 @@ import logging
 import pytest
 
 from megascale_omni.config import JobConfig, apply_overrides, from_dict, load_yaml
-from megascale_omni.metrics.flops import DEVICE_PEAK_TFLOPS, device_peak, step_model_flops, throughput_fields
+from megascale_omni.metrics.flops import (
+    DEVICE_PEAK_TFLOPS,
+    StepFlops,
+    device_peak,
+    step_model_flops,
+    throughput_fields,
+)
 from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.pipeline_cost import llava_cost_model, lm_cost_model
 from megascale_omni.parallel.pipeline_cost_dit import dit_cost_model
@@ -63,6 +69,15 @@ def test_full_rows_of_the_gpt_smoke_task_by_hand():
     expected = 4 * layer + 3 * tokens * 64 + 3 * 2 * tokens * 64 * 128 + 5 * tokens * 128
     assert expected == 327_761_920
     assert step_model_flops(cfg, lm_cost_model, BatchShape(segments=(32,) * 8)) == expected
+
+
+def test_the_record_s_counter_follows_each_batch():
+    # The Trainer's StepFlops keeps the last batch's count (GPT's full rows repeat); a new batch is recounted.
+    cfg = _cfg("examples/gpt/tiny.yaml")
+    count = StepFlops(cfg, lm_cost_model)
+    rows, packed = BatchShape(segments=(32,) * 8), BatchShape(segments=GPT_SEGMENTS)
+    assert [count(rows), count(rows), count(packed), count(rows)] == [327_761_920, 327_761_920, 121_635_840,
+                                                                      327_761_920]
 
 
 def test_swiglu_layer_counts_three_matrices():
