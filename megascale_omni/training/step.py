@@ -99,7 +99,9 @@ def train_step(
         if update_successful:
             scheduler.step(increment=1)
     PHASES.mark("optimizer")
-    times = PHASES.read()  # the step's one synchronisation
+    # The step's one synchronisation. Every phase (pipeline p2p, grad sync,
+    # cross-replica) happens before the fwd_bwd mark: they are its parts.
+    times = PHASES.read()
     phases = times.phases
     if cross_replica is None:
         loss, count = reduce_reported_loss(reports)
