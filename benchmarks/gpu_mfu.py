@@ -18,30 +18,23 @@ segment; transformer-engine is not used even when installed), bf16 on CUDA
 1.15 B matmul weights; with the 65.5 M input embedding, about 1.2 B
 parameters. Global batch 8 packed rows, micro-batch 2.
 
-Model FLOPs of one step (forward + backward = 3 x forward, 2 FLOPs per
-multiply-add; embedding lookups, norms, biases and the loss not counted):
-
-    FLOPs = 6 * N_lm * T + 6 * N_vit * I * P + 6 * N_proj * I * P
-          + L * 6 * h * sum_segments s * (s + 1)      (causal LM attention)
-          + L_v * 12 * h_v * I * P^2                  (bidirectional ViT attention)
-
-with ``N_lm`` the LM's matmul weights (per layer ``h * (h + 2 * g * d)``
-for QKV, ``h * h`` for the output projection, ``3 * h * ffn`` for SwiGLU;
-plus the ``h * V`` output layer), ``T`` the non-padding tokens of the step
-(padding is computed but is not model work), ``N_vit`` the ViT's matmul
-weights (patch embedding ``3 * p^2 * h_v``, per layer ``4 * h_v^2 +
-2 * h_v * ffn_v``), ``N_proj`` the projector's, ``I`` images per step,
-``P`` tokens per image, ``h`` / ``h_v`` the hidden sizes and ``s`` the
-length of every packed sample (a causal segment visits ``s * (s + 1) / 2``
-query-key pairs, each ``4 * h`` FLOPs forward for QK^T and AV). The matmul
-weight counts are printed beside the built model's parameter count, and
-every measured step's sample lengths are checked to add up to the tokens
-the trainer recorded for it.
+Model FLOPs of a step are the step record's ``model_tflop``: the one count
+of :mod:`megascale_omni.metrics.flops` (the family's cost model on the
+step's global batch), which counts every weight matrix (LM with its output
+layer, ViT patch embedding and layers, projector), causal LM attention per
+packed sample (``s * (s + 1) / 2`` query-key pairs of ``4 * h`` FLOPs
+forward for a sample of ``s`` tokens), bidirectional ViT attention (``P^2``
+pairs per image), forward + backward = 3 x forward for what trains (the
+images' patch embedding gets no input gradient), no padding and no
+recompute. The script recounts every measured step from the plan's packed
+sample lengths and checks it against the record, and checks that the
+lengths add up to the tokens the trainer recorded.
 
 tokens/s counts non-padding LM tokens; MFU = model FLOPs / median step time
 / the device's dense bf16 peak (``--peak-tflops``, else
-``megascale_omni.metrics.flops.DEVICE_PEAK_TFLOPS`` by device name, e.g.
-H100 / H200 989 TFLOP/s); without a known peak (CPU) MFU is "n/a".
+``megascale_omni.metrics.flops.device_peak`` by exact device name, e.g.
+"NVIDIA H100 80GB HBM3" / "NVIDIA H200" 989, "NVIDIA H200 NVL" 835 TFLOP/s,
+a family-only match reported as guessed); without a known peak (CPU) MFU is "n/a".
 
 ``--quick``: a tiny LLaVA (2 + 1 layers, hidden 64) on 32 px images, 2 steps
 after 1 warm-up, in seconds on a CPU; its numbers mean nothing.
@@ -85,37 +78,11 @@ COMMON = {
 }
 
 
-def matmul_params(cfg) -> dict[str, int]:
-    """Matmul weights of the LM (with its output layer), ViT and projector, by the docstring's formula."""
-    m, v = cfg.model, cfg.vision
-    d = m.hidden_size // m.num_attention_heads
-    lm_layer = m.hidden_size * (m.hidden_size + 2 * m.query_groups * d) + m.hidden_size ** 2
-    lm_layer += (3 if m.activation == "swiglu" else 2) * m.hidden_size * m.ffn_size
-    vocab = m.padded_vocab_size(m.vocab_size)
-    vit = 3 * v.patch_size ** 2 * v.hidden_size + v.layers_built * (4 * v.hidden_size ** 2
-                                                                    + 2 * v.hidden_size * v.ffn_size)
-    proj_hidden = v.projector_hidden_size or m.hidden_size
-    return {"lm": m.num_layers * lm_layer + m.hidden_size * vocab, "vit": vit,
-            "projector": v.hidden_size * proj_hidden + proj_hidden * m.hidden_size}
-
-
-def step_flops(cfg, params: dict[str, int], lengths: list[int], images: int) -> float:
-    """Model FLOPs of one step (docstring): ``lengths`` of every packed sample, ``images`` in the step."""
-    m, v = cfg.model, cfg.vision
-    p = v.tokens_per_image
-    dense = 6 * params["lm"] * sum(lengths) + 6 * (params["vit"] + params["projector"]) * images * p
-    lm_attention = m.num_layers * 6 * m.hidden_size * sum(s * (s + 1) for s in lengths)
-    vit_attention = v.layers_built * 12 * v.hidden_size * images * p * p
-    return float(dense + lm_attention + vit_attention)
-
-
-def describe(cfg, params: dict[str, int], built: int, device: str, dtype: str) -> list[str]:
+def describe(cfg, built: int, device: str, dtype: str) -> list[str]:
     m, v = cfg.model, cfg.vision
     t = cfg.train
     return [
-        f"model: LLaVA, {built / 1e6:.2f} M parameters built ({sum(params.values()) / 1e6:.2f} M in matmuls: "
-        f"LM {params['lm'] / 1e6:.2f} M incl. output layer, ViT {params['vit'] / 1e6:.2f} M, "
-        f"projector {params['projector'] / 1e6:.2f} M)",
+        f"model: LLaVA, {built / 1e6:.2f} M parameters built",
         f"LM: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / {m.query_groups} "
         f"query groups, {m.activation} FFN {m.ffn_size}, vocab {m.padded_vocab_size(m.vocab_size)}, "
         f"seq {m.seq_length}",
@@ -143,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
     from megascale_omni.entry import parse_for_family
-    from megascale_omni.metrics.flops import device_peak_tflops
+    from megascale_omni.metrics.flops import device_peak, step_model_flops
     from megascale_omni.training.trainer import Trainer
 
     sizes = TINY if args.quick else MODEL
@@ -161,34 +128,36 @@ def main(argv: list[str] | None = None) -> dict:
             dtype = str(trainer.platform.default_dtype(cfg.train.precision)).removeprefix("torch.")
             built = sum(p.numel() for c in trainer.state.chunks for p in c.parameters())
             records = [r for r in trainer.train() if "step_s" in r]
-            plan = trainer.task.plan
+            batches = {r["step"]: trainer.task.batch_shape(r["step"] - 1) for r in records}
         finally:
             trainer.close()
 
-    params = matmul_params(cfg)
     measured = records[args.warmup:]
     flops, tokens, images = [], [], []
     for r in measured:
-        lengths = [s for pack in plan.global_batch(r["step"] - 1) for s in pack.lengths]
-        assert sum(lengths) == r["tokens"], (r["step"], sum(lengths), r["tokens"])
-        flops.append(step_flops(cfg, params, lengths, r["images"]))
+        batch = batches[r["step"]]
+        assert batch.tokens == r["tokens"], (r["step"], batch.tokens, r["tokens"])
+        flops.append(step_model_flops(cfg, family.cost_model_fn(cfg), batch))
+        assert abs(flops[-1] / 1e12 - r["model_tflop"]) <= 1e-9 * r["model_tflop"], (r["step"], flops[-1])
         tokens.append(r["tokens"])
         images.append(r["images"])
     step_s = statistics.median(r["step_s"] for r in measured)
     data_s = statistics.median(r["data_s"] for r in measured)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = device_peak_tflops(args.peak_tflops, name)
+    found = device_peak(args.peak_tflops, name)
+    peak = found.tflops
     tflops = statistics.mean(flops) / step_s / 1e12
     result = {
-        "device": name or "cpu", "dtype": dtype, "peak_tflops": peak, "parameters": built,
-        "matmul_parameters": params, "steps_measured": len(measured), "median_step_s": step_s, "median_data_wait_s": data_s,
+        "device": name or "cpu", "dtype": dtype, "peak_tflops": peak, "peak_source": found.source,
+        "parameters": built, "steps_measured": len(measured), "median_step_s": step_s, "median_data_wait_s": data_s,
         "tokens_per_s": statistics.mean(tokens) / step_s, "images_per_s": statistics.mean(images) / step_s,
         "model_tflop_per_step": statistics.mean(flops) / 1e12, "tflops": tflops,
         "mfu": tflops / peak if peak else None, "config": {k: str(v) for k, v in {**COMMON, **sizes}.items()},
     }
-    for line in describe(cfg, params, built, str(device), dtype):
+    for line in describe(cfg, built, str(device), dtype):
         print(line)
-    print(f"device: {result['device']}, peak " + (f"{peak:g} TFLOP/s dense bf16" if peak else "unknown (MFU n/a)"))
+    print(f"device: {result['device']}, peak " + (f"{peak:g} TFLOP/s dense bf16 ({found.source})" if peak
+                                                   else "unknown (MFU n/a)"))
     print("| steps | median step (s) | of it data wait (s) | tokens/s | images/s | model TFLOP/step | TFLOP/s | MFU |")
     print("|---|---|---|---|---|---|---|---|")
     mfu = f"{result['mfu']:.1%}" if peak else "n/a"

@@ -27,8 +27,9 @@ class LoggingConfig:
     log_interval: int = checked(1, gt=0)
     #: Write TensorBoard event files under ``output_dir/tensorboard``.
     tensorboard: bool = True
-    #: Peak TFLOP/s of one device for MFU; 0 = the dense bf16 peak of a known
-    #: CUDA device (H100/H200/A100/...), and no MFU where unknown (e.g. CPU).
+    #: Peak TFLOP/s of one device for MFU; 0 = the dense bf16 peak of the exact
+    #: CUDA device name (metrics/flops.py; a family-only match is logged as
+    #: guessed), and no MFU where unknown (e.g. CPU).
     peak_tflops: float = checked(0.0, ge=0)
     #: CUDA only: cap this process's caching allocator at this fraction of
     #: device memory (``torch.cuda.set_per_process_memory_fraction``); 0 = no cap.

@@ -1,8 +1,8 @@
 """Where a step's time goes: timed phases inside megatron's schedule, and memory.
 
-The training step is timed from outside (data, forward/backward, optimizer,
-boundary work); what happens *inside* megatron's forward/backward is timed
-by :data:`PHASES`, which the seams below feed:
+The training step marks its own spans (forward/backward, optimizer) on
+:data:`PHASES`; what happens *inside* megatron's forward/backward is timed
+as phases of the same clock, fed by the seams below:
 
 - ``pipeline_wait``: megatron's ``P2PCommunicator._communicate`` (every
   pipeline send/receive, blocking until the peer is ready: the measured
@@ -15,52 +15,22 @@ by :data:`PHASES`, which the seams below feed:
   the commit.
 
 The step subtracts these from its forward/backward time to get pure
-compute. The clock is per process and used by the training thread only.
+compute. :data:`PHASES` takes CUDA events on CUDA and host timestamps
+elsewhere (:mod:`megascale_omni.metrics.clock`; the Trainer picks the
+source for its device) and is resolved once per step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-PHASE_NAMES = ("pipeline_wait", "grad_sync", "cross_replica")
+from megascale_omni.metrics.clock import PhaseClock
 
-
-class PhaseClock:
-    """Accumulated seconds per phase since the last :meth:`reset` (training thread)."""
-
-    def __init__(self) -> None:
-        self._totals = dict.fromkeys(PHASE_NAMES, 0.0)
-        self._depth = 0
-
-    def reset(self) -> None:
-        self._totals = dict.fromkeys(PHASE_NAMES, 0.0)
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the block as ``name``. Nested phases count once, in the
-        outermost (a cross-replica reduction inside grad sync is grad sync
-        unless timed separately outside it)."""
-        if self._depth:
-            yield
-            return
-        self._depth += 1
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._totals[name] += time.perf_counter() - t0
-            self._depth -= 1
-
-    def read(self) -> dict[str, float]:
-        return dict(self._totals)
-
-
-#: The process's clock.
+#: The process's clock: megatron's schedules are patched at class level, so
+#: their seams need one process-wide clock to feed (training thread only).
 PHASES = PhaseClock()
 
 

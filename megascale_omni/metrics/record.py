@@ -9,12 +9,13 @@ builds its record (the loss rank's is logged and exported).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from megascale_omni.metrics.breakdown import analytic_bubble, memory_stats
 from megascale_omni.metrics.flops import throughput_fields
+from megascale_omni.parallel.batch_shape import BatchShape
 
 #: Breakdown fields, in the order they happen within a step.
 BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
@@ -44,25 +45,28 @@ class StepTiming:
 class StepRecorder:
     """Turns one step's measurements into its record (every rank).
 
-    ``flops_per_step``: model FLOPs of the whole job's step (None: no cost
-    model); ``devices``: ranks of this replica group; ``peak_tflops``: one
-    device's peak (None: no MFU); ``pp``/``vpp``: for the analytic bubble.
+    ``flops_of``: model FLOPs of training on a global batch
+    (:class:`~megascale_omni.metrics.flops.StepFlops` of the family's
+    cost model; None: no cost model); ``devices``: ranks of this replica
+    group; ``peak_tflops``: one device's peak (None: no MFU); ``pp``/``vpp``:
+    for the analytic bubble.
     """
 
-    def __init__(self, device: torch.device, devices: int, flops_per_step: Optional[float],
+    def __init__(self, device: torch.device, devices: int, flops_of: Optional[Callable[[BatchShape], float]],
                  peak_tflops: Optional[float], pp: int, vpp: int):
         self.device = device
         self.devices = devices
-        self.flops_per_step = flops_per_step
+        self.flops_of = flops_of
         self.peak_tflops = peak_tflops
         self.pp = pp
         self.vpp = vpp
 
     def build(self, step: int, stats: Any, timing: StepTiming, samples: int, tokens: int,
-              images: Optional[int], extra: dict) -> dict:
+              images: Optional[int], extra: dict, batch: Optional[BatchShape] = None) -> dict:
         """The record of committed step ``step`` (``stats``: the step's
         :class:`~megascale_omni.training.step.StepStats`; ``extra``: task
-        data stats, membership fields)."""
+        data stats, membership fields; ``batch``: what its global batch held,
+        for the model FLOPs, None: not counted)."""
         step_s = timing.step_s
         waits = stats.pipeline_wait_s + stats.grad_sync_s + stats.cross_replica_s
         parts = {
@@ -98,7 +102,8 @@ class StepRecorder:
             record["images"] = images
             record["images_per_s"] = images / step_s if step_s > 0 else 0.0
         participants = int(extra.get("participants", 1) or 1)
-        record.update(throughput_fields(self.flops_per_step, step_s, self.devices * participants, self.peak_tflops))
+        flops = self.flops_of(batch) if self.flops_of is not None and batch is not None else None
+        record.update(throughput_fields(flops, step_s, self.devices * participants, self.peak_tflops))
         record.update(memory_stats(self.device))
         record.update(extra)
         return record

@@ -11,7 +11,9 @@ counter) are absent, never zero-filled.
 from __future__ import annotations
 
 #: name -> (unit, meaning). Times are seconds of wall clock on the reporting
-#: rank; the breakdown fields sum to ``step_s`` (``other_s`` is the remainder).
+#: rank (forward/backward, its phases and the optimizer from the step's phase
+#: clock: CUDA events on CUDA, docs/metrics.md); the breakdown fields sum to
+#: ``step_s`` (``other_s`` is the remainder).
 STEP_FIELDS: dict[str, tuple[str, str]] = {
     "step": ("", "committed optimizer steps so far (1 for the first step)"),
     "loss": ("", "token-mean loss over the global batch"),
@@ -42,9 +44,11 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("tokens/s", "tokens / step_s"),
     "samples_per_s": ("samples/s", "samples / step_s"),
     "images_per_s": ("images/s", "images / step_s"),
-    "model_tflop": ("TFLOP", "model FLOPs of the step (forward + backward, no recompute), whole job"),
+    "model_tflop": ("TFLOP", "model FLOPs of the step's global batch (forward + backward, no recompute, causal LM "
+                             "attention per packed sample; docs/metrics.md), whole job"),
     "tflops_per_device": ("TFLOP/s", "model_tflop / step_s / devices (all replica groups)"),
-    "mfu": ("fraction", "tflops_per_device / peak TFLOP/s of one device (logging.peak_tflops)"),
+    "mfu": ("fraction", "tflops_per_device / dense bf16 peak TFLOP/s of one device (logging.peak_tflops, else "
+                        "by exact CUDA device name)"),
     # memory (this rank)
     "mem_allocated_gib": ("GiB", "device memory held by tensors at the end of the step"),
     "mem_reserved_gib": ("GiB", "device memory held by the caching allocator"),

@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.batch_shape import BatchShape, causal_pairs
 
 #: Component names, in pipeline order. ``lm_layer`` is the cost of *one*
 #: decoder layer; the others appear once in the model.
@@ -135,22 +136,23 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 
 def _transformer_layer(
-    tokens: float, seq: int, sequences: float, hidden: int, ffn: int, heads: int, groups: int,
+    tokens: float, pairs: float, hidden: int, ffn: int, heads: int, groups: int,
     dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
     cp: int = 1,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
-    = ``sequences * seq`` positions, split over ``tp`` ranks. ``grad_flows``:
-    backward passes through it (something before it trains). ``gated``: a
-    SwiGLU MLP (gate, up and down matrices instead of two). ``cp``: every
-    sequence is split over that many context-parallel ranks; the cost is one
-    rank's, whose ``seq / cp`` queries attend over all ``seq`` keys."""
+    positions whose attention scores ``pairs`` query-key pairs (both over the
+    whole batch), split over ``tp`` ranks. ``grad_flows``: backward passes
+    through it (something before it trains). ``gated``: a SwiGLU MLP (gate,
+    up and down matrices instead of two). ``cp``: every sequence is split
+    over that many context-parallel ranks; the cost is one rank's, whose
+    queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
     matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
-    tokens, queries = tokens / cp, seq / cp  # this CP rank's share
-    # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*s*s*h each.
-    forward = 2.0 * tokens * matmul_params + 4.0 * sequences * queries * seq * hidden
+    tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
+    # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
+    forward = 2.0 * tokens * matmul_params + 4.0 * pairs * hidden
     backward = trainable or grad_flows
     passes = _passes(trainable, grad_flows) + (1.0 if recompute and backward else 0.0)
     params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
@@ -162,7 +164,7 @@ def _transformer_layer(
     else:
         # Inputs of both norms, QKV, the projection, fc1; Q, K, V; fc1 and
         # GELU outputs; softmax probabilities (and their pre-mask scores).
-        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * sequences * heads * queries * seq
+        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * heads * pairs
     return ComponentCost(
         flops=passes * forward / tp,
         params=params // tp,
@@ -178,12 +180,16 @@ def padded_vocab_size(cfg: JobConfig) -> int:
     return cfg.model.padded_vocab_size(cfg.model.vocab_size)
 
 
-#: A family's analytical cost model: ``(cfg, cuda, world_size) -> PipelineCostModel``
-#: of one micro-batch. ``cuda`` decides what ``train.precision: auto`` means
-#: (bf16 vs fp32); ``world_size`` (None: tp*pp*cp, i.e. DP=1) sets DP, which
-#: divides optimizer state under ``parallel.use_distributed_optimizer`` and
-#: the micro-batches per step.
-CostModelFn = Callable[[JobConfig, bool, Optional[int]], PipelineCostModel]
+#: A family's analytical cost model: ``(cfg, cuda, world_size, batch=None) ->
+#: PipelineCostModel`` of one micro-batch. ``cuda`` decides what
+#: ``train.precision: auto`` means (bf16 vs fp32); ``world_size`` (None:
+#: tp*pp*cp, i.e. DP=1) sets DP, which divides optimizer state under
+#: ``parallel.use_distributed_optimizer`` and the micro-batches per step.
+#: ``batch`` (a :class:`~megascale_omni.parallel.batch_shape.BatchShape`)
+#: replaces the config's nominal micro-batch by the samples it describes:
+#: how the step record counts the model FLOPs of a global batch
+#: (:class:`megascale_omni.metrics.flops.StepFlops`).
+CostModelFn = Callable[..., PipelineCostModel]
 
 
 @dataclass(frozen=True)
@@ -216,15 +222,21 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
     )
 
 
-def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, ComponentCost]:
+def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
+                   batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
     """Token embedding, one decoder layer and the output layer + loss of the
-    language model, per micro-batch of ``micro_batch_size`` rows of
-    ``seq_length`` tokens, on one of ``parallel.cp`` context-parallel ranks
-    (``1/cp`` of the tokens). ``head_trains``: something before the embedding
-    (a ViT or projector) trains, so input gradients flow through every layer."""
+    language model, on one of ``parallel.cp`` context-parallel ranks (``1/cp``
+    of the tokens), for ``batch``'s causal segments, or (None) the planner's
+    micro-batch of ``micro_batch_size`` rows of ``seq_length`` tokens with
+    attention over each row's full square (the score matrix the local layer
+    spec materialises: a bound on the time and memory of any packing).
+    ``head_trains``: something before the embedding (a ViT or projector)
+    trains, so input gradients flow through every layer."""
     m, tp, cp = cfg.model, cfg.parallel.tp, cfg.parallel.cp
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
-    tokens = float(b * s) / cp  # this CP rank's
+    all_tokens, pairs = ((float(b * s), float(b * s * s)) if batch is None
+                         else (float(batch.tokens), causal_pairs(batch.segments)))
+    tokens = all_tokens / cp  # this CP rank's
     vocab = padded_vocab_size(cfg)
     lm_trainable = not m.freeze
     emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
@@ -237,7 +249,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
             activation_bytes=tokens * h * nbytes,
         ),
         LM_LAYER: _transformer_layer(
-            float(b * s), s, float(b), h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
+            all_tokens, pairs, h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
@@ -254,23 +266,32 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool) -> dict[str, 
     }
 
 
-def _vision_components(cfg: JobConfig, nbytes: int) -> dict[str, ComponentCost]:
-    """LLaVA's ViT (patch embedding + layers) and projector for the
-    ``micro_batch_size * vision.images_per_sequence`` images of a micro-batch:
-    all of them on every CP rank (images are not split by context parallelism)."""
+def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
+    """LLaVA's ViT (patch embedding + layers) and projector for ``batch``'s
+    tower inputs, or (None) the ``micro_batch_size * vision.images_per_sequence``
+    images of a micro-batch: all of them on every CP rank (images are not
+    split by context parallelism). The tower is bidirectional: every image's
+    attention scores all ``P * P`` pairs of its ``P`` tokens."""
     m, v, tp = cfg.model, cfg.vision, cfg.parallel.tp
-    images = cfg.train.micro_batch_size * v.images_per_sequence
+    images = cfg.train.micro_batch_size * v.images_per_sequence if batch is None else batch.tower_inputs
     p = v.tokens_per_image
     vtokens = images * p
     # Images enter with no gradient: backward reaches the ViT only if it trains.
     layer = _transformer_layer(
-        vtokens, p, images, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
+        vtokens, images * p * p, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
         nbytes, m.recompute, not v.freeze, not v.freeze, tp,
     )
     patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
     patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
-    ph = v.projector_hidden_size or m.hidden_size
-    proj_params = v.hidden_size * ph + ph + ph * m.hidden_size + m.hidden_size
+    if v.projector_type == "mlp":  # vision -> ph -> LM hidden
+        ph = v.projector_hidden_size or m.hidden_size
+        proj_matmul = v.hidden_size * ph + ph * m.hidden_size
+        proj_params = proj_matmul + ph + m.hidden_size
+        proj_act = v.hidden_size + 2 * ph  # fc1 input, fc1 and GELU outputs
+    else:  # one linear layer (megatron's "affine")
+        proj_matmul = v.hidden_size * m.hidden_size
+        proj_params = proj_matmul + m.hidden_size
+        proj_act = v.hidden_size
     proj_trains = not v.freeze_projector
     return {
         VISION: ComponentCost(
@@ -280,21 +301,22 @@ def _vision_components(cfg: JobConfig, nbytes: int) -> dict[str, ComponentCost]:
             activation_bytes=0.0 if v.freeze else v.layers_built * layer.activation_bytes + 2.0 * vtokens * v.hidden_size * nbytes,
         ),
         PROJECTOR: ComponentCost(
-            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * (v.hidden_size * ph + ph * m.hidden_size) / tp,
+            flops=_passes(proj_trains, not v.freeze) * 2.0 * vtokens * proj_matmul / tp,
             params=proj_params // tp,
             trainable_params=proj_params // tp if proj_trains else 0,
-            activation_bytes=vtokens * (v.hidden_size + 2 * ph) * nbytes / tp if proj_trains or not v.freeze else 0.0,
+            activation_bytes=vtokens * proj_act * nbytes / tp if proj_trains or not v.freeze else 0.0,
         ),
     }
 
 
-def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None,
+                  batch: Optional[BatchShape] = None) -> PipelineCostModel:
     """:data:`CostModelFn` of a GPT language model: embedding, decoder layers,
     output layer + loss, for one micro-batch of ``micro_batch_size`` rows of
-    ``seq_length`` tokens."""
+    ``seq_length`` tokens (or ``batch``)."""
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False),
+        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False, batch=batch),
         head=(EMBEDDING,),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,
@@ -304,16 +326,18 @@ def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] 
     )
 
 
-def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None,
+                     batch: Optional[BatchShape] = None) -> PipelineCostModel:
     """:data:`CostModelFn` of LLaVA: the language model of :func:`lm_cost_model`
-    with the ViT and projector in front of the embedding on the first stage."""
+    with the ViT and projector in front of the embedding on the first stage
+    (for one nominal micro-batch, or ``batch``)."""
     v = cfg.vision
     nbytes = _dtype_bytes(cfg, cuda)
     # Gradient reaches the LM's input when the projector or ViT trains.
     head_trains = not v.freeze_projector or not v.freeze
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components={**_vision_components(cfg, nbytes), **_lm_components(cfg, nbytes, head_trains)},
+        components={**_vision_components(cfg, nbytes, batch), **_lm_components(cfg, nbytes, head_trains, batch)},
         head=(VISION, PROJECTOR, EMBEDDING),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,

@@ -8,6 +8,9 @@ takes ``n`` from the bucket with the most tokens per image: the quadratic
 attention terms and their activations are largest there, so the memory the
 plan reports is the package that needs the most. The ``N / n`` images of
 that package bring ``N / n * max_text_length`` caption tokens.
+The step record evaluates the same components on the packages a step
+really trained (``batch``): each package's images of its own bucket, padding
+slots excluded.
 
 Components, in pipeline order (see :class:`~megascale_omni.parallel.pipeline_cost.PipelineCostModel`):
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.pipeline_cost import (
     ComponentCost,
     PipelineCostModel,
@@ -52,6 +56,7 @@ from megascale_omni.parallel.pipeline_cost import (
 PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION, DIT_BLOCK, DIT_OUTPUT = (
     "patch_embedding", "text_embedding", "condition", "dit_block", "dit_output",
 )
+COMPONENTS = (PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION, DIT_BLOCK, DIT_OUTPUT)
 #: Width of the sinusoidal timestep features fed to the timestep MLP. Defined
 #: here, where the MLP is counted; models/dit/model.py builds it with this
 #: constant (parallel/ may not import models/).
@@ -82,15 +87,46 @@ def dit_package(cfg: JobConfig) -> tuple[float, int, float]:
     return tokens, n, tokens / n
 
 
-def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None) -> PipelineCostModel:
+def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] = None,
+                   batch: Optional[BatchShape] = None) -> PipelineCostModel:
     """:data:`~megascale_omni.parallel.pipeline_cost.CostModelFn` of a DiT for
     one bucket package of ``dit.token_budget`` image tokens and
-    ``dit.max_text_length`` caption tokens per image (module docstring).
+    ``dit.max_text_length`` caption tokens per image (module docstring), or
+    for every package of ``batch`` (their costs summed).
     No measured profile applies (``shape`` is None)."""
-    m, d, tp, cp = cfg.model, cfg.dit, cfg.parallel.tp, cfg.parallel.cp
     nbytes = _dtype_bytes(cfg, cuda)
+    if batch is None:
+        components = _package_components(cfg, nbytes, *dit_package(cfg))
+    else:
+        parts = [_package_components(cfg, nbytes, float(n * k), n, float(k)) for n, k in batch.dit_packages]
+        components = {name: _sum_costs([p[name] for p in parts]) for name in COMPONENTS}
+    mem = memory_conventions(cfg, cuda, world_size)
+    ema_bytes = mem.bytes_per_frozen_param if cfg.dit.ema_decay > 0 else 0.0
+    return PipelineCostModel(
+        components=components,
+        head=(PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION),
+        tail=(DIT_OUTPUT,),
+        layer=DIT_BLOCK,
+        bytes_per_trainable_param=mem.bytes_per_trainable_param + ema_bytes,
+        bytes_per_frozen_param=mem.bytes_per_frozen_param + ema_bytes,
+        num_microbatches=mem.num_microbatches,
+    )
+
+
+def _sum_costs(costs: list[ComponentCost]) -> ComponentCost:
+    """One component over several packages: FLOPs and activations add, the weights are shared."""
+    if not costs:
+        return ComponentCost(0.0, 0, 0, 0.0)
+    return ComponentCost(sum(c.flops for c in costs), costs[0].params, costs[0].trainable_params,
+                         sum(c.activation_bytes for c in costs))
+
+
+def _package_components(cfg: JobConfig, nbytes: int, package_tokens: float, n: int,
+                        images: float) -> dict[str, ComponentCost]:
+    """Every component's cost for one package of ``images`` images of ``n``
+    tokens each (``package_tokens`` in all) on one TP and CP rank."""
+    m, d, tp, cp = cfg.model, cfg.dit, cfg.parallel.tp, cfg.parallel.cp
     h, ffn, heads = m.hidden_size, m.ffn_size, m.num_attention_heads
-    package_tokens, n, images = dit_package(cfg)
     tokens = package_tokens / cp  # this CP rank's image tokens
     text_tokens = images * d.max_text_length
     patch_dim = d.in_channels * d.patch_size**2
@@ -129,7 +165,8 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
     # One block: self-attention + MLP as a pre-norm transformer layer without
     # norm weights (the adaLN norms are affine-free), plus cross-attention and
     # the modulation linear. Gradients flow through every block (the head trains).
-    base = _transformer_layer(package_tokens, n, images, h, ffn, heads, heads, nbytes, False, True, True, tp, cp=cp)
+    # Self-attention is bidirectional over each image's n tokens: n * n pairs per image.
+    base = _transformer_layer(package_tokens, images * n * n, h, ffn, heads, heads, nbytes, False, True, True, tp, cp=cp)
     passes = _passes(True, True)
     q_flops, q_params = _linear(tokens, h, h, passes, tp)
     kv_flops, kv_params = _linear(text_tokens, h, 2 * h, passes, tp)
@@ -158,16 +195,4 @@ def dit_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int]
         # Norm input, modulated norm, linear input; prediction and target in fp32.
         activation_bytes=3.0 * tokens * h * nbytes + 2.0 * tokens * patch_dim * 4,
     )
-
-    mem = memory_conventions(cfg, cuda, world_size)
-    ema_bytes = mem.bytes_per_frozen_param if d.ema_decay > 0 else 0.0
-    return PipelineCostModel(
-        components={PATCH_EMBEDDING: patch, TEXT_EMBEDDING: text, CONDITION: condition, DIT_BLOCK: block,
-                    DIT_OUTPUT: out},
-        head=(PATCH_EMBEDDING, TEXT_EMBEDDING, CONDITION),
-        tail=(DIT_OUTPUT,),
-        layer=DIT_BLOCK,
-        bytes_per_trainable_param=mem.bytes_per_trainable_param + ema_bytes,
-        bytes_per_frozen_param=mem.bytes_per_frozen_param + ema_bytes,
-        num_microbatches=mem.num_microbatches,
-    )
+    return {PATCH_EMBEDDING: patch, TEXT_EMBEDDING: text, CONDITION: condition, DIT_BLOCK: block, DIT_OUTPUT: out}

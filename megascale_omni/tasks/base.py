@@ -27,6 +27,7 @@ from megascale_omni.config import ConfigError, JobConfig
 from megascale_omni.data.health import SkipCounter, check_bad_fraction
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.parallel import ParallelDims
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.schedules import run_forward_backward
 from megascale_omni.platform import Platform
 
@@ -41,6 +42,10 @@ class Task(ABC):
 
     #: Tokens per sequence as seen by the pipeline (the p2p tensor length).
     seq_length: int
+    #: Vocabulary rows the language model was built with when the task
+    #: resolved them (LLaVA's ``model.vocab_size: 0`` takes the tokenizer's);
+    #: 0: ``model.vocab_size``. The step record's model FLOPs count with it.
+    vocab_size: int = 0
     #: Job-wide bad-sample totals; families that read samples set one (and
     #: update it in :meth:`microbatches`), elastic jobs sum it across replicas.
     bad_samples: Optional["BadSampleAccount"] = None
@@ -73,6 +78,11 @@ class Task(ABC):
     # ------------------------------------------------------ optional hooks
     def images_of(self, step: int) -> Optional[int]:
         """Images in global batch ``step`` (None: a text-only family)."""
+        return None
+
+    def batch_shape(self, step: int) -> Optional[BatchShape]:
+        """What global batch ``step`` holds (all DP ranks), for its model FLOPs
+        (:class:`megascale_omni.metrics.flops.StepFlops`); None: not counted."""
         return None
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:

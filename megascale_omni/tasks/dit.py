@@ -37,6 +37,7 @@ from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, is_loss_rank
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
 from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
@@ -193,6 +194,11 @@ class DitTask(Task):
 
     def images_of(self, step: int) -> int:
         return sum(len(p.sample_ids) for p in self.plan.global_batch(step))
+
+    def batch_shape(self, step: int) -> BatchShape:
+        """Every package of global batch ``step``: its images' tokens and count (padding slots excluded)."""
+        return BatchShape(dit_packages=tuple((p.tokens_per_image, len(p.sample_ids))
+                                             for p in self.plan.global_batch(step)))
 
     def sample_ids(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
         """Dataset indices of the images in DP rank ``dp_rank``'s packages of step ``step``."""

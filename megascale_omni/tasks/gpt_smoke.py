@@ -23,6 +23,7 @@ from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.schedules import reduce_reported_loss
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.base import Task
@@ -58,6 +59,10 @@ class GptSmokeTask(Task):
     # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         return self.cfg.train.global_batch_size, self.cfg.train.global_batch_size * self.seq_length
+
+    def batch_shape(self, step: int) -> BatchShape:
+        """Every row is one causal sample of ``seq_length`` tokens."""
+        return BatchShape(segments=(self.seq_length,) * self.cfg.train.global_batch_size)
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
         return self._collate(self.sample_ids(step, dp_rank, dp_size), self.dataset)

@@ -44,6 +44,7 @@ from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.models.loss import masked_token_loss
 from megascale_omni.parallel import ParallelDims, data_parallel_rank
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.schedules import LOSS_KEY, reduce_reports
 from megascale_omni.platform import Platform
 from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
@@ -172,7 +173,7 @@ class LlavaTask(Task):
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
         if self.val_reader is not None:
             self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
-        self.train_ids, lengths, costs, self.train_images = self._scan(self.train_reader)
+        self.train_ids, lengths, costs, self.train_images, self.train_views = self._scan(self.train_reader)
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:
@@ -203,13 +204,14 @@ class LlavaTask(Task):
         )
 
     # ----------------------------------------------------------------- setup
-    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Ids, lengths, costs and image counts of the usable samples of the
-        training split (from the index when it carries costs); the rest are
-        excluded and counted."""
+    def _scan(self, reader: ShardedSampleReader) -> tuple[np.ndarray, ...]:
+        """Ids, lengths, costs, image counts and tower inputs (anyres: views)
+        of the usable samples of the training split (from the index when it
+        carries costs); the rest are excluded and counted."""
         scan = self.scanner.scan(reader)
         self.bad_samples.exclude(scan.bad, len(reader), str(reader.root))
-        return scan.ids, scan.lengths, scan.costs, scan.images
+        views = np.asarray([sum(v) for v in scan.views], dtype=np.int64)
+        return scan.ids, scan.lengths, scan.costs, scan.images, views
 
     def pipeline_shape(self) -> tuple[int, int]:
         return thd_pipeline_shape(self.seq_length, self.cfg.train.micro_batch_size)
@@ -228,6 +230,12 @@ class LlavaTask(Task):
 
     def images_of(self, step: int) -> int:
         return int(sum(self.train_images[sid] for p in self.plan.global_batch(step) for sid in p.sample_ids))
+
+    def batch_shape(self, step: int) -> BatchShape:
+        """Every packed sample of global batch ``step`` and the tower inputs of its images."""
+        packs = self.plan.global_batch(step)
+        return BatchShape(segments=tuple(int(s) for p in packs for s in p.lengths),
+                          tower_inputs=float(sum(self.train_views[sid] for p in packs for sid in p.sample_ids)))
 
     def _share(self, step: int, dp_rank: int, dp_size: int) -> list[Pack]:
         """DP rank ``dp_rank``'s packed rows of global batch ``step`` (:meth:`LlavaSteps.share`)."""

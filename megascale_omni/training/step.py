@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -26,9 +25,10 @@ class StepStats:
     update_successful: bool
     #: False when the elastic quorum did not commit the step (nothing changed; retry it).
     committed: bool
-    #: Seconds in forward+backward (including pipeline p2p and DP grad sync).
+    #: Seconds in forward+backward (including pipeline p2p and DP grad sync),
+    #: read from the step's clock (:data:`~megascale_omni.metrics.breakdown.PHASES`).
     fwd_bwd_s: float
-    #: Seconds in the optimizer step (including grad-norm collectives).
+    #: Seconds in the optimizer step (including grad-norm collectives), same clock.
     optimizer_s: float
     num_microbatches: int
     #: Parts of ``fwd_bwd_s``: blocked in pipeline p2p, DP gradient sync,
@@ -66,9 +66,11 @@ def train_step(
 
     ``progress.optimizer_started`` turns True just before parameters start
     changing: a failure before that leaves the pre-step state intact.
+
+    Times come from :data:`~megascale_omni.metrics.breakdown.PHASES` (CUDA
+    events on CUDA), resolved with one synchronisation when the step ends.
     """
-    PHASES.reset()
-    t0 = time.perf_counter()
+    PHASES.start()
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -85,8 +87,7 @@ def train_step(
         with PHASES.phase("cross_replica"):
             loss, count = reduce_reported_loss(reports, cross_replica)
             committed = cross_replica.should_commit()
-    t1 = time.perf_counter()
-    phases = PHASES.read()
+    PHASES.mark("fwd_bwd")
     # The rate this step applies to train.lr's parameters (not a vision.lr_mult group).
     lr = next((g["lr"] for g in optimizer.param_groups if g.get("default_config", True)),
               optimizer.param_groups[0]["lr"])
@@ -97,7 +98,11 @@ def train_step(
         update_successful, grad_norm, _ = optimizer.step()
         if update_successful:
             scheduler.step(increment=1)
-    t2 = time.perf_counter()
+    PHASES.mark("optimizer")
+    # The step's one synchronisation. Every phase (pipeline p2p, grad sync,
+    # cross-replica) happens before the fwd_bwd mark: they are its parts.
+    times = PHASES.read()
+    phases = times.phases
     if cross_replica is None:
         loss, count = reduce_reported_loss(reports)
     return StepStats(
@@ -107,8 +112,8 @@ def train_step(
         lr=float(lr),
         update_successful=bool(update_successful),
         committed=committed,
-        fwd_bwd_s=t1 - t0,
-        optimizer_s=t2 - t1,
+        fwd_bwd_s=times.spans["fwd_bwd"],
+        optimizer_s=times.spans["optimizer"],
         num_microbatches=len(microbatches),
         pipeline_wait_s=phases["pipeline_wait"],
         grad_sync_s=phases["grad_sync"],

@@ -28,8 +28,9 @@ from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
-from megascale_omni.metrics.breakdown import install_pipeline_timer
-from megascale_omni.metrics.flops import device_peak_tflops, model_flops_per_step
+from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
+from megascale_omni.metrics.clock import events_for
+from megascale_omni.metrics.flops import StepFlops, device_peak
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
 from megascale_omni.models.init import init_layout_invariant
@@ -107,6 +108,8 @@ class Trainer:
         rank, world_size = init_distributed(self.platform)
         self._teardown.callback(destroy_parallel)
         install_pipeline_timer()
+        # The step's clock: CUDA events on CUDA (kernels run asynchronously), host time elsewhere.
+        PHASES.use(events_for(self.platform.device))
         if cfg.logging.memory_fraction_cap:
             torch.cuda.set_per_process_memory_fraction(cfg.logging.memory_fraction_cap, self.platform.device)
         self.dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -160,16 +163,18 @@ class Trainer:
         self._teardown.callback(self.control.close)
 
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
-        """The step recorder, with model FLOPs per step from the family's cost model."""
+        """The step recorder, counting each step's model FLOPs with the family's cost model."""
         cfg = self.cfg
-        flops = (model_flops_per_step(cfg, family.cost_model_fn(cfg), world_size)
-                 if family.cost_model is not None else None)
+        flops_of = (StepFlops(cfg, family.cost_model_fn(cfg), vocab_size=self.task.vocab_size)
+                    if family.cost_model is not None else None)
         name = torch.cuda.get_device_name(self.platform.device) if self.platform.is_cuda else None
-        peak = device_peak_tflops(cfg.logging.peak_tflops, name)
-        if flops is not None and self.is_loss_rank:
-            logger.info("model FLOPs per step: %.3g TFLOP (cost model); MFU against %s", flops / 1e12,
-                        f"{peak:g} TFLOP/s per device" if peak else "no known peak (set logging.peak_tflops)")
-        return StepRecorder(self.platform.device, world_size, flops, peak, self.dims.pp, self.dims.num_model_chunks)
+        peak = device_peak(cfg.logging.peak_tflops, name)
+        if flops_of is not None and self.is_loss_rank:
+            logger.info("model FLOPs: per step's global batch (cost model); MFU against %s",
+                        f"{peak.tflops:g} TFLOP/s per device ({peak.source})" if peak.tflops
+                        else "no known peak (set logging.peak_tflops)")
+        return StepRecorder(self.platform.device, world_size, flops_of, peak.tflops, self.dims.pp,
+                            self.dims.num_model_chunks)
 
     def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
@@ -305,7 +310,8 @@ class Trainer:
         self._boundary = _idle_boundary()
         samples, tokens = self.task.global_batch_size_of(self.state.step - 1)
         record = self.recorder.build(self.state.step, stats, timing, samples, tokens,
-                                     self.task.images_of(self.state.step - 1), extra)
+                                     self.task.images_of(self.state.step - 1), extra,
+                                     self.task.batch_shape(self.state.step - 1))
         record["busy_s"] = record["data_s"] + record["compute_s"]
         # Every rank's numbers of the previous step (the boundary exchange, completed now).
         rows = self.control.rank_rows()

@@ -27,6 +27,8 @@ def test_train_evaluate_and_sample_tool_run_end_to_end(tmp_path):
     assert "padding waste" in res.stderr and "pad to largest" in res.stderr
     records = read_metrics(out)
     assert len(records) == 6 and records[0]["excluded_samples"] == 0
+    # Model FLOPs follow each step's packages (their buckets and image counts differ), not a nominal package.
+    assert len({r["model_tflop"] for r in records}) == 6
     result = json.loads((out / "color_accuracy-step6.json").read_text())
     assert result["color_samples"] == 14 and 0.0 <= result["color_accuracy"] <= 1.0
     grid = Image.open(out / "samples-step6.png")
