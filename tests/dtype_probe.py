@@ -20,7 +20,6 @@ probes.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,7 +30,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.fault_injection import run_target
 from tests.gpu import device_probe
 
 #: aten overload packets whose floating inputs must be in the model's dtype.
@@ -104,16 +102,5 @@ def install(device: str, dtype: str, report: Path) -> None:
     trainer.train_step = recorded_train_step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", required=True, help="cuda or cpu")
-    parser.add_argument("--dtype", required=True, help="torch dtype name of every parameter, e.g. bfloat16")
-    parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("target")
-    args, rest = parser.parse_known_args()
-    install(args.device, args.dtype, args.report)
-    run_target(args.target, rest)
-
-
 if __name__ == "__main__":
-    main()
+    device_probe.main(install, __doc__.splitlines()[0])
