@@ -142,7 +142,9 @@ class TrainConfig:
     adam_eps: float = checked(1.0e-8, gt=0)
     #: Global gradient-norm clip; 0 disables.
     clip_grad: float = checked(1.0, ge=0)
-    #: ``auto`` = bf16 on CUDA, fp32 on CPU.
+    #: Parameter and compute dtype. ``auto`` = bf16 on CUDA, fp32 on CPU;
+    #: ``bf16`` also runs on CPU (slowly). bf16 keeps fp32 gradient buffers,
+    #: fp32 master weights in the optimizer and an fp32 loss.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: Evaluate every N steps (0 = only at the end, if an eval split exists).
     eval_interval: int = checked(0, ge=0)

@@ -246,8 +246,6 @@ def validate_platform(cfg: JobConfig, cuda: bool) -> None:
     before any process group starts)."""
     if cuda:
         return
-    if cfg.train.precision == "bf16":
-        raise ConfigError("train.precision", "bf16", "needs CUDA; on CPU use fp32 (or auto)")
     if cfg.logging.memory_fraction_cap:
         raise ConfigError("logging.memory_fraction_cap", cfg.logging.memory_fraction_cap,
                           "caps the CUDA caching allocator; there is none on CPU: set 0")

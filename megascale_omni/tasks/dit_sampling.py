@@ -42,8 +42,11 @@ def _forward_velocity(data_iterator, model):
 
 def _pipeline_velocity(chunks, x: torch.Tensor, t: torch.Tensor, text, mask) -> torch.Tensor:
     """Velocity for ``x [B, C, H, W]`` at times ``t [B]`` on every PP stage,
-    on ``x``'s device (the model runs, and the stages broadcast, on its own)."""
-    batch = {"x_t": x, "t": t, "text": text, "text_mask": mask}
+    on ``x``'s device (the model runs, and the stages broadcast, on its own).
+    The model sees ``x`` in its parameters' dtype; the returned velocity, like
+    the Euler integration, is fp32."""
+    dtype = next(iter(chunks[0].parameters())).dtype
+    batch = {"x_t": x.to(dtype), "t": t, "text": text, "text_mask": mask}
     outputs = run_forward_backward(chunks, _forward_velocity, [batch], seq_length=x.shape[-2] * x.shape[-1],
                                    micro_batch_size=x.shape[0], forward_only=True)
     v = outputs[0].float() if outputs else torch.empty(x.shape, device=model_device(chunks))

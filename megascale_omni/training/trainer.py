@@ -34,6 +34,7 @@ from megascale_omni.metrics.flops import StepFlops, device_peak
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
 from megascale_omni.models.init import init_layout_invariant
+from megascale_omni.models.precision import cast_chunks
 from megascale_omni.parallel import (
     ParallelDims,
     data_parallel_rank,
@@ -179,16 +180,17 @@ class Trainer:
     def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
         under any layout (then overwritten by ``checkpoint.pretrained`` when
-        set), moved to ``platform.device``, wrapped in megatron DDP (every rank). Also returns the
+        set), moved to ``platform.device`` and cast to the task's dtype
+        (``train.precision``), wrapped in megatron DDP (every rank). Also returns the
         pretrained weights' provenance record."""
         chunks = self.task.build_model()
         n = init_layout_invariant(
             chunks, seed=self.cfg.train.seed, std=self.cfg.model.init_method_std, num_layers=self.cfg.model.num_layers
         )
         provenance = load_pretrained(chunks, self.cfg)
-        # megatron builds the weights on the host (use_cpu_initialization); train on the platform's device.
-        for chunk in chunks:
-            chunk.to(self.platform.device)
+        # megatron builds the weights on the host (use_cpu_initialization) and a few in fp32
+        # whatever params_dtype says; train on the platform's device, every weight in params_dtype.
+        cast_chunks(chunks, self.platform.device, self.task.dtype)
         total = sum(p.numel() for c in chunks for p in c.parameters())
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         logger.info(

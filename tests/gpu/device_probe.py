@@ -76,14 +76,16 @@ def install(device: str, dtype: str, report: Path) -> None:
     trainer.train_step = probed_train_step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(install_probe=install, description: str = __doc__.splitlines()[0]) -> None:
+    """The command line; ``install_probe(device, dtype, report)`` is this
+    probe's :func:`install` or one that extends it (tests/dtype_probe.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", required=True, help="cuda or cpu")
     parser.add_argument("--dtype", required=True, help="torch dtype name of every parameter, e.g. bfloat16")
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("target")
     args, rest = parser.parse_known_args()
-    install(args.device, args.dtype, args.report)
+    install_probe(args.device, args.dtype, args.report)
     run_target(args.target, rest)
 
 

@@ -62,7 +62,7 @@ INVALID = {
 # Settings that are valid on GPU but not on this CPU-only host: rejected after
 # the device is known, still before any process group starts.
 CPU_ONLY_INVALID = {
-    "bf16-on-cpu": (["train.precision=bf16"], ["train.precision='bf16'", "needs CUDA"]),
+    "memory-cap-on-cpu": (["logging.memory_fraction_cap=0.5"], ["logging.memory_fraction_cap=0.5", "CUDA"]),
     "sequence-parallel-on-cpu": (["parallel.tp=2", "parallel.sequence_parallel=true"],
                                  ["parallel.sequence_parallel=True", "CUDA"]),
 }
@@ -86,7 +86,7 @@ def _in_process(overrides: list[str], world_size: int, capsys, cpu_checks: bool 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rejections")
 def test_cuda_only_setting_exits_2_on_cpu_from_the_command_line():
-    overrides, fragments = CPU_ONLY_INVALID["bf16-on-cpu"]
+    overrides, fragments = CPU_ONLY_INVALID["memory-cap-on-cpu"]
     res = _cli(overrides)
     assert res.returncode == 2, res.output
     assert "Traceback" not in res.output
@@ -104,6 +104,13 @@ def test_cuda_only_setting_is_a_config_error_on_cpu(name, capsys, monkeypatch):
     assert err.startswith("config error: ") and err.count("\n") == 1
     for fragment in fragments:
         assert fragment in err, (fragment, err)
+
+
+def test_bf16_is_accepted_on_cpu():
+    """bf16 runs on CPU (slowly, for real: tests/e2e/test_bf16.py); only CUDA-only settings are refused."""
+    cfg, _ = parse_for_family("gpt", ["--config", CONFIG, "train.precision=bf16"], world_size=1)
+    validate_platform(cfg, cuda=False)
+    assert cfg.train.precision == "bf16"
 
 
 def test_invalid_setting_exits_2_from_the_command_line():

@@ -69,6 +69,32 @@ def test_ema_tracks_and_applies_temporarily():
     assert torch.allclose(m.weight, start + 2)
 
 
+def test_ema_of_bf16_weights_averages_in_fp32():
+    """A bf16 shadow would round away every step (0.5% of 0.01 is under half a
+    bf16 ulp at 0.05) and stay at 0.05005; the fp32 shadow follows the exact
+    average within fp32 rounding."""
+    m = torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        m.weight.fill_(0.05)
+    ema = EMA([m], decay=0.995)
+    # Long after the warm-up (d = decay), the weights move from 0.05 to 0.06.
+    ema.load_state_dict({"num_updates": 10_000, "shadow": {"0.weight": torch.full((1, 4), 0.05)}})
+    with torch.no_grad():
+        m.weight.fill_(0.06)
+    for _ in range(200):
+        ema.update()
+    target = m.weight[0, 0].item()  # 0.06 in bf16
+    exact = target + (0.05 - target) * 0.995**200  # from 0.05: fp32 holds it within 1.4e-9
+    shadow = ema.shadow["0.weight"]
+    assert (shadow.double() - exact).abs().max().item() < 1e-6, (shadow, exact)
+    assert shadow.dtype == torch.float32
+    assert abs(exact - 0.05637) < 1e-5
+    # Applied, the average reaches the bf16 weights rounded; the weights come back after.
+    with ema.applied():
+        assert m.weight.dtype == torch.bfloat16 and torch.equal(m.weight, shadow.to(torch.bfloat16))
+    assert torch.equal(m.weight, torch.full_like(m.weight, 0.06))
+
+
 def test_dominant_color_reads_the_generated_colour():
     for i in range(50):
         image, caption, color = generate(i, 0, 0)
