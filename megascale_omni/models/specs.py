@@ -38,6 +38,22 @@ def resolve_layer_impl(requested: str) -> str:
     return requested
 
 
+#: ``parallel.cp_comm_type`` -> transformer-engine's name for it (TE raises
+#: on ``allgather``).
+_TE_CP_COMM_TYPE = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
+
+
+def te_cp_comm_type(cp_comm_type: str) -> str:
+    """``parallel.cp_comm_type`` as ``TransformerConfig.cp_comm_type``
+    (transformer-engine's vocabulary); the local spec ignores it."""
+    try:
+        return _TE_CP_COMM_TYPE[cp_comm_type]
+    except KeyError:
+        raise ConfigError(
+            "parallel.cp_comm_type", cp_comm_type, f"must be one of {', '.join(_TE_CP_COMM_TYPE)}"
+        ) from None
+
+
 def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     """Transformer-layer spec for the language model (``impl`` already resolved).
 

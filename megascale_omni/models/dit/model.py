@@ -99,7 +99,8 @@ def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerCon
         bias_activation_fusion=False,
         pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp,
-        cp_comm_type=par.cp_comm_type,
+        cp_comm_type=te_cp_comm_type(par.cp_comm_type),
+        hierarchical_context_parallel_sizes=par.hierarchical_cp_sizes,
         variable_seq_lengths=True,
         # No MoE here; megatron rejects variable_seq_lengths with the default
         # (allgather) dispatcher even when it is unused.
