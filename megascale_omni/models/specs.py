@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.models.attention import PackedCoreAttention
+from megascale_omni.models.packed_rope import PackedSelfAttention
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     megatron's ``TEDotProductAttention`` runs it as ``padding_causal`` over
     ``cu_seqlens``, and the local spec's core attention is swapped for
     :class:`~megascale_omni.models.attention.PackedCoreAttention` (megatron's
-    ``DotProductAttention`` rejects ``PackedSeqParams``).
+    ``DotProductAttention`` rejects ``PackedSeqParams``) and its
+    self-attention for :class:`~megascale_omni.models.packed_rope.PackedSelfAttention`
+    (RoPE on THD without host reads per layer).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -69,6 +72,7 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
     # A fresh spec per call: replacing the submodule touches nothing shared.
+    spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
 
