@@ -37,14 +37,17 @@ class PerSegmentCoreAttention(PackedCoreAttention):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale)
 
 
-def use_reference_attention(model: torch.nn.Module) -> int:
-    """Switch every attention of ``model`` to the reference path; returns how
-    many core attentions were switched (a test asserts it found them)."""
+def use_reference_attention(model: torch.nn.Module, reference: bool = True) -> int:
+    """Switch every attention of ``model`` to the reference path (or, with
+    ``reference=False``, back); returns how many core attentions were
+    switched (callers assert it found them)."""
+    swaps = [(PackedSelfAttention, SelfAttention), (PackedCoreAttention, PerSegmentCoreAttention)]
+    if not reference:
+        swaps = [(new, old) for old, new in swaps]
     switched = 0
     for module in model.modules():
-        if type(module) is PackedSelfAttention:
-            module.__class__ = SelfAttention
-        elif type(module) is PackedCoreAttention:
-            module.__class__ = PerSegmentCoreAttention
-            switched += 1
+        for old, new in swaps:
+            if type(module) is old:
+                module.__class__ = new
+                switched += old in (PackedCoreAttention, PerSegmentCoreAttention)
     return switched
