@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import traceback
 
 import pytest
 
-from tests.launcher import free_port
+from tests.launcher import run_spawned_ranks
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 # megatron builds hierarchical groups with einops, which transformer-engine
 # installs; without it the run stops with a ConfigError (tests/unit/test_cp_comm_type.py).
@@ -49,20 +48,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_a2a_p2p_builds_hierarchical_cp_groups(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for rank in range(WORLD):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.is_file(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
-        data = json.loads(path.read_text())
-        assert "error" not in data, f"rank {rank} failed:\n{data['error']}"
+    for rank, data in enumerate(run_spawned_ranks(_worker, WORLD, tmp_path, timeout=240)):
         assert data["cp"] == [0, 1, 2, 3]
         assert data["groups"] == [[rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]], (rank, data)
