@@ -17,8 +17,10 @@ backward of a mean-of-squares loss of the logits with the new path
 reference (``tests/attention_reference.py``: one SDPA call per segment,
 ``repeat_interleave`` for GQA, megatron's THD RoPE), switched in place in
 alternating order, ``--rounds`` rounds after one warm-up step each; step =
-median, one torch thread (``--threads``). The logits of the two paths are
-compared in the same run.
+median of the process CPU time per step (one torch thread, ``--threads``:
+CPU time then counts the step's own work, not the waits for a core that a
+shared host adds to wall time). The logits of the two paths are compared in
+the same run.
 """
 
 from __future__ import annotations
@@ -72,18 +74,21 @@ def _packed_batch(seq: int, rows: int, vocab: int, seed: int, image_token: int =
 
 
 def _step(model, batch, images):
-    """Forward + backward; returns (seconds, logits)."""
+    """Forward + backward; returns (CPU seconds of this process, logits).
+
+    CPU time, not wall time: with one torch thread it counts this step's own
+    work, not the time spent waiting for a core that other jobs hold."""
     from megascale_omni.models.attention import thd_inputs
 
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    start = time.process_time()
     tokens, position_ids, _, params = thd_inputs(batch)  # fresh params: per-micro-batch caches rebuilt
     if images is not None:
         out = model(tokens, position_ids, params, images=images)
     else:
         out = model(tokens, position_ids, None, packed_seq_params=params)
     out.float().pow(2).mean().backward()
-    return time.perf_counter() - start, out.detach()
+    return time.process_time() - start, out.detach()
 
 
 def _compare(name, model, batch, images, rounds):
@@ -107,7 +112,7 @@ def _compare(name, model, batch, images, rounds):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seq", type=int, default=1024, help="tokens per packed row")
     parser.add_argument("--layers", type=int, default=4, help="GPT layers")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -124,7 +129,8 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    print(f"rounds {args.rounds} (alternating order, after one warm-up step per path), step = fwd + bwd, median")
+    print(f"rounds {args.rounds} (alternating order, after one warm-up step per path), step = fwd + bwd, "
+          "median of process CPU time")
     print("| workload | segments | per-segment (old) | packed (new) | new / old | max logit diff |")
     print("|---|---|---|---|---|---|")
     with one_process(seed=0):

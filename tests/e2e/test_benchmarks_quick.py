@@ -118,7 +118,8 @@ EXPECTED = {
         r"^\| 2 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
     ],
     "attention_path": [
-        r"^rounds 1 \(alternating order, after one warm-up step per path\), step = fwd \+ bwd, median$",
+        r"^rounds 1 \(alternating order, after one warm-up step per path\), step = fwd \+ bwd, "
+        r"median of process CPU time$",
         r"^\| workload \| segments \| per-segment \(old\) \| packed \(new\) \| new / old \| max logit diff \|$",
         *(rf"^\| {name} \| \d+ \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+ \| [\d.e+-]+ \|$"
           for name in (r"packed GPT, 1 layers, 2 x 128 tokens", r"LLaVA, \d+ images, 2 x 128 tokens")),

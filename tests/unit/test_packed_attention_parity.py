@@ -4,7 +4,8 @@ replaced (tests/attention_reference.py), fp32, within PARITY = 1e-5
 
 Claims checked here (one process):
 - core attention: causal and bidirectional THD, grouped-query heads, empty
-  and equal-length segments, in fewer SDPA calls than segments;
+  and equal-length segments, one SDPA call per distinct length (CPU); the
+  padded batches of CUDA (forced on CPU) in fewer calls than segments;
 - RoPE positions computed on the device equal megatron's per-segment THD
   RoPE, at CP 1 and on each rank of CP 2 and CP 4;
 - whole models: packed GPT (RoPE, GQA) and LLaVA (images through the
@@ -24,6 +25,7 @@ import torch
 from megascale_omni.config import load_job_config
 from megascale_omni.data.packing import packed_cu_seqlens
 from megascale_omni.models.attention import PackedCoreAttention, packed_seq_params, thd_inputs
+from megascale_omni.models.packed_kernels import SegmentBatches
 from megascale_omni.models.packed_rope import thd_rope_positions
 from tests.attention_reference import PerSegmentCoreAttention, use_reference_attention
 from tests.launcher import REPO
@@ -50,16 +52,23 @@ def _max_diff(a, b) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("lengths", [[5, 13, 1, 9, 20, 0, 3, 3, 3], [64], [8, 8, 8, 8], [31, 2, 17, 17, 1]])
-def test_core_attention_matches_per_segment_path(causal, lengths):
-    from megatron.core.transformer.enums import AttnMaskType
+LENGTHS = [[5, 13, 1, 9, 20, 0, 3, 3, 3], [64], [8, 8, 8, 8], [31, 2, 17, 17, 1]]
 
+
+def _inputs(lengths):
     t = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     g = torch.Generator().manual_seed(len(lengths))
-    inputs = [torch.randn(t, h, 8, generator=g) for h in (4, 2, 2)]
-    grad = torch.randn(t, 32, generator=g)
+    return cu, [torch.randn(t, h, 8, generator=g) for h in (4, 2, 2)], torch.randn(t, 32, generator=g)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_core_attention_matches_per_segment_path(causal, lengths):
+    """The module on CPU: one SDPA call per distinct segment length, no padding."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cu, inputs, grad = _inputs(lengths)
     mask = AttnMaskType.causal if causal else AttnMaskType.no_mask
     results = []
     for cls in (PackedCoreAttention, PerSegmentCoreAttention):
@@ -72,8 +81,33 @@ def test_core_attention_matches_per_segment_path(causal, lengths):
             calls = len(params.derived["segment_batches", causal, torch.device("cpu")].batches)
     for label, new, old in zip(("out", "dq", "dk", "dv"), *results):
         assert _max_diff(new, old) <= PARITY, (label, _max_diff(new, old))
+    assert calls == len(set(n for n in lengths if n))
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_padded_segment_batches_match_per_segment_path(lengths):
+    """The padded batches CUDA uses (forced here on CPU): causal segments of
+    similar length share one SDPA call, padding at the end of each row."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cu, inputs, grad = _inputs(lengths)
+    reference = PerSegmentCoreAttention(_config(), 1, AttnMaskType.causal, "self")
+    results = []
+    for padded in (True, False):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        if padded:
+            batches = SegmentBatches(cu.tolist(), True, torch.device("cpu"), pad=True)
+            out = batches.attend(*xs, True, reference.softmax_scale, 0.0).reshape(len(xs[0]), -1)
+        else:
+            out = reference(*xs, None, packed_seq_params=packed_seq_params(cu))
+        out.backward(grad)
+        results.append([out, *(x.grad for x in xs)])
+    for label, new, old in zip(("out", "dq", "dk", "dv"), *results):
+        assert _max_diff(new, old) <= PARITY, (label, _max_diff(new, old))
     segments = sum(1 for n in lengths if n)
-    assert calls <= segments and (calls < segments or len(set(n for n in lengths if n)) == segments)
+    assert len(batches.batches) < segments or segments == 1
+    if len(set(lengths) - {0}) > 1:  # unequal lengths: some batch is gathered and padded
+        assert any(b.count > 1 and b.start is None for b in batches.batches)
 
 
 class _Group(SimpleNamespace):
