@@ -31,7 +31,7 @@ Who consumes ``PackedSeqParams``:
 * local spec (CPU, and ``layer_impl: local`` on GPU): :class:`PackedCoreAttention`,
   causal attention inside each segment with torch's own kernels
   (:mod:`megascale_omni.models.packed_kernels`: one varlen flash call per
-  layer on CUDA in fp16/bf16, else a few padded SDPA calls), and RoPE by a
+  layer on CUDA in fp16/bf16, else SDPA over batches of segments), and RoPE by a
   per-token gather (:class:`~megascale_omni.models.packed_rope.PackedSelfAttention`);
 * transformer-engine spec: megatron's ``TEDotProductAttention``, which turns
   the spec's ``causal`` into ``padding_causal`` for ``thd`` (TE >= 1.7).
