@@ -61,7 +61,7 @@ from megascale_omni.models.dit.layer import (
     modulation_linear,
 )
 from megascale_omni.models.gpt import common_config_kwargs
-from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl
+from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl, te_cp_comm_type
 
 # TIME_FEATURES, the width of the sinusoidal timestep features fed to the
 # timestep MLP, is defined beside the cost model, which counts that MLP.
