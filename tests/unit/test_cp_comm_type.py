@@ -87,3 +87,15 @@ def test_a2a_p2p_without_einops_is_a_config_error(monkeypatch):
     dims = ParallelDims(tp=1, pp=1, cp=4, dp=1, vpp=None, world_size=4, hierarchical_cp=(2, 2))
     with pytest.raises(ConfigError, match="pip install einops"):
         state.initialize_parallel(dims, seed=0)
+
+
+def test_dit_takes_allgather_as_all_gather():
+    """DiT batches are [s, b], not THD: allgather is allowed and reaches TE renamed."""
+    import torch
+
+    from megascale_omni.models.dit.model import dit_transformer_config
+    from tests.launcher import REPO
+
+    cfg = load_job_config(["--config", str(REPO / "examples/dit/tiny_cpu.yaml"), "parallel.cp=2",
+                           "parallel.cp_comm_type=allgather"])
+    assert dit_transformer_config(cfg, torch.float32).cp_comm_type == "all_gather"
