@@ -271,3 +271,30 @@ def assert_same_training(
     for key in counters:
         assert [r[key] for r in records] == [r[key] for r in baseline], key
     return max(loss), max(grad)
+
+
+def run_spawned_ranks(worker, world: int, out_dir: Path, timeout: float) -> list[dict]:
+    """Run ``worker(rank, port, out_dir)`` in ``world`` spawned processes (a
+    free port for their rendezvous); each writes ``rank{r}.json`` with its
+    result, or ``{"error": traceback}``. Kills stragglers after ``timeout``
+    and fails with the first missing or failed rank; returns the results."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, str(out_dir)), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(world):
+        path = Path(out_dir) / f"rank{r}.json"
+        assert path.is_file(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
+        data = json.loads(path.read_text())
+        assert "error" not in data, f"rank {r} failed:\n{data['error']}"
+        results.append(data)
+    return results

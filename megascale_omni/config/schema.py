@@ -48,8 +48,13 @@ class ParallelConfig:
     #: (docs/context_parallel.md).
     cp: int = checked(1, gt=0)
     #: transformer-engine's CP communication (``p2p`` ring, ``a2a``,
-    #: ``allgather``, ``a2a+p2p``); the local layer spec always runs the p2p ring.
+    #: ``allgather`` (TE's ``all_gather``; not with packed THD batches, so
+    #: DiT only), ``a2a+p2p`` (needs ``hierarchical_cp_sizes``)); the local
+    #: layer spec always runs the p2p ring.
     cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = "p2p"
+    #: ``a2a+p2p`` only: ``[a2a size, p2p size]`` with product ``cp``; megatron
+    #: builds these hierarchical CP groups (``hierarchical_context_parallel_sizes``).
+    hierarchical_cp_sizes: Optional[list[int]] = None
     #: Virtual pipeline stages (model chunks) per pipeline rank; ``None`` = no interleaving.
     vpp: Optional[int] = None
     #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).
@@ -109,6 +114,22 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1; set it to false")
+        self._check_hierarchical_cp()
+
+    def _check_hierarchical_cp(self) -> None:
+        sizes = self.hierarchical_cp_sizes
+        if self.cp_comm_type != "a2a+p2p" or self.cp == 1:
+            if sizes is not None:
+                raise ConfigError(
+                    "parallel.hierarchical_cp_sizes", sizes,
+                    "applies to parallel.cp_comm_type: a2a+p2p with parallel.cp > 1 only; set it to null",
+                )
+            return
+        hint = f"set [a2a size, p2p size], both > 1 with product parallel.cp={self.cp}"
+        if sizes is None:
+            raise ConfigError("parallel.hierarchical_cp_sizes", None, f"a2a+p2p needs hierarchical CP groups: {hint}")
+        if len(sizes) != 2 or any(not isinstance(n, int) or n < 2 for n in sizes) or sizes[0] * sizes[1] != self.cp:
+            raise ConfigError("parallel.hierarchical_cp_sizes", sizes, hint)
 
     @property
     def model_parallel_size(self) -> int:

@@ -141,8 +141,14 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
 
 
 def require_cp_seq_length(cfg: JobConfig) -> None:
-    """Language-model families: packed rows must split into ``2 * cp`` chunks."""
+    """Language-model families (packed THD batches) under CP: packed rows must
+    split into ``2 * cp`` chunks, and the CP communication must take THD."""
     model, multiple = cfg.model, sequence_multiple(cfg)
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "allgather":
+        raise ConfigError(
+            "parallel.cp_comm_type", "allgather",
+            "transformer-engine's all_gather CP refuses packed (THD) sequences; use p2p, a2a or a2a+p2p",
+        )
     if model.seq_length % multiple:
         raise ConfigError(
             "model.seq_length", model.seq_length,

@@ -29,7 +29,10 @@ both position schemes agree with the segments.
 Who consumes ``PackedSeqParams``:
 
 * local spec (CPU, and ``layer_impl: local`` on GPU): :class:`PackedCoreAttention`,
-  per-segment causal attention with torch SDPA;
+  causal attention inside each segment with torch's own kernels
+  (:mod:`megascale_omni.models.packed_kernels`: one varlen flash call per
+  layer on CUDA in fp16/bf16, else SDPA over batches of segments), and RoPE by a
+  per-token gather (:class:`~megascale_omni.models.packed_rope.PackedSelfAttention`);
 * transformer-engine spec: megatron's ``TEDotProductAttention``, which turns
   the spec's ``causal`` into ``padding_causal`` for ``thd`` (TE >= 1.7).
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -50,6 +53,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megascale_omni.models.packed_kernels import SegmentBatches, uses_varlen_flash, varlen_flash
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _BIDIRECTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding)
@@ -64,6 +69,20 @@ class ThdPackedSeqParams(PackedSeqParams):
 
     #: ``cu_seqlens_q`` (= ``cu_seqlens_kv``, and the padded ones when set) as ints.
     host_cu_seqlens: Optional[tuple[int, ...]] = None
+    #: What every layer derives from the boundaries (segment batches, RoPE
+    #: positions), built by the first layer that needs it: one micro-batch's.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def derived(params: PackedSeqParams, key: tuple, build):
+    """``build()`` computed once per micro-batch: cached in
+    :attr:`ThdPackedSeqParams.derived` under ``key`` (other ``PackedSeqParams``: built every call)."""
+    cache = getattr(params, "derived", None)
+    if cache is None:
+        return build()
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, with_padded: bool = False) -> ThdPackedSeqParams:
@@ -154,7 +173,8 @@ def thd_pipeline_shape(seq_length: int, micro_batch_size: int) -> tuple[int, int
 
 class PackedCoreAttention(MegatronModule):
     """Core attention of the local layer spec: causal (or bidirectional)
-    attention inside each segment of ``PackedSeqParams``, never across.
+    attention inside each segment of ``PackedSeqParams``, never across, with
+    torch's kernels (:mod:`megascale_omni.models.packed_kernels`).
 
     Same constructor as megatron's ``DotProductAttention``, so it drops into a
     ``SelfAttentionSubmodules(core_attention=...)`` spec. It holds no
@@ -299,23 +319,20 @@ class PackedCoreAttention(MegatronModule):
         bounds = host_bounds(params, cu_q)
         if bounds[0] != 0 or bounds[-1] != t:
             raise ValueError(f"cu_seqlens span [{bounds[0]}, {bounds[-1]}) but the sequence has {t} tokens")
-        parts = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
-            # [L, n, d] -> [1, n, L, d]
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            parts.append(self._attend(q, k, v, causal, dropout_p)[0].transpose(0, 1))  # [L, np, hn]
-        return torch.cat(parts).reshape(t, -1)
+        if uses_varlen_flash(query):
+            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            out = varlen_flash(query, key, value, cu_q.to(torch.int32), longest, causal, self.softmax_scale, dropout_p)
+        else:
+            batches = derived(params, ("segment_batches", causal, query.device),
+                              lambda: SegmentBatches(bounds, causal, query.device))
+            out = batches.attend(query, key, value, causal, self.softmax_scale, dropout_p)
+        return out.reshape(t, -1)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float
     ) -> torch.Tensor:
-        """SDPA on ``[n, np, L, hn]`` query and ``[n, ng, L, hn]`` key/value."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        """SDPA on ``[n, np, L, hn]`` query and ``[n, ng, L, hn]`` key/value
+        (grouped-query heads broadcast by the kernel, never repeated)."""
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, enable_gqa=True
         )

@@ -9,7 +9,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megascale_omni.config import ModelConfig, ParallelConfig
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl
+from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, te_cp_comm_type
 from megascale_omni.parallel.pipeline_plan import megatron_layout
 
 
@@ -131,7 +131,8 @@ def transformer_config(
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         context_parallel_size=parallel.cp,
-        cp_comm_type=parallel.cp_comm_type,
+        cp_comm_type=te_cp_comm_type(parallel.cp_comm_type),
+        hierarchical_context_parallel_sizes=parallel.hierarchical_cp_sizes,
         sequence_parallel=parallel.sequence_parallel,
         **pipeline_kwargs(parallel),
         **recompute_kwargs(model.recompute),

@@ -29,10 +29,11 @@ gradient accumulators; each rank adds its queries' contribution and passes
 the accumulator on, and a last hop brings it home. Block gradients use the
 merged output and log-sum-exp, so they are exact, not approximations.
 
-Block kernels: the CPU flash-attention kernels of ``torch`` (memory linear in
-the block length, returning the log-sum-exp), and a plain matmul/softmax
-version for other devices. GPUs with transformer-engine use megatron's own CP
-attention instead (:mod:`megascale_omni.models.specs`).
+Block kernels: torch's fused attention kernels that return the log-sum-exp,
+so memory stays linear in the block length: CPU flash attention; on CUDA
+flash attention (fp16/bf16) or memory-efficient attention (fp32); a plain
+matmul/softmax version only for other devices. GPUs with transformer-engine
+use megatron's own CP attention instead (:mod:`megascale_omni.models.specs`).
 """
 
 from __future__ import annotations
@@ -64,15 +65,39 @@ def _fold_groups(dk: Tensor, groups: int) -> Tensor:
     return dk.view(b, groups, heads // groups, length, d).sum(2)
 
 
+def _kernel(q: Tensor) -> str:
+    """Which fused block kernel runs ``q``: ``cpu`` (torch's CPU flash
+    attention), ``flash`` (CUDA fp16/bf16, head dim % 8 == 0 and <= 256),
+    ``efficient`` (other CUDA: torch's memory-efficient attention), else
+    ``dense`` (matmul/softmax, ``[Lq, Lk]`` scores per block)."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.is_cuda:
+        d = q.shape[-1]
+        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 else "efficient"
+    return "dense"
+
+
+#: Query rows of the memory-efficient kernel's log-sum-exp come in multiples of this.
+_EFFICIENT_LSE_ALIGN = 32
+
+
 def block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of one block: ``q [B, n, Lq, d]``, ``k``/``v [B, ng, Lk, d]``
-    -> ``(out [B, n, Lq, d], lse [B, n, Lq])``. ``causal`` needs ``Lq == Lk``."""
+    -> ``(out [B, n, Lq, d], lse [B, n, Lq] fp32)``. ``causal`` needs ``Lq == Lk``.
+    Fused kernels keep memory linear in the block length."""
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
-        )
+    kernel = _kernel(q)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kernel == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
+    if kernel == "efficient":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_causal_mask(q.shape[2], q.device), float("-inf"))
@@ -88,11 +113,29 @@ def block_backward(
     query rows: ``(dq [B, n, Lq, d], dk, dv [B, ng, Lk, d])``."""
     groups = k.shape[1]
     ke, ve = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if q.device.type == "cpu":
+    kernel = _kernel(q)
+    dout, q, ke, ve, out, lse = (x.contiguous() for x in (dout, q, ke, ve, out, lse))
+    if kernel == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), out.contiguous(),
-            lse.contiguous(), 0.0, causal, scale=scale,
+            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
         )
+    elif kernel in ("flash", "efficient"):
+        # No dropout, so the kernels never read their RNG state; None passes
+        # torch's undefined tensor (no varlen offsets, no bias).
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        if kernel == "flash":
+            length_q, length_k = q.shape[2], ke.shape[2]
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, ke, ve, out, lse.float(), None, None, length_q, length_k, 0.0, causal, rng, rng,
+                scale=scale,
+            )
+        else:
+            # The kernel reads log-sum-exp rows in tiles: give it the padded layout its forward returns.
+            pad = -q.shape[2] % _EFFICIENT_LSE_ALIGN
+            lse = torch.nn.functional.pad(lse.float(), (0, pad))
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, ke, ve, None, out, lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale
+            )
     else:
         qf, kf, vf, df = q.float(), ke.float(), ve.float(), dout.float()
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale

@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.models.attention import PackedCoreAttention
+from megascale_omni.models.packed_rope import PackedSelfAttention
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,22 @@ def resolve_layer_impl(requested: str) -> str:
     return requested
 
 
+#: ``parallel.cp_comm_type`` -> transformer-engine's name for it (TE raises
+#: on ``allgather``).
+_TE_CP_COMM_TYPE = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
+
+
+def te_cp_comm_type(cp_comm_type: str) -> str:
+    """``parallel.cp_comm_type`` as ``TransformerConfig.cp_comm_type``
+    (transformer-engine's vocabulary); the local spec ignores it."""
+    try:
+        return _TE_CP_COMM_TYPE[cp_comm_type]
+    except KeyError:
+        raise ConfigError(
+            "parallel.cp_comm_type", cp_comm_type, f"must be one of {', '.join(_TE_CP_COMM_TYPE)}"
+        ) from None
+
+
 def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     """Transformer-layer spec for the language model (``impl`` already resolved).
 
@@ -45,7 +62,9 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     megatron's ``TEDotProductAttention`` runs it as ``padding_causal`` over
     ``cu_seqlens``, and the local spec's core attention is swapped for
     :class:`~megascale_omni.models.attention.PackedCoreAttention` (megatron's
-    ``DotProductAttention`` rejects ``PackedSeqParams``).
+    ``DotProductAttention`` rejects ``PackedSeqParams``) and its
+    self-attention for :class:`~megascale_omni.models.packed_rope.PackedSelfAttention`
+    (RoPE on THD without host reads per layer).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -53,6 +72,7 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
     # A fresh spec per call: replacing the submodule touches nothing shared.
+    spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
 

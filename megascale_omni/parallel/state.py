@@ -6,6 +6,7 @@ asks :class:`ParallelDims` or ``parallel_state`` for ranks and groups.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -15,6 +16,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megascale_omni.config import ParallelConfig
+from megascale_omni.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +31,15 @@ class ParallelDims:
     dp: int
     vpp: Optional[int]
     world_size: int
+    #: ``[a2a size, p2p size]`` of the hierarchical CP groups (``cp_comm_type:
+    #: a2a+p2p``, product ``cp``); None builds none.
+    hierarchical_cp: Optional[tuple[int, ...]] = None
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
         mp = cfg.tp * cfg.pp * cfg.cp
-        return cls(cfg.tp, cfg.pp, cfg.cp, world_size // mp, cfg.vpp, world_size)
+        hierarchical = tuple(cfg.hierarchical_cp_sizes) if cfg.hierarchical_cp_sizes else None
+        return cls(cfg.tp, cfg.pp, cfg.cp, world_size // mp, cfg.vpp, world_size, hierarchical)
 
     @property
     def num_model_chunks(self) -> int:
@@ -53,15 +59,26 @@ class ParallelDims:
 def initialize_parallel(dims: ParallelDims, seed: int) -> None:
     """Create megatron's TP/PP/CP/DP groups and the model-parallel RNG (every rank).
 
+    With ``dims.hierarchical_cp`` megatron also builds the hierarchical CP
+    groups transformer-engine's ``a2a+p2p`` reads
+    (``get_hierarchical_context_parallel_groups``).
+
     Must run after ``torch.distributed`` is initialised and before any model
     is built. Idempotent within a process only via :func:`destroy_parallel`.
     """
     assert dist.is_initialized(), "init_distributed() must run first"
+    if dims.hierarchical_cp and importlib.util.find_spec("einops") is None:
+        raise ConfigError(
+            "parallel.cp_comm_type", "a2a+p2p",
+            "megatron builds the hierarchical CP groups with einops (transformer-engine depends on it): "
+            "pip install einops, or use p2p or a2a",
+        )
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
         context_parallel_size=dims.cp,
+        hierarchical_context_parallel_sizes=list(dims.hierarchical_cp) if dims.hierarchical_cp else None,
     )
     # Seeds megatron's tracker: per-TP-rank state for TP-sharded dropout,
     # shared state for replicated regions.

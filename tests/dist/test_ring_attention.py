@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import traceback
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.launcher import free_port
+from tests.launcher import run_spawned_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -152,25 +151,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ring")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        assert path.is_file(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-        data = json.loads(path.read_text())
-        assert "error" not in data, f"rank {r} failed:\n{data['error']}"
-        results.append(data)
-    return results
+    return run_spawned_ranks(_worker, WORLD, tmp_path_factory.mktemp("ring"), timeout=240)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -117,6 +117,13 @@ EXPECTED = {
         r"^device: cpu, peak unknown \(MFU n/a\)$",
         r"^\| 2 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
     ],
+    "attention_path": [
+        r"^rounds 1 \(alternating order, after one warm-up step per path\), step = fwd \+ bwd, "
+        r"median of process CPU time$",
+        r"^\| workload \| segments \| per-segment \(old\) \| packed \(new\) \| new / old \| max logit diff \|$",
+        *(rf"^\| {name} \| \d+ \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+ \| [\d.e+-]+ \|$"
+          for name in (r"packed GPT, 1 layers, 2 x 128 tokens", r"LLaVA, \d+ images, 2 x 128 tokens")),
+    ],
     "context_parallel": [
         r"^model: GPT 2 layers, .* one sequence of 2048 tokens",
         r"^sanity, CP=1: loss plain THD path [\d.]+, ring of one rank [\d.]+, relative difference ",
@@ -143,6 +150,7 @@ TIMEOUT_S = {
     "heal_transport": 300,
     "loader_throughput": 600,
     "context_parallel": 300,
+    "attention_path": 300,
     "plan_startup": 240,
     "gpu_mfu": 300,
 }

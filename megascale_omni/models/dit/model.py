@@ -61,7 +61,7 @@ from megascale_omni.models.dit.layer import (
     modulation_linear,
 )
 from megascale_omni.models.gpt import common_config_kwargs
-from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl
+from megascale_omni.models.specs import dit_layer_specs, resolve_layer_impl, te_cp_comm_type
 
 # TIME_FEATURES, the width of the sinusoidal timestep features fed to the
 # timestep MLP, is defined beside the cost model, which counts that MLP.
@@ -99,7 +99,8 @@ def dit_transformer_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerCon
         bias_activation_fusion=False,
         pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp,
-        cp_comm_type=par.cp_comm_type,
+        cp_comm_type=te_cp_comm_type(par.cp_comm_type),
+        hierarchical_context_parallel_sizes=par.hierarchical_cp_sizes,
         variable_seq_lengths=True,
         # No MoE here; megatron rejects variable_seq_lengths with the default
         # (allgather) dispatcher even when it is unused.
