@@ -1,0 +1,106 @@
+"""tools/gpu_ci/run.sh --check-install on this CPU host: an interpreter that has
+only torch gets constraints.txt's wheels for its Python with no index, into
+a --target folder, and imports megascale_omni (from the checkout),
+megatron.core and torchft (from that folder) without touching its torch.
+
+The torch-only venv (``pip install -c constraints.txt torch``: this disk's CPU
+wheel) and the wheels (tools/gpu_ci/prepare_wheels.sh for this Python, from
+the package registry) are built once, concurrently, and cached under the
+pytest cache, keyed by constraints.txt, prepare_wheels.sh and the Python
+version; run.sh itself installs and imports afresh every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import REPO, finish, run, spawn
+
+pytestmark = pytest.mark.timeout(600)
+PYV = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _pip_list(python: Path) -> list[str]:
+    res = subprocess.run([str(python), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return sorted(res.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def torch_only(request):
+    """(python of a venv with torch and its dependencies only, cp{PYV} wheel folder)."""
+    key = hashlib.sha256(b"".join((REPO / f).read_bytes() for f in ("constraints.txt", "tools/gpu_ci/prepare_wheels.sh"))
+                         + PYV.encode()).hexdigest()[:16]
+    root = Path(request.config.cache.mkdir("gpu-ci-torch-only")) / key
+    venv, wheels, done = root / "venv", root / "wheels", root / "complete"
+    if not done.is_file():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        download = spawn(["bash", "tools/gpu_ci/prepare_wheels.sh", "--python-version", PYV, str(wheels)], 500,
+                         env={"PYTHON": sys.executable})
+        made = run([sys.executable, "-m", "venv", str(venv)], 120)
+        assert made.returncode == 0, made.output[-3000:]
+        torch = run([str(venv / "bin/python"), "-m", "pip", "install", "--quiet", "-c", str(REPO / "constraints.txt"),
+                     "torch"], 500)
+        assert torch.returncode == 0, torch.output[-3000:]
+        got = finish(download, 500)
+        assert got.returncode == 0, got.output[-3000:]
+        done.write_text("ok\n")
+    return venv / "bin/python", wheels
+
+
+def test_check_install_installs_the_wheels_beside_the_interpreters_torch(torch_only, tmp_path):
+    python, wheels = torch_only
+    before = _pip_list(python)
+    assert [p for p in before if p.startswith(("megatron", "torchft", "numpy"))] == []
+    torch_version = next(p for p in before if p.startswith("torch=="))
+    site, out = tmp_path / "site", tmp_path / "out"
+    res = run(["tools/gpu_ci/run.sh", "--check-install", str(wheels)], 300,
+              env={"PYTHON": str(python), "OUT": str(out), "GPU_CI_SITE": str(site), "PYTHONPATH": ""})
+    assert res.returncode == 0, res.output[-4000:]
+    assert "imports ok: megatron-core 0.16.1" in res.stdout
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["ok"] is True and sorted(results["steps"]) == ["host", "install"]
+    install = results["install"]
+    modules = {name: Path(m["file"]) for name, m in install["modules"].items()}
+    assert modules["megascale_omni"] == REPO / "megascale_omni/__init__.py"
+    assert modules["megatron.core"].is_relative_to(site) and modules["torchft"].is_relative_to(site)
+    assert install["modules"]["megatron.core"]["version"] == "0.16.1"
+    # The interpreter's own torch served the import, and its environment is unchanged.
+    assert Path(install["torch"]["file"]).is_relative_to(python.parent.parent)
+    assert results["host"]["torch"].split("+")[0] == torch_version.split("==")[1].split("+")[0]
+    assert not any(site.glob("torch/__init__.py"))
+    assert _pip_list(python) == before
+    assert len(install["wheels"]) == len(list(wheels.glob("*.whl"))) > 20
+
+
+def test_check_install_fails_naming_the_module_a_missing_wheel_breaks(torch_only, tmp_path):
+    python, wheels = torch_only
+    partial = tmp_path / "wheels"
+    partial.mkdir()
+    # Only PyYAML: the install succeeds (quickly), the import check must not.
+    [yaml] = wheels.glob("pyyaml-*.whl")
+    os.symlink(yaml, partial / yaml.name)
+    out = tmp_path / "out"
+    res = run(["tools/gpu_ci/run.sh", "--check-install", str(partial)], 300,
+              env={"PYTHON": str(python), "OUT": str(out), "GPU_CI_SITE": str(tmp_path / "site"), "PYTHONPATH": ""})
+    assert res.returncode == 3, res.output[-4000:]
+    assert "install check: import megatron.core failed: ModuleNotFoundError(\"No module named 'megatron'\")" in res.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["ok"] is False and results["steps"]["install"]["rc"] == 3
+
+    empty = tmp_path / "none"
+    res = run(["tools/gpu_ci/run.sh", "--check-install", str(empty)], 120,
+              env={"PYTHON": str(python), "OUT": str(out), "PYTHONPATH": ""})
+    assert res.returncode == 3
+    assert f"--check-install: no wheels in {empty}; run tools/gpu_ci/prepare_wheels.sh" in res.stderr
