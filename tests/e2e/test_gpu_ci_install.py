@@ -104,3 +104,19 @@ def test_check_install_fails_naming_the_module_a_missing_wheel_breaks(torch_only
               env={"PYTHON": str(python), "OUT": str(out), "PYTHONPATH": ""})
     assert res.returncode == 3
     assert f"--check-install: no wheels in {empty}; run tools/gpu_ci/prepare_wheels.sh" in res.stderr
+
+
+def test_make_test_gpu_runs_with_the_given_interpreter_and_no_venv(tmp_path):
+    """`make test-gpu` neither builds .venv nor needs python3.11: here GPU_PYTHON is this
+    interpreter, no wheels, and tests/gpu skips every case on a host without CUDA."""
+    out = tmp_path / "out"
+    res = run(["make", "--no-print-directory", "test-gpu", f"GPU_PYTHON={sys.executable}",
+               f"GPU_WHEELS={tmp_path / 'none'}", "PYTHON=/nonexistent/python3.11", f"VENV={tmp_path / 'venv'}"], 300,
+              env={"OUT": str(out)})
+    assert res.returncode == 0, res.output[-4000:]
+    assert not (tmp_path / "venv").exists()
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(results["steps"]) == ["host", "install", "tests_gpu"] and results["ok"] is True
+    tests = results["tests_gpu"]
+    assert tests["tests"] > 0 and tests["skipped"] == tests["tests"] and tests["rc"] == 0
+    assert results["host"]["executable"] == sys.executable
