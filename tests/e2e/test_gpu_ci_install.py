@@ -40,7 +40,9 @@ def torch_only(request):
     """(python of a venv with torch and its dependencies only, cp{PYV} wheel folder)."""
     key = hashlib.sha256(b"".join((REPO / f).read_bytes() for f in ("constraints.txt", "tools/gpu_ci/prepare_wheels.sh"))
                          + PYV.encode()).hexdigest()[:16]
-    root = Path(request.config.cache.mkdir("gpu-ci-torch-only")) / key
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    root = (Path(cache.mkdir("gpu-ci-torch-only")) if cache else request.getfixturevalue("tmp_path_factory").mktemp(
+        "gpu-ci-torch-only")) / key
     venv, wheels, done = root / "venv", root / "wheels", root / "complete"
     if not done.is_file():
         shutil.rmtree(root, ignore_errors=True)
@@ -120,3 +122,24 @@ def test_make_test_gpu_runs_with_the_given_interpreter_and_no_venv(tmp_path):
     tests = results["tests_gpu"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"] and tests["rc"] == 0
     assert results["host"]["executable"] == sys.executable
+
+
+def test_pip_installs_the_package_beside_an_existing_torch_without_replacing_it(torch_only, tmp_path):
+    """setup.py's ranges alone (no constraints file), resolved by pip against the package
+    registry in the torch-only venv: everything but torch is to be installed."""
+    python, _ = torch_only
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(REPO / "setup.py", src)
+    shutil.copytree(REPO / "megascale_omni", src / "megascale_omni", ignore=shutil.ignore_patterns("__pycache__"))
+    built = run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+                 "-w", str(tmp_path / "whl"), str(src)], 240)
+    assert built.returncode == 0, built.output[-3000:]
+    [wheel] = (tmp_path / "whl").glob("megascale_omni-*.whl")
+    report = tmp_path / "report.json"
+    res = run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--only-binary=:all:", "--report",
+               str(report), f"{wheel}[hf,chat]"], 400)
+    assert res.returncode == 0, res.output[-3000:]
+    names = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
+    assert {"megascale-omni", "megatron-core", "torchft", "safetensors", "transformers"} <= names
+    assert [n for n in names if n == "torch" or n.startswith(("nvidia-", "triton"))] == []
