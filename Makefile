@@ -1,13 +1,16 @@
 # Two commands do everything on a fresh machine:
-#   make demo   - create .venv if missing, install pinned deps, run the demo job
+#   make demo   - create .venv if missing, install the exact versions of constraints.txt, run the demo job
 #   make test   - same set-up, then the test suite (12-22 min on 2 CPU cores)
-#   make test-gpu - tests/gpu on a CUDA host (GPT/LLaVA/DiT on the device, NCCL layouts, TE parity)
+#   make test-gpu - tests/gpu on a CUDA host, against GPU_PYTHON's own torch (no .venv, no CPU torch):
+#                   installs build/gpu-wheels when present (tools/gpu_ci/run.sh --tests-only)
 PYTHON ?= python3.11
+GPU_PYTHON ?= python3
+GPU_WHEELS ?= build/gpu-wheels
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Re-install only when the dependency list changes.
-STAMP  := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+# Re-install only when the dependency ranges or the pinned versions change.
+STAMP  := $(VENV)/.installed-$(shell cat setup.py constraints.txt | cksum | cut -d' ' -f1)
 NPROC  ?= 2
 
 .PHONY: demo test test-all test-gpu install smoke clean
@@ -17,11 +20,11 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): setup.py | $(PY)
-	# torch first, by exact version: pip takes the CPU wheel on this disk
-	# (a looser spec would download GBs of CUDA wheels).
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test]'
+$(STAMP): setup.py constraints.txt | $(PY)
+	# torch first, at constraints.txt's exact version: pip takes the CPU wheel on this disk
+	# (setup.py's range alone would download GBs of CUDA wheels).
+	$(PIP) install --quiet -c constraints.txt torch
+	$(PIP) install --quiet -c constraints.txt -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -39,8 +42,9 @@ test-all: install
 	$(PY) -m pytest
 
 # tests/gpu on a CUDA host (skipped, with the reason, without one); see README "GPU".
-test-gpu: install
-	$(PY) -m pytest -m gpu tests/gpu
+# No `install`: the host's interpreter keeps its own (CUDA) torch.
+test-gpu:
+	PYTHON=$(GPU_PYTHON) tools/gpu_ci/run.sh --tests-only $(GPU_WHEELS)
 
 clean:
 	rm -rf runs .pytest_cache
