@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset
     from megascale_omni.entry import parse_for_family
     from megascale_omni.metrics.flops import device_peak_tflops
     from megascale_omni.training.trainer import Trainer
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
             dtype = str(trainer.platform.default_dtype(cfg.train.precision)).removeprefix("torch.")
             built = sum(p.numel() for c in trainer.state.chunks for p in c.parameters())
             records = [r for r in trainer.train() if "step_s" in r]
-            plan = trainer.task.plan
+            plan = trainer.task.data.plan
         finally:
             trainer.close()
 

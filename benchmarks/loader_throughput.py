@@ -42,7 +42,7 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 
 from megascale_omni.data.health import SkipCounter  # noqa: E402
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample  # noqa: E402
-from megascale_omni.data.llava.shapes_dataset import (  # noqa: E402
+from megascale_omni.demo.llava_shapes import (  # noqa: E402
     ensure_shapes_dataset,
     load_shapes_tokenizer,
     open_shapes_split,

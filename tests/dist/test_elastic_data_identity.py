@@ -21,7 +21,7 @@ import shutil
 import pytest
 
 from megascale_omni.data.llava.batches import LlavaEncoder
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.data.shards import ShardedSampleReader
 from tests.dist.control_helpers import omni_ctl

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from megascale_omni.data.llava.ingest import IngestInputs, ingest, words_coster
-from megascale_omni.data.llava.shapes_dataset import make_shapes_llava_json
+from megascale_omni.demo.llava_shapes import make_shapes_llava_json
 from megascale_omni.data.shards import INDEX_FILENAME
 from tests.launcher import read_metrics, run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.demo.llava_shapes import make_shapes_dataset
 from megascale_omni.data.shard_writer import index_shards
 from tests.launcher import read_metrics, run
 
