@@ -31,6 +31,11 @@ class Task:
         self.model = model
         self.evaluator = evaluator
 
+    @property
+    def cfg(self):
+        """The job config the parts were built from."""
+        return self.data.cfg
+
     # ------------------------------------------------------------- model
     @property
     def seq_length(self) -> int:
