@@ -27,10 +27,10 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 
 from megascale_omni.data.llava.batches import LlavaEncoder  # noqa: E402
 from megascale_omni.data.llava.plan_scan import PlanScanner  # noqa: E402
-from megascale_omni.demo.llava_shapes import ensure_shapes_dataset, load_shapes_tokenizer  # noqa: E402
 from megascale_omni.data.sample_plan import PackedEpochPlan  # noqa: E402
 from megascale_omni.data.shard_writer import index_shards  # noqa: E402
 from megascale_omni.data.shards import ShardedSampleReader  # noqa: E402
+from megascale_omni.demo.llava_shapes import ensure_shapes_dataset, load_shapes_tokenizer  # noqa: E402
 
 QUICK = {"num_train": 500, "repeats": 1}
 

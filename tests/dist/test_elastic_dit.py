@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.data.dit.reader import encode_pixel_record, write_dit_dataset
-from megascale_omni.demo.dit_shapes import description, generate, vocabulary
 from megascale_omni.data.shard_writer import index_shards
+from megascale_omni.demo.dit_shapes import description, generate, vocabulary
 from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform

@@ -20,8 +20,8 @@ def one_rank():
 
 def _groups(*overrides: str) -> list[tuple[set[str], float]]:
     """(owners of the group's parameters, lr) per param group after 5 scheduler steps."""
-    from megascale_omni.models.standalone import build_model
     from megascale_omni.models.llava_spec import LlavaModelSpec
+    from megascale_omni.models.standalone import build_model
     from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
 
     cfg = load_job_config(["--config", str(REPO / "examples/llava/tiny_cpu.yaml"), "model.vocab_size=64",
