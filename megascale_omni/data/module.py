@@ -6,7 +6,7 @@ One :class:`DataModule` per data kind: tokens (:mod:`megascale_omni.data.tokens_
 image-text conversations (:mod:`megascale_omni.data.llava.module`), DiT
 images or latents (:mod:`megascale_omni.data.dit.module`); a new kind (video)
 is a new subclass named by a registry entry, not an edit of the others.
-The family's :class:`~megascale_omni.models.spec.ModelSpec` and
+The family's :class:`~megascale_omni.models.model_spec.ModelSpec` and
 :class:`~megascale_omni.evaluation.base.Evaluator` read what they need of it
 (vocabulary, tokenizer, held-out split).
 """

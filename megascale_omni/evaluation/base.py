@@ -29,7 +29,7 @@ class Evaluator:
         self.platform = platform
         self.dims = dims
         #: The family's :class:`~megascale_omni.data.module.DataModule` and
-        #: :class:`~megascale_omni.models.spec.ModelSpec`.
+        #: :class:`~megascale_omni.models.model_spec.ModelSpec`.
         self.data = data
         self.model = model
 

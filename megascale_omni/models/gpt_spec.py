@@ -8,11 +8,11 @@ from typing import Any
 from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 from megascale_omni.models.loss import masked_token_loss
-from megascale_omni.models.spec import ModelSpec
+from megascale_omni.models.model_spec import ModelSpec
 
 
 class GptModelSpec(ModelSpec):
-    """:class:`~megascale_omni.models.spec.ModelSpec` of ``model.family: gpt``."""
+    """:class:`~megascale_omni.models.model_spec.ModelSpec` of ``model.family: gpt``."""
 
     def pipeline_shape(self) -> tuple[int, int]:
         return thd_pipeline_shape(self.data.seq_length, self.cfg.train.micro_batch_size)

@@ -11,11 +11,11 @@ import torch
 from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
 from megascale_omni.models.llava import build_llava_chunks
 from megascale_omni.models.loss import masked_token_loss
-from megascale_omni.models.spec import ModelSpec
+from megascale_omni.models.model_spec import ModelSpec
 
 
 class LlavaModelSpec(ModelSpec):
-    """:class:`~megascale_omni.models.spec.ModelSpec` of ``model.family: llava``."""
+    """:class:`~megascale_omni.models.model_spec.ModelSpec` of ``model.family: llava``."""
 
     def pipeline_shape(self) -> tuple[int, int]:
         return thd_pipeline_shape(self.data.seq_length, self.cfg.train.micro_batch_size)

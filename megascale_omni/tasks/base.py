@@ -3,7 +3,7 @@ family's three parts.
 
 A family's registry entry (:mod:`megascale_omni.tasks.registry`) names a
 :class:`~megascale_omni.data.module.DataModule` (plan, costs, loader,
-broadcast), a :class:`~megascale_omni.models.spec.ModelSpec` (chunks,
+broadcast), a :class:`~megascale_omni.models.model_spec.ModelSpec` (chunks,
 forward step and loss) and its :class:`~megascale_omni.evaluation.base.Evaluator`\\ s;
 :meth:`~megascale_omni.tasks.registry.ModelFamily.build_task` builds them in
 that order on every rank and hands this object to the Trainer. The Trainer,
@@ -20,7 +20,7 @@ import torch
 from megascale_omni.data.bad_samples import BadSampleAccount
 from megascale_omni.data.module import DataModule
 from megascale_omni.evaluation.base import Evaluator
-from megascale_omni.models.spec import ModelSpec
+from megascale_omni.models.model_spec import ModelSpec
 
 
 class Task:

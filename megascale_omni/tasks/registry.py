@@ -3,7 +3,7 @@ features and family-specific config checks (in the spirit of torchtitan's
 ``TrainSpec``).
 
 A family names a :class:`~megascale_omni.data.module.DataModule`, a
-:class:`~megascale_omni.models.spec.ModelSpec` and its
+:class:`~megascale_omni.models.model_spec.ModelSpec` and its
 :class:`~megascale_omni.evaluation.base.Evaluator`\ s as ``"module:Class"``
 strings; :meth:`ModelFamily.build_task` composes them into the
 :class:`~megascale_omni.tasks.base.Task` the Trainer sees. A new dataset or
@@ -43,7 +43,7 @@ class ModelFamily:
     name: str
     #: ``"module:Class"`` of its :class:`~megascale_omni.data.module.DataModule`.
     data: str
-    #: ``"module:Class"`` of its :class:`~megascale_omni.models.spec.ModelSpec`.
+    #: ``"module:Class"`` of its :class:`~megascale_omni.models.model_spec.ModelSpec`.
     model: str
     #: Subset of :data:`FEATURES` keys this family trains correctly.
     features: frozenset[str]

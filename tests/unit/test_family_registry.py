@@ -8,7 +8,7 @@ from megascale_omni.config import ConfigError, load_job_config
 from megascale_omni.data.module import DataModule
 from megascale_omni.entry import parse_for_family
 from megascale_omni.evaluation.base import Evaluator
-from megascale_omni.models.spec import ModelSpec
+from megascale_omni.models.model_spec import ModelSpec
 from megascale_omni.tasks.registry import FAMILIES, FEATURES, _resolve, family_of, get_family
 
 EXAMPLES = {"gpt": "examples/gpt/tiny.yaml", "llava": "examples/llava/tiny_cpu.yaml", "dit": "examples/dit/tiny_cpu.yaml"}

@@ -12,11 +12,11 @@ from megascale_omni.models.dit.context import image_token_index
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.model import build_dit_chunks
 from megascale_omni.models.loss import masked_token_loss
-from megascale_omni.models.spec import ModelSpec
+from megascale_omni.models.model_spec import ModelSpec
 
 
 class DitModelSpec(ModelSpec):
-    """:class:`~megascale_omni.models.spec.ModelSpec` of ``model.family: dit``."""
+    """:class:`~megascale_omni.models.model_spec.ModelSpec` of ``model.family: dit``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
