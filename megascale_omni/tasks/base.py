@@ -4,7 +4,7 @@ family's three parts.
 A family's registry entry (:mod:`megascale_omni.tasks.registry`) names a
 :class:`~megascale_omni.data.module.DataModule` (plan, costs, loader,
 broadcast), a :class:`~megascale_omni.models.model_spec.ModelSpec` (chunks,
-forward step and loss) and its :class:`~megascale_omni.evaluation.base.Evaluator`\\ s;
+forward step and loss) and its evaluators (:class:`~megascale_omni.evaluation.base.Evaluator`);
 :meth:`~megascale_omni.tasks.registry.ModelFamily.build_task` builds them in
 that order on every rank and hands this object to the Trainer. The Trainer,
 the checkpoint's :class:`~megascale_omni.checkpoint.train_state.TrainState`

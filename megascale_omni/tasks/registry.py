@@ -4,7 +4,7 @@ features and family-specific config checks (in the spirit of torchtitan's
 
 A family names a :class:`~megascale_omni.data.module.DataModule`, a
 :class:`~megascale_omni.models.model_spec.ModelSpec` and its
-:class:`~megascale_omni.evaluation.base.Evaluator`\ s as ``"module:Class"``
+evaluators (:class:`~megascale_omni.evaluation.base.Evaluator`) as ``"module:Class"``
 strings; :meth:`ModelFamily.build_task` composes them into the
 :class:`~megascale_omni.tasks.base.Task` the Trainer sees. A new dataset or
 evaluation is a new part and a line here, not an edit of a task.
