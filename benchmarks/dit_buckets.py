@@ -25,7 +25,7 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 from megascale_omni.config import JobConfig, from_dict, load_yaml  # noqa: E402
 from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report  # noqa: E402
 from megascale_omni.data.dit.reader import DitSampleReader  # noqa: E402
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset  # noqa: E402
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset  # noqa: E402
 
 QUICK = {"num_train": 500}
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset
     from megascale_omni.entry import parse_for_family
     from megascale_omni.metrics.flops import device_peak, step_model_flops
     from megascale_omni.training.trainer import Trainer

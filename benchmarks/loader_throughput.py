@@ -42,14 +42,14 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 
 from megascale_omni.data.health import SkipCounter  # noqa: E402
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample  # noqa: E402
-from megascale_omni.data.llava.shapes_dataset import (  # noqa: E402
+from megascale_omni.data.llava.steps import LlavaSteps  # noqa: E402
+from megascale_omni.data.loader import StepLoader  # noqa: E402
+from megascale_omni.data.sample_plan import PackedEpochPlan  # noqa: E402
+from megascale_omni.demo.llava_shapes import (  # noqa: E402
     ensure_shapes_dataset,
     load_shapes_tokenizer,
     open_shapes_split,
 )
-from megascale_omni.data.llava.steps import LlavaSteps  # noqa: E402
-from megascale_omni.data.loader import StepLoader  # noqa: E402
-from megascale_omni.data.sample_plan import PackedEpochPlan  # noqa: E402
 
 QUICK = {"num_train": 500, "loader_steps": 6, "paced_steps": 3, "pause": 0.05, "steps": 5, "workers": [1]}
 SEQ, TOKENS_PER_IMAGE, GLOBAL_BATCH, MBS, SEED = 256, 16, 8, 2, 1234

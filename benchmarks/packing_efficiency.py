@@ -24,12 +24,12 @@ sys.path.insert(0, str(REPO))  # this checkout's package, whatever is installed
 from _quick import add_quick_flag, apply_quick  # noqa: E402
 
 from megascale_omni.data.llava.batches import LlavaEncoder  # noqa: E402
-from megascale_omni.data.llava.shapes_dataset import (  # noqa: E402
+from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency  # noqa: E402
+from megascale_omni.demo.llava_shapes import (  # noqa: E402
     ensure_shapes_dataset,
     load_shapes_tokenizer,
     open_shapes_split,
 )
-from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency  # noqa: E402
 
 QUICK = {"num_train": 500}
 

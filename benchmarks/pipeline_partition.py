@@ -90,7 +90,7 @@ def imbalance(values: list[float]) -> float:
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
     """Profile, then train uniform and auto; each run's result JSON by mode."""
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset
 
     data = work / f"shapes-{args.num_train}"
     if not data.exists():

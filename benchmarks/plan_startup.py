@@ -6,7 +6,7 @@ vs reading every sample's JSON member (the path of indexes without costs).
 Builds (or reuses) the embedded shapes dataset, whose index carries token
 counts for its tokenizer, and a second index over the same shard files
 without them. Each repeat times, for both indexes in turn (side by side, same
-page cache), what ``LlavaTask`` does at start-up: open the split, compute
+page cache), what ``ConversationData`` does at start-up: open the split, compute
 every sample's length and cost, and build the step-indexed packed plan. The
 two plans must be identical. ``--quick``: 500 samples, one repeat.
 """
@@ -27,10 +27,10 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 
 from megascale_omni.data.llava.batches import LlavaEncoder  # noqa: E402
 from megascale_omni.data.llava.plan_scan import PlanScanner  # noqa: E402
-from megascale_omni.data.llava.shapes_dataset import ensure_shapes_dataset, load_shapes_tokenizer  # noqa: E402
 from megascale_omni.data.sample_plan import PackedEpochPlan  # noqa: E402
 from megascale_omni.data.shard_writer import index_shards  # noqa: E402
 from megascale_omni.data.shards import ShardedSampleReader  # noqa: E402
+from megascale_omni.demo.llava_shapes import ensure_shapes_dataset, load_shapes_tokenizer  # noqa: E402
 
 QUICK = {"num_train": 500, "repeats": 1}
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 try:
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, make_shapes_llava_json
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset, make_shapes_llava_json
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, make_shapes_llava_json
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset, make_shapes_llava_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -100,13 +100,13 @@ def main(argv=None) -> None:
     if cfg.dit.in_channels != 3 and args.vae is None:
         raise ConfigError("--vae", None, "this run trained on latents; pass the VAE directory to decode them")
 
-    from megascale_omni.data.dit.shapes_dataset import dominant_color
+    from megascale_omni.data.dit.batches import CaptionEncoder
+    from megascale_omni.demo.dit_shapes import dominant_color
     from megascale_omni.models.dit.model import build_dit_chunks
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.parallel.state import destroy_parallel, initialize_parallel
     from megascale_omni.platform import init_platform
     from megascale_omni.platform.device import init_distributed
-    from megascale_omni.tasks.dit_batches import CaptionEncoder
     from megascale_omni.tasks.dit_sampling import sample_images, save_grid, to_uint8
 
     platform = init_platform()
@@ -160,7 +160,7 @@ def _layout(common: dict) -> str:
 
 
 def dominant_color_name(word: str) -> bool:
-    from megascale_omni.data.shapes import COLORS
+    from megascale_omni.demo.shapes import COLORS
 
     return word in COLORS
 

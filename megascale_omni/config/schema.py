@@ -169,6 +169,17 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: Evaluate every N steps (0 = only at the end, if an eval split exists).
     eval_interval: int = checked(0, ge=0)
+    #: Which evaluation runs, by the family's registry names: ``auto`` (the
+    #: first that applies to the data: LLaVA ``shapes`` for the word-level
+    #: shapes set, else ``chat``), ``none``, or one of the family's: gpt
+    #: ``loss``, llava ``shapes`` / ``chat``, dit ``colors``.
+    evaluator: str = "auto"
+    #: Held-out samples a LLaVA evaluation scores: the first N usable samples
+    #: of the ``val/`` split (0 = the whole split).
+    eval_samples: int = checked(0, ge=0)
+    #: LLaVA evaluations: also score with images shuffled across samples (the
+    #: control: what the model reads from the pixels), a second pass.
+    eval_shuffled_images: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "train")

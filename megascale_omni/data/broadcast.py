@@ -32,7 +32,7 @@ TP group) cross per step, whatever the dtypes.
 
 Context parallelism is unchanged: every CP rank has a reader of its own
 (the model-parallel group excludes CP) and builds the whole micro-batch,
-which :meth:`~megascale_omni.tasks.base.Task.cp_local` then cuts.
+which :meth:`~megascale_omni.models.model_spec.ModelSpec.cp_local` then cuts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Per-family glue plugged into the training loop: model builder + data + loss + eval.
-
-A task is the seam between the generic loop (``training/``) and a model
-family (``models/`` + ``data/``): see :class:`megascale_omni.tasks.base.Task`.
-Each family is declared once in :mod:`megascale_omni.tasks.registry`.
-"""
+"""Model families composed from parts: each family is one registry entry
+(:mod:`megascale_omni.tasks.registry`) naming its data module, model spec and
+evaluators; :class:`megascale_omni.tasks.base.Task` is the composition the
+training loop (``training/``) calls."""

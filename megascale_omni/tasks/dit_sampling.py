@@ -1,7 +1,8 @@
-"""Sampling from a (possibly pipelined) DiT, and the colour-prompt evaluation.
+"""Sampling from a (possibly pipelined) DiT.
 
 :func:`sample_images` is the one sampling core: in-process evaluation at the
-end of training and ``tools/sample_dit.py`` both call it with model chunks.
+end of training (:mod:`megascale_omni.demo.dit_eval`) and ``tools/sample_dit.py``
+both call it with model chunks.
 Each Euler step is one forward-only pass of megatron's schedule over the
 pipeline (conditional and empty-caption rows in one micro-batch for CFG);
 the last stage then broadcasts the velocity to the other stages of its
@@ -15,7 +16,6 @@ All ranks of a replica must call it with the same arguments.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -26,11 +26,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from PIL import Image
 
-from megascale_omni.data.dit.shapes_dataset import caption_of, dominant_color
-from megascale_omni.data.shapes import COLORS, SHAPES
+from megascale_omni.data.dit.batches import CaptionEncoder
 from megascale_omni.models.dit.flow import euler_sample, guided
 from megascale_omni.parallel.schedules import model_device, run_forward_backward
-from megascale_omni.tasks.dit_batches import CaptionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -114,37 +112,3 @@ def save_grid(rows: Sequence[np.ndarray], path: Path, scale: int = 4, gap: int =
         y += max(t.height for t in row) + gap
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
-
-
-def color_prompts(per_color: int) -> list[tuple[str, str]]:
-    """``(caption, colour)`` pairs: every colour ``per_color`` times, shapes cycling."""
-    return [(caption_of(c, SHAPES[i % len(SHAPES)]), c) for c in COLORS for i in range(per_color)]
-
-
-def evaluate_colors(
-    chunks, captions: CaptionEncoder, resolutions: Sequence[Sequence[int]], per_color: int, steps: int,
-    guidance_scale: float, seed: int, out_dir: Path | None, tag: str,
-) -> dict[str, float]:
-    """Sample every colour prompt at every resolution; score the dominant colour.
-
-    Writes ``<out_dir>/samples-<tag>.png`` (one row per colour and
-    resolution) and ``<out_dir>/color_accuracy-<tag>.json`` when ``out_dir``
-    is given. Returns ``color_accuracy`` and one ``color_accuracy/<H>x<W>``
-    per resolution (fractions in [0, 1]). Every rank calls it.
-    """
-    pairs = color_prompts(per_color)
-    prompts, wanted = [p for p, _ in pairs], [c for _, c in pairs]
-    result, rows, hits_all = {}, [], []
-    for h, w in resolutions:
-        images = to_uint8(sample_images(chunks, captions, prompts, h, w, 3, steps, guidance_scale, seed))
-        got = [dominant_color(im) for im in images]
-        hits = [g == c for g, c in zip(got, wanted)]
-        hits_all += hits
-        result[f"color_accuracy/{h}x{w}"] = float(np.mean(hits))
-        rows += [images[i * per_color : (i + 1) * per_color] for i in range(len(COLORS))]
-    result["color_accuracy"] = float(np.mean(hits_all))
-    result["color_samples"] = float(len(hits_all))
-    if out_dir is not None:
-        save_grid(rows, out_dir / f"samples-{tag}.png")
-        (out_dir / f"color_accuracy-{tag}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    return result

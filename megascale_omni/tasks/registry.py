@@ -1,10 +1,17 @@
-"""Each model family declared once: its task, cost model, supported features
-and family-specific config checks (in the spirit of torchtitan's ``TrainSpec``).
+"""Each model family declared once: its three parts, cost model, supported
+features and family-specific config checks (in the spirit of torchtitan's
+``TrainSpec``).
 
+A family names a :class:`~megascale_omni.data.module.DataModule`, a
+:class:`~megascale_omni.models.model_spec.ModelSpec` and its
+evaluators (:class:`~megascale_omni.evaluation.base.Evaluator`) as ``"module:Class"``
+strings; :meth:`ModelFamily.build_task` composes them into the
+:class:`~megascale_omni.tasks.base.Task` the Trainer sees. A new dataset or
+evaluation is a new part and a line here, not an edit of a task.
 Validation, the pipeline planner, the tools and the entry points ask a
 :class:`ModelFamily`; nothing else branches on ``model.family``. This module
 imports no megatron code: a config error exits before megatron loads, and
-the task module is imported only when a task is built.
+the parts are imported only when a task is built.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ class ModelFamily:
     """What one model family provides (see :data:`FAMILIES`)."""
 
     name: str
-    #: ``"module:Class"`` of its :class:`~megascale_omni.tasks.base.Task`, imported on first build.
-    task: str
+    #: ``"module:Class"`` of its :class:`~megascale_omni.data.module.DataModule`.
+    data: str
+    #: ``"module:Class"`` of its :class:`~megascale_omni.models.model_spec.ModelSpec`.
+    model: str
     #: Subset of :data:`FEATURES` keys this family trains correctly.
     features: frozenset[str]
     #: ``"module:function"`` of its pipeline cost model, a
@@ -50,9 +59,31 @@ class ModelFamily:
     check: Optional[Callable[[JobConfig], None]] = None
     #: Why a missing feature is missing, by feature (appended to the error).
     notes: tuple[tuple[str, str], ...] = ()
+    #: ``(train.evaluator name, "module:Class")`` of its evaluators; ``auto``
+    #: takes the first whose ``applies(cfg, data)``, ``none`` evaluates nothing.
+    evaluators: tuple[tuple[str, str], ...] = ()
+    #: ``"module:function"`` ``cfg -> dataset directory`` building the embedded
+    #: default dataset when ``data.path`` is null (the demo), or None.
+    default_dataset: Optional[str] = None
 
-    def task_class(self) -> type:
-        return _resolve(self.task)
+    def parts(self) -> tuple[type, type]:
+        """The (DataModule, ModelSpec) classes (imports them)."""
+        return _resolve(self.data), _resolve(self.model)
+
+    def evaluator_class(self, cfg: JobConfig, data) -> type:
+        """The evaluator ``train.evaluator`` names for ``data`` (imports it)."""
+        from megascale_omni.evaluation.base import Evaluator
+
+        choice = cfg.train.evaluator
+        if choice == "none":
+            return Evaluator
+        if choice != "auto":
+            return _resolve(dict(self.evaluators)[choice])
+        for _, target in self.evaluators:
+            cls = _resolve(target)
+            if cls.applies(cfg, data):
+                return cls
+        return Evaluator
 
     def cost_model_fn(self, cfg: JobConfig) -> Callable:
         """This family's cost model function (ConfigError, about ``cfg``'s
@@ -76,8 +107,17 @@ class ModelFamily:
         return None if self.profiler is None else _resolve(self.profiler)
 
     def build_task(self, cfg: JobConfig, platform, dims):
-        """The family's task on this rank (every rank; builds datasets, not the model)."""
-        return self.task_class()(cfg, platform, dims)
+        """The family's :class:`~megascale_omni.tasks.base.Task` on this rank:
+        its data module, model spec and evaluator, in that order (every rank;
+        builds datasets, not the model)."""
+        from megascale_omni.tasks.base import Task
+
+        data_cls, model_cls = self.parts()
+        default = None if self.default_dataset is None else _resolve(self.default_dataset)
+        data = data_cls(cfg, platform, dims, default_dataset=default)
+        model = model_cls(cfg, platform, dims, data)
+        evaluator = self.evaluator_class(cfg, data)(cfg, platform, dims, data, model)
+        return Task(data, model, evaluator)
 
     def validate(self, cfg: JobConfig, world_size: int) -> None:
         """Every check ``cfg`` must pass to run this family on ``world_size``
@@ -104,6 +144,10 @@ class ModelFamily:
                 "parallel.pipeline_partition", "auto",
                 f"model.family={self.name} has no pipeline cost model; use uniform or explicit counts",
             )
+        names = [name for name, _ in self.evaluators]
+        if cfg.train.evaluator not in ("auto", "none", *names):
+            raise ConfigError("train.evaluator", cfg.train.evaluator,
+                              f"model.family={self.name} evaluates with one of {['auto', *names, 'none']}")
         if self.check is not None:
             self.check(cfg)
         validate_paths(cfg)
@@ -215,7 +259,9 @@ FAMILIES: dict[str, ModelFamily] = {
     for family in (
         ModelFamily(
             name="gpt",
-            task="megascale_omni.tasks.gpt_smoke:GptSmokeTask",
+            data="megascale_omni.data.tokens_module:TokensData",
+            model="megascale_omni.models.gpt_spec:GptModelSpec",
+            evaluators=(("loss", "megascale_omni.evaluation.lm_loss:HeldOutLoss"),),
             features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             profiler="megascale_omni.models.component_profile:profile_gpt_components",
@@ -226,7 +272,13 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
         ModelFamily(
             name="llava",
-            task="megascale_omni.tasks.llava:LlavaTask",
+            data="megascale_omni.data.llava.module:ConversationData",
+            model="megascale_omni.models.llava_spec:LlavaModelSpec",
+            evaluators=(
+                ("shapes", "megascale_omni.demo.llava_eval:ShapesEvaluator"),
+                ("chat", "megascale_omni.evaluation.chat:ChatEvaluator"),
+            ),
+            default_dataset="megascale_omni.demo.defaults:llava_shapes",
             features=frozenset(
                 {"vpp", "explicit_partition", "context_parallel", "elastic", "data_blend", "data_workers"}
             ),
@@ -239,7 +291,10 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
         ModelFamily(
             name="dit",
-            task="megascale_omni.tasks.dit:DitTask",
+            data="megascale_omni.data.dit.module:DitImageData",
+            model="megascale_omni.models.dit.spec:DitModelSpec",
+            evaluators=(("colors", "megascale_omni.demo.dit_eval:DitColorEvaluator"),),
+            default_dataset="megascale_omni.demo.defaults:dit_shapes",
             features=frozenset({"explicit_partition", "context_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,

@@ -180,7 +180,7 @@ class Trainer:
     def _build_model(self) -> tuple[list, dict]:
         """This rank's model chunks: built by the task, initialised identically
         under any layout (then overwritten by ``checkpoint.pretrained`` when
-        set), moved to ``platform.device`` and cast to the task's dtype
+        set), moved to ``platform.device`` and cast to the params dtype
         (``train.precision``), wrapped in megatron DDP (every rank). Also returns the
         pretrained weights' provenance record."""
         chunks = self.task.build_model()
@@ -190,7 +190,7 @@ class Trainer:
         provenance = load_pretrained(chunks, self.cfg)
         # megatron builds the weights on the host (use_cpu_initialization) and a few in fp32
         # whatever params_dtype says; train on the platform's device, every weight in params_dtype.
-        cast_chunks(chunks, self.platform.device, self.task.dtype)
+        cast_chunks(chunks, self.platform.device, self.platform.default_dtype(self.cfg.train.precision))
         total = sum(p.numel() for c in chunks for p in c.parameters())
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         logger.info(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.demo.llava_shapes import make_shapes_dataset
 
 
 @pytest.fixture(scope="session")

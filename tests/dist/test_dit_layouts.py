@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from megascale_omni.config import load_job_config
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from megascale_omni.parallel.pipeline_cost_dit import dit_cost_model
 from tests.launcher import assert_same_training, read_metrics, torchrun
 

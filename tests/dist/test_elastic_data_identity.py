@@ -21,9 +21,9 @@ import shutil
 import pytest
 
 from megascale_omni.data.llava.batches import LlavaEncoder
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.data.shards import ShardedSampleReader
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.test_elastic_llava_blend import LlavaJob, check_exactly_once, expected_batches
 from tests.dist.test_elastic_membership import CTL_TIMEOUT

@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.data.dit.reader import encode_pixel_record, write_dit_dataset
-from megascale_omni.data.dit.shapes_dataset import description, generate, vocabulary
 from megascale_omni.data.shard_writer import index_shards
+from megascale_omni.demo.dit_shapes import description, generate, vocabulary
 from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform
-from megascale_omni.tasks.dit import DitTask
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.elastic_helpers import step_records
 from tests.dist.test_elastic_membership import Job
@@ -87,9 +86,9 @@ def _final_tensors(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tenso
 
 
 def _planned_images(data: Path):
-    """Step -> sorted dataset indices of the global batch, as DitTask plans it for one rank."""
-    cfg, _ = parse_for_family("dit", [*ARGS, f"data.path={data}"], world_size=1)
-    task = DitTask(cfg, Platform(torch.device("cpu"), "gloo", ()), ParallelDims.from_config(cfg.parallel, 1))
+    """Step -> sorted dataset indices of the global batch, as the DiT data module plans it for one rank."""
+    cfg, family = parse_for_family("dit", [*ARGS, f"data.path={data}"], world_size=1)
+    task = family.build_task(cfg, Platform(torch.device("cpu"), "gloo", ()), ParallelDims.from_config(cfg.parallel, 1))
     return lambda step: sorted(task.sample_ids(step, 0, 1))
 
 

@@ -19,9 +19,9 @@ import pytest
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import ShardedSampleReader
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import merged_steps
@@ -56,7 +56,7 @@ class LlavaJob(Job):
 
 
 def expected_batches(sources, weights: Optional[Sequence[float]] = WEIGHTS) -> Callable[[int], list[int]]:
-    """Step -> sorted dataset indices of the global batch, as LlavaTask plans
+    """Step -> sorted dataset indices of the global batch, as ConversationData plans
     it: blended over ``sources`` by ``weights``, or ``sources[0]`` alone when None."""
     reader = ConcatReader([ShardedSampleReader(p / "train") for p in sources]) if weights else \
         ShardedSampleReader(sources[0] / "train")

@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, dataset: str, out_dir: str) -> None:
     from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
     from megascale_omni.parallel import ParallelDims, initialize_parallel
     from megascale_omni.platform import init_platform
-    from megascale_omni.tasks.llava import LlavaTask
+    from megascale_omni.tasks.registry import get_family
 
     result = {"rank": rank}
     try:
@@ -62,12 +62,12 @@ def _worker(rank: int, port: int, dataset: str, out_dir: str) -> None:
                                "data.max_bad_sample_fraction=0.5"])
         dims = ParallelDims.from_config(cfg.parallel, WORLD)
         initialize_parallel(dims, cfg.train.seed)
-        task = LlavaTask(cfg, platform, dims)
+        task = get_family("llava").build_task(cfg, platform, dims)
         result.update(tp=mpu.get_tensor_model_parallel_rank(), pp=mpu.get_pipeline_model_parallel_rank())
 
         # Every rank knows the plan (metadata only): plant the first image sample of step 0 as bad.
-        position = {int(rid): k for k, rid in enumerate(task.train_ids)}
-        victim = next(i for i in task.sample_ids(0, 0, 1) if task.train_images[position[i]] > 0)
+        position = {int(rid): k for k, rid in enumerate(task.data.train_ids)}
+        victim = next(i for i in task.sample_ids(0, 0, 1) if task.data.train_images[position[i]] > 0)
         reads = []
         fatal_at = {"step": None}
         original = ShardedSampleReader.__getitem__

@@ -117,7 +117,7 @@ def test_dit_ema_reads_the_gathered_weights(tmp_path):
     overlapped (25 buckets) the EMA and the weights saved at the end equal
     the synchronous run's (fp32, DP2; measured 3.7e-9; an EMA updated from
     the pending shards is 1.3e-4 off)."""
-    from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+    from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 
     data = ensure_dit_shapes_dataset(tmp_path / "d", num_train=200, num_val=10, seed=5)
     saved = {}

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megascale_omni.checkpoint import layout
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from tests.dist.conftest import llava_dataset  # noqa: F401  (the shapes dataset fixture, shared)
 from tests.launcher import finish, read_metrics, start_training, train_and_read
 

@@ -202,7 +202,7 @@ def _worker_pids(agent_pid: int, target: str) -> list[int]:
 def test_llava_tp2_resume_reproduces_losses(tmp_path):
     """The LLaVA task (ViT + projector + LM, packed data, skip counters)
     resumes bit-identically under TP2 as well."""
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset
 
     data = tmp_path / "shapes"
     make_shapes_dataset(data, num_train=300, num_val=20, seed=7, image_size=32, samples_per_shard=100)

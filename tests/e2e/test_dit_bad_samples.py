@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from megascale_omni.data.dit.reader import encode_latent_record, encode_pixel_record, write_dit_dataset
-from megascale_omni.data.dit.shapes_dataset import description, generate, vocabulary
 from megascale_omni.data.shard_writer import index_shards
+from megascale_omni.demo.dit_shapes import description, generate, vocabulary
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,8 +16,8 @@ from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megascale_omni.checkpoint import layout
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
-from megascale_omni.tasks.dit_sampling import color_prompts
+from megascale_omni.demo.dit_eval import color_prompts
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from tests.launcher import read_metrics, run, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

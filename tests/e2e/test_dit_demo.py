@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from megascale_omni.checkpoint import layout
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from tests.launcher import read_metrics, run, run_tool_in_process, torchrun
 
 CONFIG = "examples/dit/tiny_cpu.yaml"

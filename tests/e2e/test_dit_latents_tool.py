@@ -12,7 +12,7 @@ import pytest
 import transformers
 from PIL import Image
 
-from megascale_omni.data.dit.shapes_dataset import generate, vocabulary
+from megascale_omni.demo.dit_shapes import generate, vocabulary
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
+from megascale_omni.demo.llava_shapes import make_shapes_dataset
 from tests.launcher import finish, read_metrics, spawn
 
 # slow (make test-all): about 5 minutes of the 2-core CI budget; the layout,

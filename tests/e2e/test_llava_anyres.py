@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from megascale_omni.data.llava.ingest import IngestInputs, ingest, words_coster
-from megascale_omni.data.llava.shapes_dataset import make_shapes_llava_json
 from megascale_omni.data.shards import INDEX_FILENAME
+from megascale_omni.demo.llava_shapes import make_shapes_llava_json
 from tests.launcher import read_metrics, run
 
 # About 20 s of CPU (one process); in `make test-all` beside the chat-format training run.

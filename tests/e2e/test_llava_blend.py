@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.demo.llava_shapes import make_shapes_dataset
 from tests.launcher import read_metrics, run
 
 pytestmark = pytest.mark.timeout(240)

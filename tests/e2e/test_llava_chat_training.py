@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, open_shapes_split
 from megascale_omni.data.sample import KIND_TEXT_ONLY, Sample
 from megascale_omni.data.shard_writer import write_shards
+from megascale_omni.demo.llava_shapes import make_shapes_dataset, open_shapes_split
 from tests.hf_models import chat_tokenizer
 from tests.launcher import read_metrics, run
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset
+from megascale_omni.demo.llava_shapes import make_shapes_dataset
 from tests.launcher import finish, kill_group, read_metrics, spawn
 
 pytestmark = pytest.mark.timeout(300)

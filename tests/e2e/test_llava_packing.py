@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from megascale_omni.data.llava.batches import LlavaEncoder
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.packing import pack_samples, packing_efficiency, pad_to_max_efficiency
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 
 
 def test_packing_efficiency_on_default_data(tmp_path):

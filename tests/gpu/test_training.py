@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
+from megascale_omni.demo.dit_shapes import ensure_dit_shapes_dataset
 from tests.gpu.conftest import PROBE, probed, read_probe
 from tests.launcher import train_and_read
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from megascale_omni.config import JobConfig, from_dict
+from megascale_omni.data.bad_samples import BadSampleAccount
 from megascale_omni.data.errors import DataQualityError
 from megascale_omni.parallel import ParallelDims
-from megascale_omni.tasks.base import BadSampleAccount
 from tests.launcher import free_port
 
 

@@ -98,7 +98,7 @@ def test_blend_pieces_cross_to_loader_workers(tmp_path):
     import pickle
 
     from megascale_omni.data.blend import ConcatReader
-    from megascale_omni.data.llava.shapes_dataset import make_shapes_dataset, open_shapes_split
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset, open_shapes_split
 
     order = BlendedOrder(_sources([30, 12]), [1, 2], seed=4)
     assert (pickle.loads(pickle.dumps(order))(2) == order(2)).all()

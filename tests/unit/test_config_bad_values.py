@@ -21,6 +21,7 @@ BAD_VALUES = [
     ("train.adam_beta2=-0.1", "train.adam_beta2", "[0, 1)"),
     ("train.adam_eps=-1e-8", "train.adam_eps", "> 0"),
     ("train.weight_decay=-0.1", "train.weight_decay", ">= 0"),
+    ("train.eval_samples=-1", "train.eval_samples", ">= 0"),
     ("model.init_method_std=-0.02", "model.init_method_std", ">= 0"),
     ("model.num_query_groups=0", "model.num_query_groups", "> 0"),
     ("model.num_query_groups=-2", "model.num_query_groups", "> 0"),

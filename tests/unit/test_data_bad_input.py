@@ -27,6 +27,7 @@ import pytest
 from PIL import Image
 
 from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.data.dataset_root import load_tokenizer
 from megascale_omni.data.dit.buckets import Bucket
 from megascale_omni.data.dit.reader import (
     DitSampleReader,
@@ -37,12 +38,11 @@ from megascale_omni.data.dit.reader import (
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_sample
 from megascale_omni.data.packing import Pack
-from megascale_omni.data.shapes import dataset_vocabulary, generate_samples
 from megascale_omni.data.shard_writer import encode_sample, write_member_shards, write_shards
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import SpecialTokens, build_word_tokenizer
+from megascale_omni.demo.shapes import dataset_vocabulary, generate_samples
 from megascale_omni.entry import run_cli
-from megascale_omni.tasks.base import load_tokenizer
 
 SEED = 5
 TOKENS_PER_IMAGE = 2

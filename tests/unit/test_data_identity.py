@@ -15,9 +15,9 @@ from megascale_omni.checkpoint.peer import check_peer_state, replica_config
 from megascale_omni.config import ConfigError
 from megascale_omni.data.identity import check_data_identity
 from megascale_omni.data.llava.batches import LlavaEncoder
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.data.shards import INDEX_FILENAME, ShardedSampleReader
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform
@@ -45,11 +45,7 @@ def _digest(split: Path) -> str:
 
 def _task(family: str, args: list[str]):
     cfg, spec = parse_for_family(family, args, world_size=1)
-    if family == "llava":
-        from megascale_omni.tasks.llava import LlavaTask as cls
-    else:
-        from megascale_omni.tasks.dit import DitTask as cls
-    return cls(cfg, Platform(torch.device("cpu"), "gloo", ()), ParallelDims.from_config(cfg.parallel, 1))
+    return spec.build_task(cfg, Platform(torch.device("cpu"), "gloo", ()), ParallelDims.from_config(cfg.parallel, 1))
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder, plan_s
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
 from megascale_omni.data.sample_plan import PackedEpochPlan
-from megascale_omni.data.shapes import dataset_vocabulary, generate_samples
 from megascale_omni.data.shard_writer import encode_sample, write_member_shards
 from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.data.tokenizer import build_word_tokenizer
+from megascale_omni.demo.shapes import dataset_vocabulary, generate_samples
 
 pytestmark = pytest.mark.timeout(120)
 

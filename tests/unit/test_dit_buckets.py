@@ -10,7 +10,7 @@ import pytest
 
 from megascale_omni.config import ConfigError, JobConfig, from_dict, load_yaml
 from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
-from megascale_omni.data.dit.shapes_dataset import SPLIT_STREAMS, generate
+from megascale_omni.demo.dit_shapes import SPLIT_STREAMS, generate
 
 CFG = load_yaml("examples/dit/tiny_cpu.yaml")["dit"]
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megascale_omni.data.dit.shapes_dataset import dominant_color, generate
-from megascale_omni.data.shapes import COLORS
+from megascale_omni.demo.dit_shapes import dominant_color, generate
+from megascale_omni.demo.shapes import COLORS
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.embed import patchify, sincos_2d, unpatchify
 from megascale_omni.models.dit.flow import euler_sample, flow_pair, guided, sample_timesteps

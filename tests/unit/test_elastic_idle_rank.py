@@ -21,7 +21,7 @@ def test_rank_without_microbatches_after_a_backward_steps_with_overlap():
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.parallel.elastic import ElasticReplica, import_torchft
     from megascale_omni.platform import init_platform
-    from megascale_omni.tasks.gpt_smoke import GptSmokeTask
+    from megascale_omni.tasks.registry import get_family
     from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
     from megascale_omni.training.step import train_step
 
@@ -29,7 +29,7 @@ def test_rank_without_microbatches_after_a_backward_steps_with_overlap():
                            "parallel.overlap_grad_reduce=true"])
     lighthouse = import_torchft()._torchft.LighthouseServer(bind="[::]:0", min_replicas=1)
     with one_process(seed=cfg.train.seed):
-        task = GptSmokeTask(cfg, init_platform(), ParallelDims.from_config(cfg.parallel, 1))
+        task = get_family("gpt").build_task(cfg, init_platform(), ParallelDims.from_config(cfg.parallel, 1))
         model = task.build_model()
         chunks = wrap_ddp(model, model[0].config, cfg.parallel, overlap=True)
         optimizer, scheduler = build_optimizer(chunks, cfg.train, cfg.parallel, torch.float32)

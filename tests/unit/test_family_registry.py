@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from megascale_omni.config import ConfigError, load_job_config
+from megascale_omni.data.module import DataModule
 from megascale_omni.entry import parse_for_family
-from megascale_omni.tasks.base import Task
-from megascale_omni.tasks.registry import FAMILIES, FEATURES, family_of, get_family
+from megascale_omni.evaluation.base import Evaluator
+from megascale_omni.models.model_spec import ModelSpec
+from megascale_omni.tasks.registry import FAMILIES, FEATURES, _resolve, family_of, get_family
 
 EXAMPLES = {"gpt": "examples/gpt/tiny.yaml", "llava": "examples/llava/tiny_cpu.yaml", "dit": "examples/dit/tiny_cpu.yaml"}
 
@@ -17,9 +19,11 @@ def _cfg(family: str, *overrides: str):
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_every_family_has_a_task_subclass_and_its_example_validates(name):
+def test_every_family_names_its_three_parts_and_its_example_validates(name):
     family = get_family(name)
-    assert issubclass(family.task_class(), Task)
+    data, model = family.parts()
+    assert issubclass(data, DataModule) and issubclass(model, ModelSpec)
+    assert family.evaluators and all(issubclass(_resolve(target), Evaluator) for _, target in family.evaluators)
     assert set(family.features) <= set(FEATURES)
     cfg = _cfg(name)
     assert family_of(cfg) is family
@@ -68,13 +72,56 @@ def test_family_checks_run_after_the_generic_ones():
         get_family("dit").validate(_cfg("dit", "train.micro_batch_size=2", "train.global_batch_size=8"), world_size=1)
 
 
-def test_a_task_missing_a_required_method_cannot_be_built():
-    class Incomplete(Task):
+def test_a_part_missing_a_required_method_cannot_be_built():
+    class IncompleteModel(ModelSpec):
         def build_model(self):
             return []
 
-    with pytest.raises(TypeError, match="abstract"):
-        Incomplete(None, None, None)
+    class IncompleteData(DataModule):
+        def microbatches(self, step, dp_rank, dp_size):
+            return []
+
+    with pytest.raises(TypeError, match="abstract.*forward_step"):
+        IncompleteModel(None, None, None, None)
+    with pytest.raises(TypeError, match="abstract.*global_batch_size_of"):
+        IncompleteData(None, None, None)
+
+
+@pytest.mark.parametrize("family,value,names", [
+    ("gpt", "chat", "['auto', 'loss', 'none']"),
+    ("llava", "colors", "['auto', 'shapes', 'chat', 'none']"),
+    ("dit", "loss", "['auto', 'colors', 'none']"),
+])
+def test_an_evaluator_the_family_lacks_is_refused_with_one_line(family, value, names):
+    with pytest.raises(ConfigError) as err:
+        get_family(family).validate(_cfg(family, f"train.evaluator={value}"), world_size=1)
+    assert (err.value.field, err.value.value) == ("train.evaluator", value)
+    assert str(err.value) == (f"config error: train.evaluator={value!r}: model.family={family} evaluates with "
+                              f"one of {names}")
+
+
+class _Tokens:
+    def __init__(self, words):
+        self.words = {w: i for i, w in enumerate(words)}
+
+    def token_to_id(self, word):
+        return self.words.get(word)
+
+
+def test_auto_evaluator_is_shapes_only_for_the_word_level_shapes_vocabulary():
+    from megascale_omni.demo.llava_eval import ShapesEvaluator
+    from megascale_omni.demo.shapes import dataset_vocabulary
+    from megascale_omni.evaluation.chat import ChatEvaluator
+
+    family = get_family("llava")
+    shapes = type("Data", (), {"tokenizer": _Tokens(dataset_vocabulary())})()
+    other = type("Data", (), {"tokenizer": _Tokens(["<pad>", "yes", "no", "red", "cat"])})()
+    words, chat = _cfg("llava"), _cfg("llava", "data.format=chat")
+    assert family.evaluator_class(words, shapes) is ShapesEvaluator
+    assert family.evaluator_class(words, other) is ChatEvaluator
+    assert family.evaluator_class(chat, shapes) is ChatEvaluator
+    assert family.evaluator_class(_cfg("llava", "train.evaluator=chat"), shapes) is ChatEvaluator
+    assert family.evaluator_class(_cfg("llava", "train.evaluator=none"), shapes) is Evaluator
 
 
 # Context parallelism cuts every DiT image into 2*cp chunks: buckets (and the

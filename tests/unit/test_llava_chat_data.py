@@ -1,5 +1,5 @@
 """The chat data format wired into the LLaVA data path: shards -> chat-template
-encoding -> tower preprocessing -> packed micro-batches, as LlavaTask builds them."""
+encoding -> tower preprocessing -> packed micro-batches, as ConversationData builds them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
+from megascale_omni.data.llava.module import build_encoder, build_image_preprocessor
 from megascale_omni.data.packing import Pack
 from megascale_omni.data.sample import KIND_MULTI_IMAGE, KIND_SINGLE_IMAGE, KIND_TEXT_ONLY, Sample
 from megascale_omni.data.shard_writer import write_shards
 from megascale_omni.data.shards import ShardedSampleReader
-from megascale_omni.tasks.llava import build_encoder, build_image_preprocessor
 from tests.hf_models import chat_tokenizer
 
 pytest.importorskip("transformers")

@@ -23,11 +23,11 @@ from megascale_omni.data.llava.batches import (
     LlavaEncoder,
     images_to_tensor,
 )
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 from megascale_omni.data.packing import pack_samples
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, KIND_TEXT_ONLY, Sample
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset, open_shapes_split
 
 SEED = 7
 NUM_TRAIN = 60

@@ -13,9 +13,9 @@ import pytest
 
 from megascale_omni.config import ConfigError
 from megascale_omni.data.llava.ingest import REJECTED_FILE, REPORT_FILE, IngestInputs, LengthCheck, ingest
-from megascale_omni.data.llava.shapes_dataset import make_shapes_llava_json
-from megascale_omni.data.shapes import ShapesConfig, generate_samples
 from megascale_omni.data.shards import ShardedSampleReader
+from megascale_omni.demo.llava_shapes import make_shapes_llava_json
+from megascale_omni.demo.shapes import ShapesConfig, generate_samples
 from tests.hf_models import chat_tokenizer
 
 N = 24

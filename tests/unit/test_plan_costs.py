@@ -17,11 +17,11 @@ from megascale_omni.data.image_preprocess import ImagePreprocessor, Preprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner
-from megascale_omni.data.llava.shapes_dataset import load_shapes_tokenizer, make_shapes_dataset
 from megascale_omni.data.packing import Pack
 from megascale_omni.data.sample import KIND_MULTI_IMAGE, KIND_SINGLE_IMAGE, KIND_TEXT_ONLY, Sample
 from megascale_omni.data.shard_writer import index_shards, write_shards
 from megascale_omni.data.shards import INDEX_FILENAME, ShardedSampleReader
+from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
 from tests.hf_models import chat_tokenizer
 
 P = 4  # tokens per tower input

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megascale_omni.data.llava.shapes_dataset import (
+from megascale_omni.data.sample import IMAGE_PLACEHOLDER, SAMPLE_KINDS, Sample, SampleValidationError
+from megascale_omni.demo.llava_shapes import (
     ensure_shapes_dataset,
     load_shapes_tokenizer,
     make_shapes_dataset,
     open_shapes_split,
 )
-from megascale_omni.data.sample import IMAGE_PLACEHOLDER, SAMPLE_KINDS, Sample, SampleValidationError
-from megascale_omni.data.shapes import (
+from megascale_omni.demo.shapes import (
     COLORS,
     POSITIONS,
     SHAPES,

@@ -16,9 +16,9 @@ import webdataset
 
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.sample import Sample
-from megascale_omni.data.shapes import generate_samples
 from megascale_omni.data.shard_writer import encode_image_png, encode_sample, index_shards, write_shards
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader, decode_sample
+from megascale_omni.demo.shapes import generate_samples
 
 SEED = 99
 NUM = 40

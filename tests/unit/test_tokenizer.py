@@ -8,8 +8,8 @@ import re
 import pytest
 
 from megascale_omni.data.errors import DataFileError
-from megascale_omni.data.shapes import dataset_vocabulary, generate_samples
 from megascale_omni.data.tokenizer import SpecialTokens, TextTokenizer, build_word_tokenizer
+from megascale_omni.demo.shapes import dataset_vocabulary, generate_samples
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,15 @@ def one_rank():
 
 def _groups(*overrides: str) -> list[tuple[set[str], float]]:
     """(owners of the group's parameters, lr) per param group after 5 scheduler steps."""
+    from megascale_omni.models.llava_spec import LlavaModelSpec
     from megascale_omni.models.standalone import build_model
-    from megascale_omni.tasks.llava import LlavaTask
     from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
 
     cfg = load_job_config(["--config", str(REPO / "examples/llava/tiny_cpu.yaml"), "model.vocab_size=64",
                            "train.steps=20", "train.lr_warmup_steps=2", *overrides])
     model = build_model(cfg, 128, image_token_id=5)
     chunks = wrap_ddp([model], model.config, cfg.parallel)
-    lr_mult = LlavaTask.lr_mult(type("T", (), {"cfg": cfg})())
+    lr_mult = LlavaModelSpec.lr_mult(type("T", (), {"cfg": cfg})())
     optimizer, scheduler = build_optimizer(chunks, cfg.train, cfg.parallel, torch.float32, lr_mult)
     for _ in range(5):
         scheduler.step(increment=1)

@@ -1,62 +1,52 @@
-"""GPT smoke task: a tiny megatron GPT on synthetic arithmetic sequences.
+"""Token data: synthetic arithmetic sequences for the GPT family (every rank).
 
 Used by the layout-equivalence tests and GPU CI smoke runs. The global batch
 of step ``s`` is fixed by the sample plan; each DP rank takes a contiguous
 slice and cuts it into micro-batches, so every layout trains on exactly the
 same samples per step. Micro-batches take the same THD path as packed LLaVA
-rows (:mod:`megascale_omni.models.attention`), one sample per row.
+rows (:mod:`megascale_omni.models.attention`), one sample per row::
+
+    tokens, labels, loss_mask, position_ids   [b, s]
+    cu_seqlens                                one segment per row
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import torch
 
 from megascale_omni.config import JobConfig
 from megascale_omni.data.balance import microbatch_shares
+from megascale_omni.data.dataset_root import DefaultDataset
+from megascale_omni.data.module import DataModule
 from megascale_omni.data.packing import packed_cu_seqlens
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.synthetic_tokens import ArithmeticTokenDataset
-from megascale_omni.models.attention import thd_inputs, thd_pipeline_shape
-from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
-from megascale_omni.models.loss import masked_token_loss
-from megascale_omni.parallel import ParallelDims, data_parallel_rank
+from megascale_omni.parallel import ParallelDims
 from megascale_omni.parallel.batch_shape import BatchShape
-from megascale_omni.parallel.schedules import reduce_reported_loss
 from megascale_omni.platform import Platform
-from megascale_omni.tasks.base import Task
 
 #: Synthetic dataset size; large enough that a smoke run never repeats an epoch.
 NUM_SAMPLES = 65536
 
 
-class GptSmokeTask(Task):
-    """The GPT family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
+class TokensData(DataModule):
+    """The GPT family's :class:`~megascale_omni.data.module.DataModule`."""
 
-    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
-        super().__init__(cfg, platform, dims)
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims,
+                 default_dataset: Optional[DefaultDataset] = None):
+        super().__init__(cfg, platform, dims, default_dataset)
         self.seq_length = cfg.model.seq_length
-        self.dataset = ArithmeticTokenDataset(
-            NUM_SAMPLES, cfg.model.seq_length, cfg.model.vocab_size, seed=cfg.train.seed
-        )
+        self.vocab_size = cfg.model.vocab_size
+        self.dataset = ArithmeticTokenDataset(NUM_SAMPLES, cfg.model.seq_length, cfg.model.vocab_size,
+                                              seed=cfg.train.seed)
         self.plan = SamplePlan(NUM_SAMPLES, cfg.train.global_batch_size, seed=cfg.train.seed)
         # Held-out samples come from a disjoint seed stream.
         self.eval_dataset = ArithmeticTokenDataset(
             cfg.train.global_batch_size * 2, cfg.model.seq_length, cfg.model.vocab_size, seed=cfg.train.seed + 1
         )
 
-    def pipeline_shape(self) -> tuple[int, int]:
-        return thd_pipeline_shape(self.seq_length, self.cfg.train.micro_batch_size)
-
-    def build_model(self):
-        config = transformer_config(self.cfg.model, self.cfg.parallel, self.dtype)
-        return build_gpt_chunks(
-            self.cfg.model, config, vocab_size=self.cfg.model.vocab_size, max_sequence_length=self.seq_length
-        )
-
-    # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         return self.cfg.train.global_batch_size, self.cfg.train.global_batch_size * self.seq_length
 
@@ -75,9 +65,11 @@ class GptSmokeTask(Task):
         start = sum(shares[:dp_rank])
         return list(ids[start : start + shares[dp_rank]])
 
-    def _split(self, ids, dataset, dp_rank: int, dp_size: int) -> list[dict]:
+    def eval_microbatches(self, dp_rank: int, dp_size: int) -> list[dict]:
+        """DP rank ``dp_rank``'s equal slice of the held-out samples, as micro-batches."""
+        ids = list(range(len(self.eval_dataset)))
         per_rank = len(ids) // dp_size
-        return self._collate(ids[dp_rank * per_rank : (dp_rank + 1) * per_rank], dataset)
+        return self._collate(ids[dp_rank * per_rank : (dp_rank + 1) * per_rank], self.eval_dataset)
 
     def _collate(self, mine, dataset) -> list[dict]:
         mbs = self.cfg.train.micro_batch_size
@@ -96,19 +88,3 @@ class GptSmokeTask(Task):
                 }
             )
         return out
-
-    # ----------------------------------------------------------------- model
-    def forward_step(self, data_iterator: Any, model):
-        batch = self.cp_local(next(data_iterator))
-        tokens, position_ids, labels, packed = thd_inputs(batch, self.dims.cp)
-        output = model(tokens, position_ids, None, labels=labels, packed_seq_params=packed)
-        return output, partial(masked_token_loss, loss_mask=batch["loss_mask"])
-
-    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
-        """Held-out token loss (every rank; the value on the loss rank)."""
-        ids = list(range(len(self.eval_dataset)))
-        mbs = self._split(ids, self.eval_dataset, data_parallel_rank(), self.dims.dp)
-        loss, _ = reduce_reported_loss(self.forward_only(chunks, self.forward_step, mbs))
-        if loss is None:
-            return None
-        return {"loss": loss}

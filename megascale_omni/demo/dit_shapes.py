@@ -1,7 +1,7 @@
 """The embedded DiT dataset: captioned shapes at several aspect ratios and sizes.
 
 Each image is one solid shape (square / circle / triangle) in one of the
-seven saturated colours of :mod:`megascale_omni.data.shapes`, on black, with
+seven saturated colours of :mod:`megascale_omni.demo.shapes`, on black, with
 the caption ``"a <colour> <shape>"``. Canvas sizes mix five aspect ratios
 (1:1, 3:5, 5:3, 1:2, 2:1) at two scales, each side jittered by 0-3 px, so the
 bucketing, dynamic batch size and balancing have real work to do, yet the
@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from megascale_omni.data.dit.reader import DATASET_FILENAME, encode_pixel_record, write_dit_dataset
-from megascale_omni.data.shapes import COLORS, SHAPES, sample_rng
+from megascale_omni.demo.shapes import COLORS, SHAPES, sample_rng
 
 logger = logging.getLogger(__name__)
 

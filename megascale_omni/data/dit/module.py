@@ -1,65 +1,43 @@
-"""DiT task: bucketed, token-balanced rectified-flow pretraining.
+"""DiT image (or latent) data: bucketed, token-balanced packages (every rank).
 
 Data position is the step: global batch ``s`` is ``train.global_batch_size``
 packages of :class:`~megascale_omni.data.dit.buckets.BucketPlan`, a pure
 function of (seed, s); it is split across DP ranks so each computes the
 same number of latent tokens. Noise, flow time and caption dropout of a
-sample are functions of (seed, epoch, sample id) (tasks/dit_batches.py).
-So a checkpoint needs only the task state of :meth:`DitTask.state_dict`
-(EMA weights, skip counters, the tokenizer) besides the step. The
-embedded default dataset is the captioned multi-aspect shapes set
-(:mod:`megascale_omni.data.dit.shapes_dataset`).
+sample are functions of (seed, epoch, sample id) (:mod:`megascale_omni.data.dit.batches`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
-import torch
 
 from megascale_omni.config import ConfigError, JobConfig
+from megascale_omni.data.bad_samples import BadSampleAccount
 from megascale_omni.data.balance import imbalance
 from megascale_omni.data.costs import fingerprint
+from megascale_omni.data.dataset_root import DefaultDataset, load_tokenizer, resolve_dataset_root
+from megascale_omni.data.dit.batches import CaptionEncoder, DitBatcher
 from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
-from megascale_omni.data.dit.shapes_dataset import ensure_dit_shapes_dataset
 from megascale_omni.data.identity import dataset_source, tokenizer_source, train_split_source
+from megascale_omni.data.module import DataModule
 from megascale_omni.data.shards import BadSampleError
 from megascale_omni.data.tokenizer import TextTokenizer
-from megascale_omni.models.dit.context import image_token_index
-from megascale_omni.models.dit.ema import EMA
-from megascale_omni.models.dit.model import build_dit_chunks
-from megascale_omni.models.loss import masked_token_loss
-from megascale_omni.parallel import ParallelDims, is_loss_rank
+from megascale_omni.parallel import ParallelDims
 from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.platform import Platform
-from megascale_omni.tasks.base import BadSampleAccount, Task, load_tokenizer, resolve_dataset_root
-from megascale_omni.tasks.dit_batches import CaptionEncoder, DitBatcher
-from megascale_omni.tasks.dit_sampling import evaluate_colors
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DATASET_DIR = "data/dit-shapes-{num_train}-{num_val}"
 
-
-def build_default_dataset(cfg: JobConfig) -> Path:
-    """The embedded captioned shapes set (built on first use, every rank)."""
-    d = cfg.data
-    return ensure_dit_shapes_dataset(
-        DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val),
-        d.default_num_train, d.default_num_val,
-    )
-
-
-def resolve_dit_dataset(cfg: JobConfig) -> tuple[Path, dict]:
+def resolve_dit_dataset(cfg: JobConfig, default_dataset: Optional[DefaultDataset]) -> tuple[Path, dict]:
     """Dataset root and its description (every rank); builds the embedded default on first use."""
-    root = resolve_dataset_root(cfg, build_default_dataset, "tools/make_dit_latents.py")
+    root = resolve_dataset_root(cfg, default_dataset, "tools/make_dit_latents.py")
     desc = load_dataset_description(root)
     dit = cfg.dit
     if int(desc.get("in_channels", 3)) != dit.in_channels:
@@ -88,18 +66,24 @@ def _data_identity(cfg: JobConfig, reader: DitSampleReader, description: dict,
     return identity
 
 
-class DitTask(Task):
-    """The DiT family's :class:`~megascale_omni.tasks.base.Task` (every rank)."""
+class DitImageData(DataModule):
+    """The DiT family's :class:`~megascale_omni.data.module.DataModule`.
 
-    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims):
-        super().__init__(cfg, platform, dims)
+    Exposes :attr:`tokenizer` (None for precomputed text), :attr:`text_vocab`
+    (padded; 0 without a learned text encoder), :attr:`captions` and the
+    dataset :attr:`description` (``kind``: pixels or latents).
+    """
+
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims,
+                 default_dataset: Optional[DefaultDataset] = None):
+        super().__init__(cfg, platform, dims, default_dataset)
         d = cfg.dit
-        root, self.description = resolve_dit_dataset(cfg)
+        root, self.description = resolve_dit_dataset(cfg, default_dataset)
         self.tokenizer = None
         self.text_vocab = 0
         if d.text_encoder == "learned":
             self.tokenizer = load_tokenizer(cfg, root)
-            self.text_vocab = self.padded_vocab_size(self.tokenizer.vocab_size)
+            self.text_vocab = cfg.model.padded_vocab_size(self.tokenizer.vocab_size)
         self.bad_samples = BadSampleAccount(cfg, dims, platform.device)
         self.captions = CaptionEncoder(d, self.tokenizer)
         self.table = BucketTable(d.buckets, d.patch_size, d.token_budget)
@@ -122,11 +106,8 @@ class DitTask(Task):
             len(self.train_ids), len(self.plan.epoch_packages(0)), self.plan.steps_per_epoch,
             self.table.describe(), self.report.table(),
         )
-        self.ema: Optional[EMA] = None
-        self.chunks: list = []
         self.rank_token_imbalance = 1.0
 
-    # ----------------------------------------------------------------- setup
     def _scan(self, reader: DitSampleReader) -> tuple[np.ndarray, np.ndarray]:
         """Reader index and bucket of every usable sample (JSON only); the rest is excluded and counted."""
         ids, buckets, bad = [], [], 0
@@ -148,46 +129,6 @@ class DitTask(Task):
         self.bad_samples.exclude(bad, len(reader), str(reader.root))
         return np.asarray(ids), np.asarray(buckets)
 
-    def build_model(self):
-        self.chunks = build_dit_chunks(self.cfg, self.dtype, self.text_vocab)
-        return self.chunks
-
-    def _ensure_ema(self) -> Optional[EMA]:
-        """The EMA (None when ``dit.ema_decay`` is 0), created from the current
-        weights on first use: from the initialised weights when the trainer
-        builds a checkpoint template before the first step (resume)."""
-        if self.ema is None and self.cfg.dit.ema_decay > 0:
-            self.ema = EMA(self.chunks, self.cfg.dit.ema_decay)
-        return self.ema
-
-    @property
-    def reads_weights_after_step(self) -> bool:
-        """The EMA update reads the weights."""
-        return self.cfg.dit.ema_decay > 0
-
-    def after_step(self, step: int) -> None:
-        """EMA update after each optimizer step (every rank, own shards)."""
-        if self._ensure_ema() is not None:
-            self.ema.update()
-
-    # ------------------------------------------------------------ checkpoint
-    def state_dict(self, sharded: bool) -> dict:
-        """EMA weights (for a checkpoint ShardedTensors ``ema.<model key>``,
-        resharded with the model), job-wide skip counters and the tokenizer
-        (so sampling needs no dataset). Every rank."""
-        state: dict[str, Any] = self.bad_samples.state_dict()
-        if self._ensure_ema() is not None:
-            state["ema"] = self.ema.sharded_state_dict() if sharded else self.ema.state_dict()
-        if self.tokenizer is not None:
-            state["tokenizer"] = self.tokenizer.to_str()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.bad_samples.load_state_dict(state)
-        if self._ensure_ema() is not None:
-            self.ema.load_state_dict(state["ema"])
-
-    # ------------------------------------------------------------------ data
     def global_batch_size_of(self, step: int) -> tuple[int, int]:
         packages = self.plan.global_batch(step)
         return sum(len(p.sample_ids) for p in packages), sum(p.real_tokens for p in packages)
@@ -207,6 +148,8 @@ class DitTask(Task):
         return [int(self.train_ids[sid]) for i in part for sid in packages[i].sample_ids]
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[dict]:
+        """One micro-batch per package of DP rank ``dp_rank`` (every rank;
+        layout in :mod:`megascale_omni.data.dit.batches`)."""
         packages = self.plan.global_batch(step)
         parts = split_packages(packages, dp_size)
         self.rank_token_imbalance = imbalance([sum(packages[i].computed_tokens for i in p) for p in parts])
@@ -222,48 +165,9 @@ class DitTask(Task):
         """Digests of the train split, ``dataset.json`` and tokenizer (computed at construction)."""
         return self._identity
 
-    # ----------------------------------------------------------------- model
-    def forward_step(self, data_iterator: Any, model):
-        b = next(data_iterator)
-        out = model(b["x_t"].to(self.dtype), b["t"], b["text"], b["text_mask"], target=b["target"].to(self.dtype))
-        return out, partial(masked_token_loss, loss_mask=self._local_tokens(b["loss_mask"]))
-
-    def _local_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
-        """``[B, N]`` -> this CP rank's ``[B, N / cp]`` (the tokens the model
-        computes on this rank, :func:`image_token_index`); itself without CP.
-        Loss sums and token counts are then summed over DP x CP by megatron,
-        so the objective is the CP1 one."""
-        if self.dims.cp == 1:
-            return per_token
-        from megatron.core import parallel_state as mpu
-
-        index = image_token_index(per_token.shape[1], self.dims.cp, mpu.get_context_parallel_rank())
-        return per_token[:, index.to(per_token.device)]
-
-    # ------------------------------------------------------------ evaluation
-    def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
-        """Sample the colour prompts with the EMA weights; write the PNG grid and
-        the colour accuracy into the run directory (loss rank). Pixel-space
-        data with learned captions only (latents need a VAE decoder: use
-        tools/sample_dit.py). Runs under the training layout, CP included
-        (``dit.eval_resolutions`` are checked like the buckets)."""
-        d = self.cfg.dit
-        if not d.eval_resolutions:
-            return None
-        if self.description.get("kind", "pixels") != "pixels" or self.tokenizer is None:
-            logger.info("evaluation: skipped (sampling latent data needs the VAE; see tools/sample_dit.py)")
-            return None
-        out_dir = Path(self.cfg.logging.output_dir) if is_loss_rank() else None
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            result = evaluate_colors(
-                chunks, self.captions, d.eval_resolutions, d.eval_samples_per_prompt,
-                d.sample_steps, d.guidance_scale, seed=self.cfg.train.seed, out_dir=out_dir,
-                tag=f"step{step}",
-            )
-        logger.info(
-            "evaluation at step %d: colour accuracy %.3f over %d samples (%s)%s", step,
-            result["color_accuracy"], int(result["color_samples"]),
-            ", ".join(f"{k.split('/')[1]}: {v:.3f}" for k, v in result.items() if k.startswith("color_accuracy/")),
-            f"; grid {out_dir / f'samples-step{step}.png'}" if out_dir else "",
-        )
-        return result
+    def state_dict(self, sharded: bool) -> dict:
+        """Job-wide skip counters and the caption tokenizer (so sampling needs no dataset)."""
+        state: dict[str, Any] = self.bad_samples.state_dict()
+        if self.tokenizer is not None:
+            state["tokenizer"] = self.tokenizer.to_str()
+        return state

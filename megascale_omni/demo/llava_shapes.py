@@ -27,10 +27,10 @@ from typing import Any, Iterable, Iterator
 
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.sample import SAMPLE_KINDS, Sample
-from megascale_omni.data.shapes import ShapesConfig, dataset_vocabulary, generate_samples
 from megascale_omni.data.shard_writer import write_shards
 from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, TextTokenizer, build_word_tokenizer
+from megascale_omni.demo.shapes import ShapesConfig, dataset_vocabulary, generate_samples
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,42 @@
+"""The shapes demo's LLaVA evaluation (``train.evaluator: shapes``): accuracy
+on the image-dependent answer words only, broken down by word category
+(colour, shape, position, yes/no), with the shuffled-image control."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megascale_omni.config import JobConfig
+from megascale_omni.demo.shapes import COLORS, POSITIONS, SHAPES
+from megascale_omni.evaluation.chat import ChatEvaluator
+
+#: Answer words of each category the breakdown reports.
+CATEGORIES = {"color": COLORS, "shape": SHAPES, "position": POSITIONS, "yes/no": ("yes", "no")}
+
+
+class ShapesEvaluator(ChatEvaluator):
+    """:class:`~megascale_omni.evaluation.chat.ChatEvaluator` scored on the
+    ``eval_mask`` of the word-level shapes format (``image_word_accuracy``),
+    plus ``<pass>/accuracy/<category>``."""
+
+    metric = "image_word_accuracy"
+    mask_key = "eval_mask"
+
+    @classmethod
+    def applies(cls, cfg: JobConfig, data: Any) -> bool:
+        """The shapes set: word-level format with every shapes answer word in the vocabulary."""
+        return cfg.data.format == "words" and all(
+            data.tokenizer.token_to_id(w) is not None for words in CATEGORIES.values() for w in words
+        )
+
+    def categories(self) -> dict[str, torch.Tensor]:
+        """Token ids of each answer-word category (categories absent from the vocab are dropped)."""
+        if not hasattr(self, "_categories"):
+            self._categories = {}
+            for name, words in CATEGORIES.items():
+                ids = [i for i in (self.data.tokenizer.token_to_id(w) for w in words) if i is not None]
+                if ids:
+                    self._categories[name] = torch.tensor(ids)
+        return self._categories

@@ -1,0 +1,83 @@
+"""The model part of a model family (torchtitan's ``TrainSpec`` model half):
+build the chunks, the forward step with its loss, learning-rate factors and
+the model's own state (e.g. DiT's EMA).
+
+A family's FLOPs per micro-batch come from the pipeline cost model its
+registry entry names (``ModelFamily.cost_model``): the same numbers the
+planner balances stages with, so the registry can answer without importing
+megatron.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+from megascale_omni.config import JobConfig
+from megascale_omni.parallel import ParallelDims
+from megascale_omni.platform import Platform
+
+
+class ModelSpec(ABC):
+    """What the training loop runs of one family's model (every rank).
+
+    ``data`` is the family's :class:`~megascale_omni.data.module.DataModule`,
+    built first: it knows the vocabulary, the tokenizer and the sequence length.
+    Subclasses implement :meth:`build_model` and :meth:`forward_step`.
+    """
+
+    #: :meth:`after_step` reads the weights (the Trainer completes a pending
+    #: parameter gather first, ``parallel.overlap_param_gather``).
+    reads_weights_after_step: bool = False
+
+    def __init__(self, cfg: JobConfig, platform: Platform, dims: ParallelDims, data: Any):
+        self.cfg = cfg
+        self.platform = platform
+        self.dims = dims
+        self.data = data
+        self.dtype = platform.default_dtype(cfg.train.precision)
+
+    @abstractmethod
+    def build_model(self) -> list[torch.nn.Module]:
+        """This rank's model chunks (``vpp`` of them when interleaved)."""
+
+    @abstractmethod
+    def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
+        """megatron ``forward_step_func``: returns (output, loss_func)."""
+
+    def pipeline_shape(self) -> tuple[int, int]:
+        """``(seq_length, micro_batch_size)`` for megatron's schedules, which
+        size the p2p buffers between stages ``[seq, batch, hidden]``: rows of
+        the data's ``seq_length`` by default. Language models override it for
+        THD micro-batches (:func:`megascale_omni.models.attention.thd_pipeline_shape`)."""
+        return self.data.seq_length, self.cfg.train.micro_batch_size
+
+    def lr_mult(self) -> dict[str, float]:
+        """Learning-rate factors by parameter-name pattern (fnmatch) for
+        :func:`~megascale_omni.training.optimizer.build_optimizer` (every rank)."""
+        return {}
+
+    def after_step(self, step: int) -> None:
+        """Called on every rank after each committed optimizer step; ``step``
+        already counts it (e.g. DiT's EMA update)."""
+
+    def state_dict(self, sharded: bool) -> dict:
+        """The model's own state beyond its weights (EMA, ...); ``sharded`` as
+        in :meth:`megascale_omni.tasks.base.Task.state_dict`."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`state_dict` (``state`` is the whole task state)."""
+
+    def cp_local(self, batch: dict) -> dict:
+        """This CP rank's share of a THD micro-batch (``batch`` itself without
+        CP; see :func:`megascale_omni.models.attention.cp_shard_batch`)."""
+        if self.dims.cp == 1:
+            return batch
+        from megatron.core import parallel_state as mpu
+
+        from megascale_omni.models.attention import cp_shard_batch
+
+        return cp_shard_batch(batch, self.dims.cp, mpu.get_context_parallel_rank())
