@@ -25,7 +25,6 @@ where to.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import socket
@@ -42,6 +41,7 @@ from megascale_omni.control.handlers import RequestHandler
 from megascale_omni.control.protocol import PROTOCOL_VERSION, ErrorCode, error_reply, ok_reply
 from megascale_omni.control.server import ControlServer
 from megascale_omni.control.state import ControlState, Pending
+from megascale_omni.utils.files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class ControlPlane:
         # In the run directory, whatever the socket path: `omni-ctl --run-dir` looks there.
         os.makedirs(self.cfg.logging.output_dir, exist_ok=True)
         self._endpoint_file = os.path.join(self.cfg.logging.output_dir, ENDPOINT_FILE)
-        _write_json_atomic(self._endpoint_file, {
+        atomic_write_json(self._endpoint_file, {
             "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(), **server.addresses,
         })
         logger.info("control: serving %s", " and ".join(f"{k} {v}" for k, v in server.addresses.items() if v))
@@ -310,9 +310,3 @@ class ControlPlane:
         if failed:
             raise ConfigError("control", "rank 0", "could not start the control server; see rank 0's error")
 
-
-def _write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
