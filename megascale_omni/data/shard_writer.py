@@ -27,7 +27,6 @@ from PIL import Image
 from megascale_omni.data.costs import PNG_HEADER_BYTES, Coster, image_members, sample_cost
 from megascale_omni.data.integrity import sha256_of
 from megascale_omni.data.sample import Sample
-from megascale_omni.utils.files import atomic_write_text
 from megascale_omni.data.shards import (
     FORMAT_VERSION,
     INDEX_FILENAME,
@@ -36,6 +35,7 @@ from megascale_omni.data.shards import (
     ShardIndex,
     ShardInfo,
 )
+from megascale_omni.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from megascale_omni.scheduler.actuator import Backoff, LiveActuator
 from megascale_omni.scheduler.launchers import JobTemplate, ReplicaLauncher
 from megascale_omni.scheduler.live import Observation
 from megascale_omni.scheduler.live_config import LiveConfig, PoolState, read_availability
-from megascale_omni.utils.files import atomic_write_json
 from megascale_omni.scheduler.model import (
     JobView,
     PoolView,
@@ -36,6 +35,7 @@ from megascale_omni.scheduler.model import (
     ThroughputCurve,
     apply,
 )
+from megascale_omni.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
