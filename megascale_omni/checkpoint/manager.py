@@ -89,8 +89,8 @@ class Checkpointer:
         #: Host buffers of the tensors this rank writes, reused by every save.
         self.staging = HostStaging()
         # One writer process (megatron writes one bucket per rank here, see
-        # save_strategy), started now, on the training thread, when async saves
-        # can hand it shared-memory buffers; otherwise every write runs in this process.
+        # save_strategy) when async saves can hand it shared-memory buffers,
+        # started before the first of them; otherwise every write runs in this process.
         self.writer = AsyncWriter(WriteWorkers(1 if cfg.async_save and not self.staging.pin else 0))
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         #: (step, commit) submitted to the committer thread and not yet collected (rank 0), oldest first.
@@ -260,6 +260,8 @@ class Checkpointer:
         clock.lap("split")
         # A synchronous save writes the live tensors: training waits for it.
         staged = 0 if synchronous else self.staging.stage(snapshot)
+        if not synchronous:
+            self.writer.files.start()
         self._reserved = self._reserved or not synchronous
         clock.lap("host_copy")
         request = dist_checkpointing.save(
@@ -287,6 +289,7 @@ class Checkpointer:
         snapshot = state.sharded_state_dict()
         self.strategy.prepare(snapshot, saving=False)
         self.staging.reserve(snapshot)
+        self.writer.files.start()  # its interpreter starts while the buffers fill
         self._reserved = True
 
     def _prepare_target(self, target: Path, step: int) -> bool:

@@ -11,8 +11,8 @@ held in the child forever.
 
 Instead the Checkpointer starts :data:`START_METHOD` ("spawn": fork + exec
 of a fresh interpreter, which copies no thread's state and warns on no
-Python version) writer processes once, and every save hands each of them
-one write bucket. The bucket's tensors are the host staging buffers in
+Python version) writer processes once, on the training thread before its
+first async save, and every save hands each of them one write bucket. The bucket's tensors are the host staging buffers in
 shared memory (:mod:`megascale_omni.checkpoint.staging`); pickled through
 the pipe by torch's multiprocessing reductions they travel as a file
 descriptor of the same pages, so the hand-over copies nothing, as the fork
@@ -79,22 +79,30 @@ def _serve(conn: Connection) -> None:
 
 class WriteWorkers:
     """Writes megatron's write buckets without forking: ``count`` writer
-    processes, started now (the training thread), take buckets whose
-    tensors are in shared memory; other buckets are written in this process.
-    :meth:`write` is called from the writer thread, one request at a time."""
+    processes, once :meth:`start`-ed (the training thread, before the first
+    async save), take buckets whose tensors are in shared memory; other
+    buckets are written in this process. :meth:`write` is called from the
+    writer thread, one request at a time."""
 
     def __init__(self, count: int):
-        ctx = torch_mp.get_context(START_METHOD)
+        self.count = count
         self.start_method = START_METHOD
         self._workers: list[tuple[Any, Connection]] = []
-        for i in range(count):
+        #: Requests written by the processes and in this process (for logs and tests).
+        self.handed_over = self.in_process = 0
+
+    def start(self) -> None:
+        """Start the processes (idempotent). Not at construction: a run that
+        never saves asynchronously pays for no interpreter start."""
+        if self._workers or not self.count:
+            return
+        ctx = torch_mp.get_context(START_METHOD)
+        for i in range(self.count):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(theirs,), name=f"ckpt-write-{i}", daemon=True)
             proc.start()
             theirs.close()
             self._workers.append((proc, ours))
-        #: Requests written by the processes and in this process (for logs and tests).
-        self.handed_over = self.in_process = 0
 
     @staticmethod
     def handles(request: AsyncRequest) -> bool:
@@ -104,6 +112,8 @@ class WriteWorkers:
     def why_in_process(self, request: AsyncRequest) -> Optional[str]:
         """None when the processes can take ``request``'s buckets; otherwise why they cannot."""
         _, buckets, _ = request.async_fn_args
+        if not self._workers:
+            return "no writer process was started"
         if len(buckets) > len(self._workers):
             return f"{len(buckets)} write buckets for {len(self._workers)} writer processes"
         for _, _, (_, tensors) in buckets:
