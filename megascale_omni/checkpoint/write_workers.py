@@ -12,11 +12,11 @@ held in the child forever.
 Instead the Checkpointer starts :data:`START_METHOD` ("spawn": fork + exec
 of a fresh interpreter, which copies no thread's state and warns on no
 Python version) writer processes once, on the training thread before its
-first async save, and every save hands each of them one write bucket. The bucket's tensors are the host staging buffers in
-shared memory (:mod:`megascale_omni.checkpoint.staging`); pickled through
-the pipe by torch's multiprocessing reductions they travel as a file
-descriptor of the same pages, so the hand-over copies nothing, as the fork
-did. The worker runs megatron's own per-bucket writer
+first async save, and every save hands each of them one write bucket. The
+bucket's tensors are the host staging buffers in shared memory
+(:mod:`megascale_omni.checkpoint.staging`); pickled through the pipe by
+torch's multiprocessing reductions they travel as a file descriptor of the
+same pages, so the hand-over copies nothing, as the fork did. The worker runs megatron's own per-bucket writer
 (``FileSystemWriterAsync.write_preloaded_data``, unchanged); what megatron's
 multiproc wrapper did around it (start the children, collect their results
 into the request's results queue) is :meth:`WriteWorkers.write`, rewritten
@@ -29,7 +29,10 @@ page-locked, which torch cannot place in shared memory) and private ones
 writer thread (one thread per bucket, megatron's same per-bucket writer):
 nothing forks either way. In-process writes share the GIL with training
 while they serialise; the hand-over to the processes is the path without
-that cost, used whenever the buffers allow it.
+that cost, used whenever the buffers allow it. On CUDA hosts the staging
+buffers are pinned, so async saves take the in-process path there; making
+them shared and pinned (``cudaHostRegister`` on shared pages) would give
+GPU jobs the hand-over too (not done: no GPU to test it on).
 """
 
 from __future__ import annotations
