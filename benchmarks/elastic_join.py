@@ -54,7 +54,7 @@ from _quick import add_quick_flag, apply_quick  # noqa: E402
 from megascale_omni.control import ControlClient  # noqa: E402
 from megascale_omni.control.client import endpoint_of_run  # noqa: E402
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records  # noqa: E402
-from tests.launcher import _kill_group, finish, spawn, torchrun_cmd  # noqa: E402
+from tests.launcher import finish, kill_group, spawn, torchrun_cmd  # noqa: E402
 
 #: r0's steps after the first step with the new participant count that are
 #: skipped before its new steady state is measured (``--steady-steps`` steps).
@@ -114,7 +114,7 @@ def measure_cold_join(work: Path, args: list[str], join_after: int, cpus: dict, 
         first = _first_commit_then_steady(run, procs, steady)
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     recs = step_records(run / "r0")
     # The join itself: the step r1 first asked for a quorum in, onwards.
     healed_step = step_records(run / "r1")[0]["step"]
@@ -147,7 +147,7 @@ def measure_standby_join(work: Path, args: list[str], join_after: int, cpus: dic
         first = _first_commit_then_steady(run, procs, steady)
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     recs = step_records(run / "r0")
     return {"latency_s": first - sent, **_disruption(recs, max(at_join - 1, start + 2), steady)}
 
@@ -174,14 +174,14 @@ def measure_restart(work: Path, args: list[str], kill_after: int, cpus: dict) ->
     try:
         _wait(lambda: len(step_records(out)) >= kill_after + 1, 600, [first])
     finally:
-        _kill_group(first)
+        kill_group(first)
     done = len(step_records(out))
     relaunched = time.monotonic()
     second = spawn(cmd, timeout=1200)
     try:
         resumed = _wait(lambda: len(step_records(out)) > done, 600, [second])
     finally:
-        _kill_group(second)
+        kill_group(second)
     return {"latency_s": resumed - relaunched}
 
 

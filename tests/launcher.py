@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from megascale_omni.utils.processes import kill_process_tree as kill_group  # the tests' name for it
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,30 +75,6 @@ def _read(proc: subprocess.Popen) -> tuple[str, str]:
         f.seek(0)
         texts.append(f.read())
     return texts[0], texts[1]
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group and every descendant's group.
-
-    torchrun (torch >= 2.x) starts each worker in a session of its own, so
-    killing the launcher's group alone would leave the workers running.
-    """
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    for pid in [proc.pid, *(d.pid for d in descendants)]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for d in descendants:
-        try:
-            d.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def torchrun_cmd(nproc: int, target: str, args: Sequence[str], fail_at_step: int | None = None,

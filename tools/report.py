@@ -15,7 +15,7 @@ A job directory (no metrics.jsonl of its own, one sub-directory per replica
 group that has one, as an elastic job writes them) gets one report per
 group in ``OUT/<group>/`` plus ``job.png`` and ``job.md``: the job's step
 time and throughput, each group's busy time, the slowest and straggling
-groups and membership changes (``tools/reportjob.py``).
+groups and membership changes (``megascale_omni/report/job.py``).
 
 Malformed lines are skipped and counted. Exit code 2 with one line for a
 missing run directory, no metrics.jsonl, no valid step record, or an
@@ -29,19 +29,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: this checkout's package, then reportlib beside this file
+if __package__ in (None, ""):  # run as a script: this checkout's package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megascale_omni.config import ConfigError  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
-
-#: What a report directory holds; an existing --out with anything else is not replaced.
-REPORT_SUFFIXES = (".png", ".md")
+from megascale_omni.report.job import group_dirs, load_job  # noqa: E402
+from megascale_omni.report.run import load_run  # noqa: E402
+from megascale_omni.report.write import check_out, write_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,83 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _is_report_file(p: Path) -> bool:
-    return p.is_file() and p.suffix in REPORT_SUFFIXES
-
-
-def check_out(out: Path) -> None:
-    """Raise ConfigError unless ``out`` is absent or a directory holding only
-    report files (and, from a job report, directories of report files)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", str(out), "exists and is not a directory")
-    if out.is_dir():
-        foreign = [p.name for p in out.iterdir()
-                   if not (_is_report_file(p) or p.is_dir() and all(map(_is_report_file, p.iterdir())))]
-        if foreign:
-            raise ConfigError("--out", str(out), f"holds files that are not a report ({', '.join(sorted(foreign)[:3])}"
-                              "); choose another --out")
-
-
-def _write_run(run, out: Path, smooth: int) -> int:
-    """Plots and summary.md of one run into the existing directory ``out``; returns the plots written."""
-    import reportlib
-    import reportsummary
-
-    plots, notes = reportlib.write_plots(run, out, smooth)
-    (out / "summary.md").write_text(reportsummary.summary_markdown(run, plots, notes), encoding="utf-8")
-    return len(plots)
-
-
-def _write_job(job, out: Path, smooth: int) -> int:
-    """Every group's report in ``out/<group>/``, then job.png and job.md; returns the plots written."""
-    import reportjob
-
-    plots = 0
-    for name, run in job.runs.items():
-        (out / name).mkdir()
-        plots += _write_run(run, out / name, smooth)
-    plotted = reportjob.write_job_plot(job, out)
-    (out / "job.md").write_text(reportjob.job_markdown(job, plotted), encoding="utf-8")
-    return plots + plotted
-
-
-def write_report(run_or_job, out: Path, smooth: int) -> int:
-    """Build the report (a run's, or a job's when given a reportjob.Job) in a
-    temporary directory beside ``out``, then put it in place of ``out`` (a
-    previous report is replaced). Returns the number of plots written."""
-    import reportjob
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
-    try:
-        if isinstance(run_or_job, reportjob.Job):
-            plots = _write_job(run_or_job, tmp, smooth)
-        else:
-            plots = _write_run(run_or_job, tmp, smooth)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a report is meant to be read
-        if out.exists():
-            old = out.parent / f"{tmp.name}.old"
-            out.rename(old)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    return plots
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.smooth < 1:
         raise ConfigError("--smooth", args.smooth, "must be >= 1 (1 = no smoothing)")
-    import reportjob
-    import reportlib
-
     job = None
-    if not (args.run_dir / "metrics.jsonl").exists() and reportjob.group_dirs(args.run_dir):
-        job = reportjob.load_job(args.run_dir)
-    run = job or reportlib.load_run(args.run_dir)
+    if not (args.run_dir / "metrics.jsonl").exists() and group_dirs(args.run_dir):
+        job = load_job(args.run_dir)
+    run = job or load_run(args.run_dir)
     out = args.out if args.out is not None else args.run_dir / "report"
     check_out(out)
     try:

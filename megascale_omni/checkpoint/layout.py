@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from megascale_omni.checkpoint.errors import CheckpointError
+from megascale_omni.utils.files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -130,26 +131,9 @@ def write_commit(path: Path, step: int, extra: dict) -> dict:
         str(p.relative_to(path)): {"size": p.stat().st_size, "sha256": file_digest(p)} for p in _payload_files(path)
     }
     commit = {"format": FORMAT_VERSION, "step": step, "committed_unix": time.time(), "files": files, **extra}
-    _atomic_write_json(path / COMMIT_FILE, commit)
+    # The commit marker makes the checkpoint count: it must survive a power loss (durable).
+    atomic_write_json(path / COMMIT_FILE, commit, durable=True, indent=1, sort_keys=True)
     return commit
-
-
-def _atomic_write_json(target: Path, obj: dict) -> None:
-    tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def verify(info: CheckpointInfo, checksums: bool = True) -> list[str]:
@@ -285,5 +269,6 @@ def replicate(src: CheckpointInfo, dst_root: str | os.PathLike, tier: str) -> Ch
             os.fsync(f.fileno())
         if target.stat().st_size != meta["size"]:
             raise OSError(f"replicating {src.path / rel}: copied {target.stat().st_size} bytes, expected {meta['size']}")
-    _atomic_write_json(dst / COMMIT_FILE, {**src.commit, "replicated_from": str(src.path)})
+    atomic_write_json(dst / COMMIT_FILE, {**src.commit, "replicated_from": str(src.path)}, durable=True, indent=1,
+                      sort_keys=True)
     return CheckpointInfo(dst, src.step, tier, _read_commit(dst))

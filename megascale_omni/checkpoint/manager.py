@@ -48,6 +48,7 @@ from megascale_omni.checkpoint.staging import HostStaging
 from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
+from megascale_omni.checkpoint.write_workers import WriteWorkers
 from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
 from megascale_omni.config import CheckpointConfig, ConfigError
 from megascale_omni.metrics.writers import JsonlWriter
@@ -85,14 +86,17 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.triggers = Triggers(cfg.interval, cfg.interval_minutes, self.group, cfg.signal_coalesce_s)
         self.triggers.install_signal_handlers()
-        self.writer = AsyncWriter()
+        #: Host buffers of the tensors this rank writes, reused by every save.
+        self.staging = HostStaging()
+        # One writer process (megatron writes one bucket per rank here, see
+        # save_strategy) when async saves can hand it shared-memory buffers,
+        # started before the first of them; otherwise every write runs in this process.
+        self.writer = AsyncWriter(WriteWorkers(1 if cfg.async_save and not self.staging.pin else 0))
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         #: (step, commit) submitted to the committer thread and not yet collected (rank 0), oldest first.
         self._commits: list[tuple[int, Future]] = []
         #: megatron's strategy, kept across saves for its cached plan and save split.
         self.strategy = SaveStrategy(self.group)
-        #: Host buffers of the tensors this rank writes, reused by every save.
-        self.staging = HostStaging()
         # Buffers are reserved ahead of time only for periodic async saves;
         # a requested save allocates them itself.
         self._periodic_async = cfg.async_save and bool(cfg.interval or cfg.interval_minutes)
@@ -256,6 +260,8 @@ class Checkpointer:
         clock.lap("split")
         # A synchronous save writes the live tensors: training waits for it.
         staged = 0 if synchronous else self.staging.stage(snapshot)
+        if not synchronous:
+            self.writer.files.start()
         self._reserved = self._reserved or not synchronous
         clock.lap("host_copy")
         request = dist_checkpointing.save(
@@ -283,6 +289,7 @@ class Checkpointer:
         snapshot = state.sharded_state_dict()
         self.strategy.prepare(snapshot, saving=False)
         self.staging.reserve(snapshot)
+        self.writer.files.start()  # its interpreter starts while the buffers fill
         self._reserved = True
 
     def _prepare_target(self, target: Path, step: int) -> bool:

@@ -11,9 +11,9 @@ done with them first, which the Checkpointer guarantees (at most one save
 in flight). :meth:`HostStaging.reserve` allocates them ahead of the first
 save, on a background thread, so no save pays for the allocation.
 
-Without pinning, the buffers are shared memory: megatron's writer is a
-forked process, and a fork write-protects every private page of the parent,
-so the next copy into private buffers would fault on each page again. When
+Without pinning, the buffers are shared memory: the writer process
+(:mod:`megascale_omni.checkpoint.write_workers`) maps the same pages, so
+handing a save over copies nothing. When
 ``/dev/shm`` has no room for them (a container's default is often 64 MB),
 they are private memory instead: touching shared memory past its limit
 raises SIGBUS rather than an error.

@@ -8,35 +8,23 @@ point of the program).
 
 megatron's own ``AsyncCallsQueue`` runs ``async_fn`` in a forked or spawned
 process and assumes CUDA (``torch.cuda.set_device`` in the worker, CUDA
-tensors in its completion collective). We keep megatron's write function and
-request format but drive them ourselves: one persistent writer thread per
-process, at most one request in flight, and completion agreed through the
-caller's per-step flag collective (see :mod:`megascale_omni.checkpoint.manager`).
-The writer thread only forks megatron's file-writer process and waits, so it
-holds the GIL for microseconds.
+tensors in its completion collective). We keep megatron's request format and
+per-bucket write function but drive them ourselves: one persistent writer
+thread per process, at most one request in flight, and completion agreed
+through the caller's per-step flag collective (see
+:mod:`megascale_omni.checkpoint.manager`).
 
-Forking after CUDA is initialised (megatron-core 0.16.1,
-``FileSystemWriterAsync.write_preloaded_data_multiproc``, run here on the
-writer thread, forks one process per write bucket): safe, for three reasons.
+megatron's ``async_fn`` itself (``write_preloaded_data_multiproc``) forks one
+process per write bucket; forking the multi-threaded trainer is what Python
+3.12 deprecates. The writer thread therefore hands the buckets to
+:class:`~megascale_omni.checkpoint.write_workers.WriteWorkers` instead
+(pre-started spawned processes, zero-copy through shared memory, or this
+process when the tensors are not in shared memory): nothing forks.
 
-* The child calls no CUDA API. By the time ``async_fn`` runs every tensor it
-  writes is a host tensor (our staging buffers, and ``prepare_request`` ran
-  megatron's ``preload_fn``); the child asserts ``tensor.is_cpu`` and
-  serialises with ``torch.save``, whose CPU branch only reads the storage's
-  bytes. Pinned (``cudaHostAlloc``) memory is ordinary host memory to read.
-  A CUDA call in the child would raise (PyTorch marks a forked child
-  "bad fork"), not corrupt the parent.
-* Nothing is freed in the child: the buffers stay referenced by the process
-  arguments until the child leaves through ``os._exit``, and megatron's
-  ``_disable_gc`` holds cyclic GC off across the fork. ``gc.disable`` is
-  process-wide, so while a write runs the trainer's own cyclic GC is off too
-  (reference counting still frees memory).
-* Pinned pages can be shared with the child rather than copied on write
-  (megatron's own async path met this with reused pinned buffers), so the
-  parent must not refill them while the child reads them. It does not:
-  ``Checkpointer.save`` waits for the previous save before staging again (at
-  most one save in flight), and the write function returns only after every
-  child has reported.
+The staging buffers a save hands over stay untouched until it is written:
+``Checkpointer.save`` waits for the previous save before staging again (at
+most one save in flight), and :meth:`WriteWorkers.write` returns only after
+every bucket's writer has reported.
 """
 
 from __future__ import annotations
@@ -48,6 +36,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+from megascale_omni.checkpoint.write_workers import WriteWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +59,11 @@ class InflightSave:
 
 
 class AsyncWriter:
-    """One writer thread; ``submit`` -> ``done_locally`` -> ``finalize`` (every rank)."""
+    """One writer thread; ``submit`` -> ``done_locally`` -> ``finalize`` (every rank).
+    ``files`` writes megatron's buckets (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: WriteWorkers) -> None:
+        self.files = files
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self.inflight: Optional[InflightSave] = None
 
@@ -81,7 +73,7 @@ class AsyncWriter:
     ) -> None:
         """Start writing ``request``'s files in the background (host copies staged)."""
         assert self.inflight is None, "at most one checkpoint save may be in flight"
-        future = self._pool.submit(_run_write, request)
+        future = self._pool.submit(_run_write, request, self.files)
         self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta, phases or {})
 
     def done_locally(self) -> bool:
@@ -107,11 +99,14 @@ class AsyncWriter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.files.close()
 
 
-def _run_write(request: AsyncRequest) -> float:
+def _run_write(request: AsyncRequest, files: WriteWorkers) -> float:
     t0 = time.perf_counter()
-    if request.async_fn is not None:
+    if request.async_fn is not None and files.handles(request):
+        files.write(request)
+    elif request.async_fn is not None:  # not megatron's forking writer: run it as given
         request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
     return time.perf_counter() - t0
 

@@ -1,25 +1,14 @@
-"""The one exception type for invalid configuration."""
+"""The one exception type for invalid configuration, and range checks that raise it.
+
+:class:`ConfigError` is defined in :mod:`megascale_omni.errors` (stdlib
+only, so the scheduler can raise it without importing the config package).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from megascale_omni.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """An invalid setting: names the field, the offending value and the fix.
-
-    Entry points turn it into exit code 2 and a single line on stderr
-    (see :func:`megascale_omni.config.cli.run_cli`).
-    """
-
-    def __init__(self, field: str, value: Any, hint: str, *, rank_local: bool = False):
-        self.field = field
-        self.value = value
-        self.hint = hint
-        #: Detected on the raising rank only (e.g. a port that rank failed to
-        #: bind), so entry points print it there instead of on rank 0 only.
-        self.rank_local = rank_local
-        super().__init__(f"config error: {field}={value!r}: {hint}")
+__all__ = ["ConfigError", "require_positive"]
 
 
 def require_positive(section: str, name: str, value: int | float, allow_zero: bool = False) -> None:

@@ -6,12 +6,14 @@ step boundary. Rank 0 of the replica group also runs the
 boundary one small all-reduce (see :mod:`megascale_omni.control.exchange`;
 pipelined, so it overlaps the next step) gives every rank rank 0's queued
 commands, so all ranks pause, resume, drain, checkpoint and change config at
-the same step.
+the same step. With the socket disabled (``control.enabled: false``) no
+collective runs at all.
 
-The same all-reduce carries every rank's own numbers to every rank (see
-:data:`~megascale_omni.metrics.schema.RANK_FIELDS`), so it runs even when
-the socket is disabled (``control.enabled: false``: no server, no commands);
-:meth:`ControlPlane.rank_rows` hands them to the metrics.
+Step records reach rank 0 on the metrics' own exchange
+(:mod:`megascale_omni.metrics.exchange`); the Trainer hands each boundary's
+record to :meth:`ControlPlane.step_boundary`, and ``settle_records`` lets
+the plane finish that exchange when it holds the job (pause, standby) or
+closes, so ``status`` and ``metrics`` report the step it holds at.
 
 Elasticity plugs in through two callables, both called by the training
 thread only (torchft's Manager is not thread-safe): ``replica_info()``
@@ -23,7 +25,6 @@ where to.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import socket
@@ -35,11 +36,12 @@ import torch.distributed as dist
 
 from megascale_omni.config import ConfigError, JobConfig, control_socket_path, load_control_token, to_dict
 from megascale_omni.control.commands import Op, get_field, set_field
-from megascale_omni.control.exchange import MAX_OPS, BoundaryExchange, RankRows
+from megascale_omni.control.exchange import MAX_OPS, BoundaryExchange
 from megascale_omni.control.handlers import RequestHandler
 from megascale_omni.control.protocol import PROTOCOL_VERSION, ErrorCode, error_reply, ok_reply
 from megascale_omni.control.server import ControlServer
 from megascale_omni.control.state import ControlState, Pending
+from megascale_omni.utils.files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ FLUSH_TIMEOUT_S = 30.0
 
 CheckpointFn = Callable[[int], Any]
 ReplicaInfoFn = Callable[[], Optional[dict]]
+#: Finishes the metrics exchange in flight (every rank, at the same point;
+#: waits at most the given seconds, None: no limit) and returns the loss
+#: rank's record it brought, or None (see MetricsExchange.settle).
+SettleRecordsFn = Callable[[Optional[float]], Optional[dict]]
 
 
 class ControlPlane:
@@ -65,10 +71,10 @@ class ControlPlane:
         self,
         cfg: JobConfig,
         layout: dict[str, Any],
-        sends_metrics: bool,
         checkpoint: Optional[CheckpointFn] = None,
         replica_info: Optional[ReplicaInfoFn] = None,
         straggler_info: Optional[ReplicaInfoFn] = None,
+        settle_records: Optional[SettleRecordsFn] = None,
     ):
         self.cfg = cfg
         self.enabled = cfg.control.enabled
@@ -83,22 +89,20 @@ class ControlPlane:
         self._replica_info = replica_info
         #: The last straggler observation (same on every rank), for ``status``.
         self._straggler_info = straggler_info
+        self._settle_records = settle_records
         #: Per exchange call, the commands rank 0 sent that have not come back yet.
         self._transit: collections.deque[list[Pending]] = collections.deque()
         self._server: Optional[ControlServer] = None
         self._endpoint_file: Optional[str] = None
-        #: Rank rows received and not yet taken by :meth:`rank_rows`.
-        self._rank_rows: Optional[RankRows] = None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.serves = self.enabled and rank == 0
+        if not self.enabled:
+            return
         # A gloo group of our own (collective): CPU tensors work on NCCL jobs
         # too, and our background all-reduce never shares a queue with training's.
         group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self._exchange = BoundaryExchange(group, world_size, rank, sends_ops=self.serves,
-                                          sends_metrics=self.enabled and sends_metrics)
-        if not self.enabled:
-            return
+        self._exchange = BoundaryExchange(group, world_size, sends_ops=self.serves)
         started = time.time()
         self.state = ControlState(
             {
@@ -113,20 +117,18 @@ class ControlPlane:
         self._agree_on_start(error, world_size, group)
 
     # ------------------------------------------------------------ training side
-    def step_boundary(self, step: int, record: Optional[dict], rank_row: Optional[list[float]] = None) -> bool:
+    def step_boundary(self, step: int, record: Optional[dict]) -> bool:
         """Apply queued commands (every rank, same ``step`` everywhere).
 
-        ``record`` is the step record of the step just finished (meaningful
-        on the loss rank; ignored elsewhere), None before the first step;
-        ``rank_row`` this rank's :data:`~megascale_omni.metrics.schema.RANK_FIELDS`
-        of that step (every rank or none). Blocks here while paused. Returns
+        ``record`` is the loss rank's newest step record as this rank received
+        it (from the metrics exchange; published on rank 0, ignored
+        elsewhere), None when none arrived. Blocks here while paused. Returns
         False once drained: stop training.
         """
         if not self.enabled:
-            self._keep_rows(self._exchange([], None, step, rank_row).rank_rows)
             return True
         t0 = time.perf_counter()
-        self._exchange_and_apply(step, record, rank_row)
+        self._exchange_and_apply(step, record)
         self.exchange_s += time.perf_counter() - t0
         self.boundaries += 1
         self._hold(step, lambda: self.paused)
@@ -151,6 +153,9 @@ class ControlPlane:
 
     def _hold(self, step: int, held: Callable[[], bool]) -> None:
         """Keep exchanging commands at ``step`` while ``held()`` and not draining (every rank)."""
+        if held() and not self.draining and self._settle_records is not None:
+            # The record of the step we hold at is on its way: publish it now, not after the hold.
+            self._publish_record(self._settle_records(None))
         while held() and not self.draining:
             if self.serves and not any(self._transit):  # nothing on its way back: wait for news
                 self.state.wait_for_command(self.cfg.control.pause_poll_s)
@@ -158,32 +163,21 @@ class ControlPlane:
             # per round: far below the collective timeout, however long the hold.
             self._exchange_and_apply(step, None)
 
-    def rank_rows(self) -> Optional[RankRows]:
-        """Every rank's row of the latest step whose exchange has completed,
-        once (None when no new one): completes the exchange in flight first
-        (every rank, at the same point of the step)."""
-        self._keep_rows(self._exchange.complete())
-        rows, self._rank_rows = self._rank_rows, None
-        return rows
-
-    def _keep_rows(self, rows: Optional[RankRows]) -> None:
-        if rows is not None:
-            self._rank_rows = rows
-
     def close(self) -> None:
-        """Finish the exchange in flight, stop the server, answer commands
+        """Finish the exchanges in flight, stop the server, answer commands
         that were never applied (every rank)."""
-        try:
-            last_record = self._exchange.flush(timeout_s=FLUSH_TIMEOUT_S).record
-        except RuntimeError as e:  # a peer died; we are shutting down anyway
-            logger.warning("control: last boundary exchange did not complete: %s", e)
-            last_record = None
         if not self.enabled:
             return
+        last_record = None
+        try:
+            self._exchange.flush(timeout_s=FLUSH_TIMEOUT_S)
+            if self._settle_records is not None:
+                last_record = self._settle_records(FLUSH_TIMEOUT_S)
+        except RuntimeError as e:  # a peer died; we are shutting down anyway
+            logger.warning("control: last boundary exchange did not complete: %s", e)
         if not self.serves or self._server is None:
             return
-        if last_record is not None:
-            self.state.publish(record=last_record, last_loss=last_record.get("loss"))
+        self._publish_record(last_record)
         message = f"training ended at step {self.state.status()['step']} before the command was applied"
         for pending in [*self._transit_items(), *self.state.close()]:
             pending.answer(lambda request_id: error_reply(request_id, ErrorCode.UNAVAILABLE, message))
@@ -198,10 +192,13 @@ class ControlPlane:
                 self.boundaries, 1e6 * self.exchange_s / self.boundaries,
             )
 
-    def _exchange_and_apply(self, step: int, record: Optional[dict], rank_row: Optional[list[float]] = None) -> None:
+    def _publish_record(self, record: Optional[dict]) -> None:
+        if self.serves and record is not None:
+            self.state.publish(record=record, last_loss=record.get("loss"))
+
+    def _exchange_and_apply(self, step: int, loss_record: Optional[dict]) -> None:
         sent: list[Pending] = self.state.take(MAX_OPS) if self.serves else []
-        ops, loss_record, rows = self._exchange([p.op for p in sent], record, step, rank_row)
-        self._keep_rows(rows)
+        ops = self._exchange([p.op for p in sent])
         # The ops that came back are the ones sent ``lag`` calls ago.
         self._transit.append(sent)
         taken = self._transit.popleft() if len(self._transit) > self._exchange.lag else []
@@ -294,7 +291,7 @@ class ControlPlane:
         # In the run directory, whatever the socket path: `omni-ctl --run-dir` looks there.
         os.makedirs(self.cfg.logging.output_dir, exist_ok=True)
         self._endpoint_file = os.path.join(self.cfg.logging.output_dir, ENDPOINT_FILE)
-        _write_json_atomic(self._endpoint_file, {
+        atomic_write_json(self._endpoint_file, {
             "protocol_version": PROTOCOL_VERSION, "pid": os.getpid(), **server.addresses,
         })
         logger.info("control: serving %s", " and ".join(f"{k} {v}" for k, v in server.addresses.items() if v))
@@ -313,9 +310,3 @@ class ControlPlane:
         if failed:
             raise ConfigError("control", "rank 0", "could not start the control server; see rank 0's error")
 
-
-def _write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)

@@ -35,6 +35,7 @@ from megascale_omni.data.shards import (
     ShardIndex,
     ShardInfo,
 )
+from megascale_omni.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +186,8 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                for loc, meta, head in zip(samples, metas, heads)]
     basis = coster.cost_basis() if coster is not None else None
     index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples, basis)
-    tmp = out / f".{INDEX_FILENAME}.tmp-{os.getpid()}"
-    tmp.write_text(index.to_json(), encoding="utf-8")
-    os.replace(tmp, out / INDEX_FILENAME)  # readers never see a half-written index
+    # Readers never see a half-written index; not fsynced: the index is rebuilt
+    # by re-running the writer, and every shard's sha256 in it is checked on read.
+    atomic_write_text(out / INDEX_FILENAME, index.to_json())
     logger.info("indexed %d samples in %d shards under %s", len(samples), len(shards), out)
     return index

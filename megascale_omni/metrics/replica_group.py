@@ -1,10 +1,10 @@
 """The replica group's view of a step: every rank's numbers, aggregated, and stragglers.
 
 Every rank contributes its :data:`~megascale_omni.metrics.schema.RANK_FIELDS`
-to the step-boundary exchange (:mod:`megascale_omni.control.exchange`, one
-all-reduce per step that carries the control commands too), so every rank
-holds every rank's row without a collective of its own. The exchange
-completes during the next step; the fields this module adds to a record
+to the metrics exchange (:mod:`megascale_omni.metrics.exchange`, one
+pipelined all-reduce per step that also brings the loss rank's record to
+rank 0), so every rank holds every rank's row. The exchange completes during
+the next step; the fields this module adds to a record
 therefore describe ``group_step``, the step before it.
 
 Wall-clock step time cannot find a straggler in synchronous training: every

@@ -37,7 +37,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
     "metrics_s": ("s", "building and exporting the previous step's record, collecting the group's rank rows"),
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
-    "control_s": ("s", "control-socket exchange at the step boundary"),
+    "control_s": ("s", "the step boundary's exchanges: metrics (record, rank rows) and control commands"),
     "other_s": ("s", "step_s minus every component above"),
     "fwd_bwd_s": ("s", "compute_s + pipeline_wait_s + grad_sync_s + cross_replica_s"),
     # throughput and efficiency
@@ -57,7 +57,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "rss_gib": ("GiB", "resident host memory of the process"),
     "optimizer_state_bytes": ("bytes", "optimizer state this rank holds (Adam moments, fp32 main copies; "
                                        "its shard with parallel.use_distributed_optimizer)"),
-    # replica group: every rank's RANK_FIELDS travel to every rank in the step-boundary exchange, which
+    # replica group: every rank's RANK_FIELDS travel to every rank in the metrics exchange, which
     # completes during the next step, so these describe step ``group_step``, the previous one.
     # busy = data_s + compute_s: the time a rank is not waiting for others.
     "busy_s": ("s", "this rank's busy time, this step"),

@@ -1,5 +1,5 @@
 """Which step-record values count as one number: shared by every exporter
-(Prometheus, the control socket's boundary exchange) so they agree on the
+(Prometheus, the metrics exchange to the control socket) so they agree on the
 field set."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from megascale_omni.config.errors import ConfigError
+from megascale_omni.errors import ConfigError
 
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 3
 POLICY_NAMES = ("elastic", "static", "greedy")

@@ -33,6 +33,7 @@ from typing import Mapping, Optional, Protocol, Sequence
 import yaml
 
 from megascale_omni.control.client import Address, endpoint_of_run
+from megascale_omni.utils.processes import kill_process_tree
 
 log = logging.getLogger(__name__)
 
@@ -145,30 +146,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s process group and every descendant's group (torchrun
-    starts each worker in a session of its own), then reap ``proc``."""
-    import signal
-
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    for pid in [proc.pid, *(d.pid for d in descendants)]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for d in descendants:
-        try:
-            d.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
 class LocalLauncher:
     """Replica groups as local torchrun processes (tests and the demo).
 
@@ -224,7 +201,7 @@ class LocalLauncher:
     def kill(self, group: GroupSpec) -> None:
         proc = self.procs.get((group.job, group.replica_id))
         if proc is not None:
-            kill_tree(proc)
+            kill_process_tree(proc)
 
     def address(self, group: GroupSpec) -> Address:
         return endpoint_of_run(self.jobs[group.job].output_dir(group.replica_id))
@@ -237,7 +214,7 @@ class LocalLauncher:
         """Kill every group and lighthouse this launcher started (idempotent)."""
         for proc in [*self.procs.values(), *self.lighthouses.values()]:
             if proc.poll() is None:
-                kill_tree(proc)
+                kill_process_tree(proc)
 
 
 def group_name(job: str, replica_id: str) -> str:

@@ -18,12 +18,15 @@ from typing import Any, Callable, Optional
 
 from megascale_omni.control.client import Address, ControlClient, ControlError
 from megascale_omni.control.protocol import ProtocolError
+from megascale_omni.metrics.schema import STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
-#: Step-record fields the policy reads (megascale_omni/metrics/schema.py).
+#: Step-record fields the policy reads, by their schema names.
 METRIC_FIELDS = ("step", "samples_per_s", "step_s", "data_s", "busy_s", "straggler_count", "stragglers",
                  "participants")
+if not set(METRIC_FIELDS) <= set(STEP_FIELDS):  # a renamed field fails here, not as a metric gone quiet
+    raise ImportError(f"scheduler reads step-record fields the schema lacks: {set(METRIC_FIELDS) - set(STEP_FIELDS)}")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megascale_omni.config.errors import ConfigError
+from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import BARE_METAL, PoolSpec
 from megascale_omni.scheduler.trace import _int, _list, _mapping, _name, _number, _pool, _unique
 

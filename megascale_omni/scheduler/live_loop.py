@@ -17,7 +17,6 @@ clock, because reclaim deadlines in the availability file are Unix times.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from megascale_omni.scheduler.model import (
     ThroughputCurve,
     apply,
 )
+from megascale_omni.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,7 @@ class LiveScheduler:
             "unreachable": self.actuator.unreachable[-20:],
         }
         path = os.path.join(self.cfg.out, "state.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1)
-        os.replace(path + ".tmp", path)
+        atomic_write_json(path, state, indent=1)  # a snapshot, rewritten every tick: no fsync
 
     def _nap(self, until: float, stop: Callable[[], bool]) -> None:
         while not stop() and self.wall() < until:

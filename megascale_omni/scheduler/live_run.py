@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Optional
 
-from megascale_omni.config.errors import ConfigError
+from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.launchers import KubernetesLauncher, LocalLauncher, SlurmLauncher
 from megascale_omni.scheduler.live_config import LiveConfig, load_live_config
 from megascale_omni.scheduler.live_loop import LiveScheduler, job_templates

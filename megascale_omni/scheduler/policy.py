@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, fields
 
-from megascale_omni.config.errors import ConfigError
+from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import Action, Decision, JobView, Snapshot
 from megascale_omni.scheduler.planning import (
     RECLAIM_MARGIN_MIN,

@@ -3,7 +3,7 @@ decision log and PNG plots per run.
 
 Called by ``omni-sched simulate`` (and the benchmark script). matplotlib
 (Agg backend) is imported only inside :func:`write_plots`, as in
-``tools/reportlib.py``.
+``megascale_omni/report/``.
 """
 
 from __future__ import annotations

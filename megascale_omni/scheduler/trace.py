@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from megascale_omni.config.errors import ConfigError
+from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import (
     BARE_METAL,
     VM,

@@ -30,6 +30,7 @@ from megascale_omni.control.plane import ControlPlane
 from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
 from megascale_omni.metrics.clock import events_for
+from megascale_omni.metrics.exchange import MetricsExchange
 from megascale_omni.metrics.flops import StepFlops, device_peak
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
@@ -155,11 +156,13 @@ class Trainer:
         if self.membership.enabled:
             # Replica groups share the checkpoint directories; one writes.
             self.checkpointer.writes = self.membership.is_writer
+        self.group_exchange = MetricsExchange.for_replica_group(sends_record=self.is_loss_rank)
+        self._teardown.callback(self.group_exchange.close)
         self.control = ControlPlane(
-            cfg, self.dims.layout(), sends_metrics=self.is_loss_rank,
+            cfg, self.dims.layout(),
             checkpoint=self._control_checkpoint if self.checkpointer.enabled else None,
             replica_info=self.membership.describe if self.membership.enabled else None,
-            straggler_info=self.group_metrics.describe,
+            straggler_info=self.group_metrics.describe, settle_records=self.group_exchange.settle,
         )
         self._teardown.callback(self.control.close)
 
@@ -237,7 +240,8 @@ class Trainer:
                         self._evaluate()
                     # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
                     t0 = time.perf_counter()
-                    serving = self.control.step_boundary(self.state.step, record, rank_row(record))
+                    loss_record = self.group_exchange(self.state.step, record, rank_row(record))
+                    serving = self.control.step_boundary(self.state.step, loss_record)
                     t1 = time.perf_counter()
                     stop = self.checkpointer.at_step_boundary(self.state)
                     # Reported in the next step's record (its step_s starts here).
@@ -315,8 +319,8 @@ class Trainer:
                                      self.task.images_of(self.state.step - 1), extra,
                                      self.task.batch_shape(self.state.step - 1))
         record["busy_s"] = record["data_s"] + record["compute_s"]
-        # Every rank's numbers of the previous step (the boundary exchange, completed now).
-        rows = self.control.rank_rows()
+        # Every rank's numbers of the previous step (the metrics exchange, completed now).
+        rows = self.group_exchange.rank_rows()
         record.update(self.group_metrics.observe(rows.step, rows.rows) if rows else self.group_metrics.observe(0, None))
         if self.is_loss_rank:
             self.history.append(record)

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from megascale_omni.control.exchange import METRIC_FIELDS
+from megascale_omni.metrics.exchange import METRIC_FIELDS
 from megascale_omni.metrics.schema import STEP_FIELDS
 from tests.dist.control_helpers import omni_ctl, wait_for_server
 from tests.launcher import free_port, output_of, read_metrics, spawn_torchrun, torchrun

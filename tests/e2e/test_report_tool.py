@@ -48,7 +48,7 @@ def _report(run_dir: Path, *extra: str) -> Result:
 
 
 def _fmt(v: float) -> str:
-    """The summary's number format (tools/reportlib.fmt)."""
+    """The summary's number format (megascale_omni.report.run.fmt)."""
     return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import warnings
 
 import pytest
 import torch
@@ -138,3 +140,38 @@ def test_host_staging_copies_into_the_same_buffers_and_skips_other_replicas(monk
     # Replicas another rank writes keep their live tensors and need no buffer.
     other = _sharded(live, replica_id=1)
     assert staging.stage(other) == 0 and other["t0"].data is live[0]
+
+
+def test_saves_never_fork_the_trainer_and_warn_nothing(trainer, tmp_path, monkeypatch):
+    """Python 3.12 deprecates forking a multi-threaded process (DeprecationWarning;
+    a lock another thread holds at the fork stays held in the child). Async
+    saves hand their shared-memory buffers to a spawned writer process; other
+    writes run in this process. Neither forks."""
+    files = trainer.checkpointer.writer.files
+    assert files.start_method == "spawn" and files._workers == []  # started before the first async save
+    forks = []
+
+    def no_fork():
+        forks.append(threading.current_thread().name)
+        raise AssertionError("os.fork called")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with warnings.catch_warnings():
+        # Training itself raises megatron's unrelated deprecation warnings: fail on any about fork.
+        for category in (DeprecationWarning, RuntimeWarning):
+            warnings.filterwarnings("error", message=".*fork", category=category)
+        trainer.train()  # async saves at steps 2, 4, 6: staged buffers -> the writer process
+    assert len(files._workers) == 1 and files._workers[0][0].is_alive()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer.state.step += 1
+        trainer.checkpointer.save(trainer.state, "async")
+        trainer.checkpointer.wait()
+        trainer.state.step += 1
+        trainer.checkpointer.save(trainer.state, "sync", wait=True)  # live tensors: written in this process
+    assert forks == []
+    assert (files.handed_over, files.in_process) == (4, 1)
+    saved = layout.scan_tier(tmp_path / "async" / "ckpt", "persistent")
+    assert [c.step for c in saved if c.complete] == [2, 4, 6, 7, 8]
+    assert all(layout.verify(c) == [] for c in saved)

@@ -51,7 +51,7 @@ def _wait(predicate, what: str, timeout_s: float = 30.0) -> None:
 @pytest.fixture
 def plane(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGASCALE_CONTROL_TOKEN", TOKEN)
-    p = ControlPlane(_cfg(tmp_path, tcp_port=0), {}, sends_metrics=True)
+    p = ControlPlane(_cfg(tmp_path, tcp_port=0), {})
     p.step_boundary(0, None)
     yield p
     p.close()

@@ -11,18 +11,7 @@ from megascale_omni.config import ConfigError, JobConfig, control_socket_path, f
 from megascale_omni.control.cli import build_parser, format_result, request_of
 from megascale_omni.control.client import parse_target
 from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op, check_args, check_config_set, set_field
-from megascale_omni.control.exchange import (
-    MAX_OPS,
-    METRIC_FIELDS,
-    SIZE,
-    decode_ops,
-    decode_rank_rows,
-    decode_record,
-    encode_ops,
-    encode_rank_row,
-    encode_record,
-    vector_size,
-)
+from megascale_omni.control.exchange import MAX_OPS, SIZE, decode_ops, encode_ops
 from megascale_omni.control.protocol import (
     MAX_MESSAGE_BYTES,
     ErrorCode,
@@ -31,7 +20,6 @@ from megascale_omni.control.protocol import (
     encode,
     parse_request,
 )
-from megascale_omni.metrics.schema import RANK_FIELDS, STEP_FIELDS
 
 
 def _line(obj) -> bytes:
@@ -157,61 +145,18 @@ def test_config_set_coerces_like_the_yaml_loader():
 def test_boundary_vector_round_trip_is_exact():
     ops = [Op("pause"), Op("config_set", "train.steps", 2**53 - 1), Op("config_set", "data.max_bad_sample_fraction",
            0.1 + 0.2), Op("drain"), Op("resume"), Op("checkpoint")]
-    record = {"step": 12, "loss": 2.3456789012345678, "lr": 3e-4, "grad_norm": None, "skipped": True,
-              "tokens": 256, "tokens_per_s": float("inf"), "extra": "ignored"}
     values = [0.0] * SIZE
     encode_ops(values, ops)
-    encode_record(values, record)
     assert decode_ops(values) == [
         Op("pause"), Op("config_set", "train.steps", float(2**53 - 1)),
         Op("config_set", "data.max_bad_sample_fraction", 0.1 + 0.2), Op("drain"), Op("resume"), Op("checkpoint"),
     ]
-    out = decode_record(values)
-    assert out["step"] == 12 and type(out["step"]) is int
-    assert out["loss"] == record["loss"] and out["skipped"] is True
-    # None and absent fields come back absent (as in metrics.jsonl), never as 0.
-    assert "grad_norm" not in out and "mfu" not in out
-    assert out["tokens_per_s"] == float("inf") and "extra" not in out
-    assert decode_record([0.0] * SIZE) is None
+    # The command vector carries commands only (records travel on metrics.exchange).
+    assert SIZE == 1 + 3 * MAX_OPS
+    assert decode_ops([0.0] * SIZE) == []
     with pytest.raises(AssertionError):
         encode_ops([0.0] * SIZE, [Op("pause")] * (MAX_OPS + 1))
     assert len(MUTABLE_FIELD_NAMES) == 4
-
-
-
-def test_boundary_vector_carries_every_scalar_schema_field_with_its_type():
-    assert METRIC_FIELDS == tuple(f for f in STEP_FIELDS if f != "stragglers")
-    # A full record as the loss rank logs it: ints, floats, bools, NaN, a list.
-    record = {name: 0.1 * (i + 1) for i, name in enumerate(STEP_FIELDS)}
-    record.update(step=7, tokens=2**40 + 1, slowest_rank=3, skipped=False, healed=True, loss=float("nan"),
-                  stragglers=[1, 3])
-    values = [0.0] * SIZE
-    encode_record(values, record)
-    out = decode_record(values)
-    assert list(out) == list(METRIC_FIELDS)
-    for name in METRIC_FIELDS:
-        if name == "loss":
-            assert math.isnan(out[name])
-            continue
-        assert out[name] == record[name] and type(out[name]) is type(record[name]), name
-
-
-def test_rank_rows_sum_into_every_ranks_row():
-    """Each of 3 ranks writes its row, the SUM all-reduce is emulated by adding
-    the vectors: every row comes back exactly, NaN (absent) included."""
-    world, n = 3, len(RANK_FIELDS)
-    rows = [[r + 0.1 * i for i in range(n)] for r in range(world)]
-    rows[2][-1] = math.nan
-    total = [0.0] * vector_size(world)
-    for rank, row in enumerate(rows):
-        values = [0.0] * vector_size(world)
-        encode_rank_row(values, rank, 41, row)
-        total = [a + b for a, b in zip(total, values)]
-    assert vector_size(world) == SIZE + 1 + world * n
-    out = decode_rank_rows(total, world)
-    assert out.step == 41
-    assert out.rows[:2] == rows[:2] and out.rows[2][:-1] == rows[2][:-1] and math.isnan(out.rows[2][-1])
-    assert decode_rank_rows([0.0] * vector_size(world), world) is None  # a pause poll carries none
 
 
 def test_parse_target():

@@ -30,8 +30,7 @@ def _cfg(tmp_path, **control) -> JobConfig:
 @pytest.fixture
 def plane(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGASCALE_CONTROL_TOKEN", TOKEN)
-    p = ControlPlane(_cfg(tmp_path, tcp_port=0), {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "vpp": None},
-                     sends_metrics=True)
+    p = ControlPlane(_cfg(tmp_path, tcp_port=0), {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "vpp": None})
     assert p.state.status()["state"] == "starting"
     p.step_boundary(0, None)
     yield p
@@ -276,7 +275,7 @@ def _standing_by(plane, client) -> tuple[threading.Thread, list]:
 def test_standby_waits_for_join_then_trains(tmp_path):
     """A standby replica group answers status as ``standby`` and holds every
     rank until ``join``; join is refused once it runs (nothing to join)."""
-    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True,
+    plane = ControlPlane(_cfg(tmp_path), {},
                          replica_info=lambda: {"replica_id": "r1", "standby": True})
     try:
         with ControlClient(_addr(plane)) as c:
@@ -303,7 +302,7 @@ def test_standby_waits_for_join_then_trains(tmp_path):
 
 
 def test_drain_releases_a_standby_without_joining(tmp_path):
-    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+    plane = ControlPlane(_cfg(tmp_path), {})
     try:
         with ControlClient(_addr(plane)) as c:
             waiter, joined = _standing_by(plane, c)
@@ -334,7 +333,7 @@ def test_steps_can_be_extended_and_the_loop_honours_it(plane):
 
 def test_checkpoint_calls_the_service_at_a_boundary(tmp_path):
     saved = []
-    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True,
+    plane = ControlPlane(_cfg(tmp_path), {},
                          checkpoint=lambda step: saved.append(step) or f"/ckpt/step{step}")
     try:
         loop = Loop(plane)
@@ -349,7 +348,7 @@ def test_checkpoint_calls_the_service_at_a_boundary(tmp_path):
 
 
 def test_unapplied_commands_are_answered_at_close(tmp_path):
-    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+    plane = ControlPlane(_cfg(tmp_path), {})
     replies = []
     t = threading.Thread(target=lambda: replies.append(ControlClient(_addr(plane)).request("pause")))
     t.start()
@@ -375,21 +374,21 @@ def test_stale_socket_is_replaced_live_one_and_files_are_refused(tmp_path):
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(run / "control.sock"))
     stale.close()  # file left behind, nobody listening
-    first = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+    first = ControlPlane(_cfg(tmp_path), {})
     try:
         with pytest.raises(ConfigError) as e:
-            ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+            ControlPlane(_cfg(tmp_path), {})
         assert "another job is serving" in e.value.hint
     finally:
         first.close()
     (run / "control.sock").write_text("precious")
     with pytest.raises(ConfigError) as e:
-        ControlPlane(_cfg(tmp_path), {}, sends_metrics=True)
+        ControlPlane(_cfg(tmp_path), {})
     assert "not a socket" in e.value.hint and (run / "control.sock").read_text() == "precious"
 
 
 def test_disabled_plane_is_inert(tmp_path):
-    plane = ControlPlane(_cfg(tmp_path, enabled=False), {}, sends_metrics=True)
+    plane = ControlPlane(_cfg(tmp_path, enabled=False), {})
     assert plane.step_boundary(0, None) is True and not plane.draining
     plane.close()
     assert not (tmp_path / "run").exists()
@@ -399,7 +398,7 @@ def test_failing_checkpoint_service_answers_then_raises_in_training(tmp_path):
     def broken(step):
         raise RuntimeError("disk full")
 
-    plane = ControlPlane(_cfg(tmp_path), {}, sends_metrics=True, checkpoint=broken)
+    plane = ControlPlane(_cfg(tmp_path), {}, checkpoint=broken)
     replies = []
     t = threading.Thread(target=lambda: replies.append(ControlClient(_addr(plane)).request("checkpoint")))
     t.start()
@@ -414,7 +413,7 @@ def test_failing_checkpoint_service_answers_then_raises_in_training(tmp_path):
 
 def test_socket_elsewhere_is_published_in_the_run_dir(tmp_path):
     sock = tmp_path / "elsewhere" / "job.sock"
-    plane = ControlPlane(_cfg(tmp_path, socket_path=str(sock)), {}, sends_metrics=True)
+    plane = ControlPlane(_cfg(tmp_path, socket_path=str(sock)), {})
     try:
         assert endpoint_of_run(str(tmp_path / "run")) == str(sock)
         with ControlClient(endpoint_of_run(str(tmp_path / "run"))) as c:

@@ -36,7 +36,7 @@ class FakeGroup:
     def serve(self) -> None:
         cfg = from_dict(JobConfig, {"train": {"steps": 10**6}, "control": {"pause_poll_s": 0.02},
                                     "logging": {"output_dir": str(self.root / self.spec.replica_id)}})
-        self.plane = ControlPlane(cfg, {}, sends_metrics=True,
+        self.plane = ControlPlane(cfg, {},
                                   replica_info=lambda: {"replica_id": self.spec.replica_id,
                                                         "standby": self.spec.standby})
         threading.Thread(target=self._run, daemon=True).start()

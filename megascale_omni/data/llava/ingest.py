@@ -59,6 +59,7 @@ from megascale_omni.data.sample import (
     SampleValidationError,
 )
 from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name
+from megascale_omni.utils.files import atomic_open, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -285,27 +286,20 @@ def _write_chunk(job: tuple) -> dict:
     name = None
     if kept:
         name = shard_name(number)
-        tmp = Path(out) / f".{name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fileobj:
+        with atomic_open(Path(out) / name, "wb") as fileobj:
             writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444, compress=False, encoder=False,
                                           mtime=0.0)
             for sample in kept:
                 writer.write({"__key__": f"{sample.id:09d}", **encode_sample(sample)})
             writer.close()
-        os.replace(tmp, Path(out) / name)
     marker = {"chunk": number, "shard": name, "kept": len(kept), "inputs": len(records), "rejected": rejected}
-    _write_json_atomic(Path(out) / STATE_DIR / f"chunk-{number:06d}.json", marker)
+    atomic_write_text(Path(out) / STATE_DIR / f"chunk-{number:06d}.json", json.dumps(marker, sort_keys=True) + "\n")
     return marker
 
 
 def _plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
 
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------- ingest
@@ -376,7 +370,7 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
     report.rejected = len(rejected)
     report.reasons = Counter(_reason_kind(r["reason"]) for r in rejected)
     report.shards = len(names)
-    _write_json_atomic(out / REPORT_FILE, report.to_dict())
+    atomic_write_text(out / REPORT_FILE, json.dumps(report.to_dict(), sort_keys=True) + "\n")
     return report
 
 

@@ -1,6 +1,6 @@
-"""The one-page summary (``summary.md``) of ``tools/report.py``: headline
+"""The one-page summary (``summary.md``) of a run's report: headline
 numbers, step-time shares, checkpoints, membership, what the run lacks and
-the plots written. Reads a :class:`reportlib.Run`; no matplotlib.
+the plots written. Reads a :class:`~megascale_omni.report.run.Run`; no matplotlib.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import math
 from collections import Counter
 
 import numpy as np
-from reportlib import (
+
+from megascale_omni.report.run import (
     REMAINDER,
     Run,
     _is_step_number,

@@ -1,4 +1,4 @@
-"""The job-level part of tools/report.py: several replica groups' runs side by side.
+"""The job-level part of the report (``tools/report.py``): several replica groups' runs side by side.
 
 An elastic job writes one run directory per replica group (its
 ``logging.output_dir``). Given the job directory above them,
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import reportlib
 
 from megascale_omni.config import ConfigError
 from megascale_omni.config.runtime_sections import LoggingConfig
 from megascale_omni.metrics.job import aggregate_job, replica_busy_s
+from megascale_omni.report.run import Run, fmt, load_run
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Job:
     """The replica groups' runs of one job and the job's per-step records."""
 
     path: Path
-    runs: dict[str, reportlib.Run]
+    runs: dict[str, Run]
     steps: list[dict]
 
 
@@ -43,7 +43,7 @@ def load_job(job_dir: Path) -> Job:
     """Every replica group's run under ``job_dir`` and their aggregate, with the
     default straggler rule of ``logging.straggler_*``. Raises ConfigError when a
     group's metrics.jsonl has no valid step record."""
-    runs = {d.name: reportlib.load_run(d) for d in group_dirs(job_dir)}
+    runs = {d.name: load_run(d) for d in group_dirs(job_dir)}
     if not runs:
         raise ConfigError("RUN_DIR", str(job_dir), "has no metrics.jsonl and no replica-group directory with one")
     rule = LoggingConfig()
@@ -91,7 +91,6 @@ def write_job_plot(job: Job, out: Path) -> bool:
 
 def job_markdown(job: Job, plotted: bool) -> str:
     """``job.md``: headline numbers of the job and one row per replica group."""
-    fmt = reportlib.fmt
     steps = job.steps
     step_s = np.array([j["step_s"] for j in steps])
     lines = [f"# Job report: {job.path.name}", "", f"Replica groups: {', '.join(job.runs)}.", "",
