@@ -39,13 +39,17 @@ CHAT = ["transformers>=5.0,<6"]  # data.format=chat (chat templates), HF tokeniz
 LATENTS = ["diffusers>=0.42,<1", "transformers>=5.0,<6"]
 # tools/report.py and omni-sched simulate --out only (PNG plots).
 REPORT = ["matplotlib>=3.8,<4"]
+# parallel.cp_comm_type=a2a+p2p only: megatron-core builds hierarchical CP groups with einops
+# (transformer-engine depends on it too, so GPU hosts with TE have it).
+CP = ["einops>=0.8,<1"]
 EXTRAS = {
     "hf": HF,
     "chat": CHAT,
     "latents": LATENTS,
     "report": REPORT,
+    "cp": CP,
     # The test extra includes every optional feature so CI exercises them end to end.
-    "test": ["pytest>=8.3,<10", "pytest-timeout>=2.3,<3", *HF, *LATENTS, *REPORT],
+    "test": ["pytest>=8.3,<10", "pytest-timeout>=2.3,<3", *HF, *LATENTS, *REPORT, *CP],
     # CUDA hosts only; never imported by a CPU run (model.layer_impl: auto picks TE when installed).
     # transformer-engine: megatron-core 0.16.1 declares >=2.9,<2.12; flash-attn 2.8.x is the newest
     # flash-attn 2 that TE 2.11 accepts (its max_version 2.8.3). Both build against the local CUDA torch.

@@ -71,7 +71,7 @@ def initialize_parallel(dims: ParallelDims, seed: int) -> None:
         raise ConfigError(
             "parallel.cp_comm_type", "a2a+p2p",
             "megatron builds the hierarchical CP groups with einops (transformer-engine depends on it): "
-            "pip install einops, or use p2p or a2a",
+            "pip install 'megascale-omni[cp]' (einops), or use p2p or a2a",
         )
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,

@@ -85,7 +85,7 @@ def test_a2a_p2p_without_einops_is_a_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "einops" else real(name, *a))
     monkeypatch.setattr(state.dist, "is_initialized", lambda: True)
     dims = ParallelDims(tp=1, pp=1, cp=4, dp=1, vpp=None, world_size=4, hierarchical_cp=(2, 2))
-    with pytest.raises(ConfigError, match="pip install einops"):
+    with pytest.raises(ConfigError, match=r"megascale-omni\[cp\]. \(einops\)"):
         state.initialize_parallel(dims, seed=0)
 
 
