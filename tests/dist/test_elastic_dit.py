@@ -31,7 +31,7 @@ from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform
 from megascale_omni.tasks.dit import DitTask
-from megascale_omni.training.ledger import consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from tests.dist.elastic_helpers import step_records
 from tests.dist.test_elastic_membership import Job
 from tests.e2e.test_dit_bad_samples import corrupt_member

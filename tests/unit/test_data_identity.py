@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megascale_omni.checkpoint.peer import check_peer_state, replica_config
+from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 from megascale_omni.config import ConfigError
 from megascale_omni.data.identity import check_data_identity
 from megascale_omni.data.llava.batches import LlavaEncoder
