@@ -242,26 +242,19 @@ def test_bucket_numel_counts_every_trainable_element_as_the_optimizer_buckets_do
 @pytest.fixture(scope="module")
 def manager():
     """A torchft manager of a one-rank replica group alone at a fresh lighthouse."""
-    import torch.distributed as dist
-
     from megascale_omni.elastic.membership import ReplicaQuorum
-    from tests.launcher import free_port
+    from tests.unit.replica_group import one_rank_group
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MASTER_ADDR", "127.0.0.1")
-    mp.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
-    lighthouse = adapter.lighthouse_server(min_replicas=1)
-    cfg = ElasticConfig(enabled=True, lighthouse=lighthouse.address().replace("[::]", "localhost"),
-                        replica_id="r0", timeout_s=20, quorum_timeout_s=20)
-    quorum = ReplicaQuorum(cfg, state_dict=lambda: {"w": 7}, load_state_dict=lambda state: None)
-    try:
-        yield quorum.manager
-    finally:
-        quorum.leave()
-        lighthouse.shutdown()
-        dist.destroy_process_group()
-        mp.undo()
+    with one_rank_group():
+        lighthouse = adapter.lighthouse_server(min_replicas=1)
+        cfg = ElasticConfig(enabled=True, lighthouse=lighthouse.address().replace("[::]", "localhost"),
+                            replica_id="r0", timeout_s=20, quorum_timeout_s=20)
+        quorum = ReplicaQuorum(cfg, state_dict=lambda: {"w": 7}, load_state_dict=lambda state: None)
+        try:
+            yield quorum.manager
+        finally:
+            quorum.leave()
+            lighthouse.shutdown()
 
 
 def test_the_quorum_id_is_set_by_the_first_quorum_and_kept_while_it_is_unchanged(manager):
@@ -293,10 +286,9 @@ def test_a_committed_vote_advances_exactly_what_the_lone_commit_advances(manager
 
 
 def test_a_fetched_peer_state_waits_in_pending_state_dict_under_user_default(manager):
-    from torchft.manager import Manager
-
     # The quorum thread stores the transport's result there; should_commit applies and clears it.
-    assert "self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(" in inspect.getsource(Manager)
+    source = inspect.getsource(type(manager))
+    assert "self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(" in source
     sent = manager._manager_state_dict()  # what a live peer's send_checkpoint is given
     assert sent == {"user": {"default": {"w": 7}}, "torchft": manager.state_dict()}
     assert adapter.pending_peer_state(manager) is None

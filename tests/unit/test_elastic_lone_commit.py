@@ -5,26 +5,19 @@ without torchft's vote and leaves torchft's manager where the vote leaves it
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from megascale_omni.config import ElasticConfig
 from megascale_omni.elastic import adapter
 from megascale_omni.elastic.membership import ReplicaQuorum
-from tests.launcher import free_port
+from tests.unit.replica_group import one_rank_group
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def group():
-    mp = pytest.MonkeyPatch()
-    # torchft's manager finds its group's store at MASTER_ADDR/PORT, as under torchrun.
-    mp.setenv("MASTER_ADDR", "127.0.0.1")
-    mp.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    mp.undo()
+    with one_rank_group():
+        yield
 
 
 def _steps(steps: int, **elastic) -> tuple[list[bool], list[bool], dict, int]:
