@@ -107,9 +107,9 @@ def transfer_worker(rank: int, port: int, nbytes: int, tensors: int, trials: lis
     from megascale_omni.elastic.heal import checkpoint_transport
 
     store = dist.TCPStore("localhost", port, is_master=False, timeout=TIMEOUT)
-    pg = process_group_for(torch.device("cpu"), TIMEOUT)
-    pg.configure(f"localhost:{port}/transfer_pg", "0", rank, 2)
     cpu = torch.device("cpu")
+    pg = process_group_for(cpu, TIMEOUT)
+    pg.configure(f"localhost:{port}/transfer_pg", "0", rank, 2)
     transports = {kind: checkpoint_transport(kind, pg, cpu, TIMEOUT) for kind in TRANSPORTS}
     if rank == 0:
         for kind, t in transports.items():

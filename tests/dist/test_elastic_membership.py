@@ -46,8 +46,8 @@ import pytest
 
 from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
-from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.elastic.ledger import consumed_samples, read_ledger
+from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
 from tests.launcher import finish, kill_group, output_of, spawn, torchrun_cmd

@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from megascale_omni.data.sample_plan import SamplePlan
-from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from megascale_omni.elastic.ledger import consumed_samples, read_ledger
+from megascale_omni.tasks.gpt_smoke import NUM_SAMPLES
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import step_records, wait_for
 from tests.launcher import REPO, kill_group, finish, spawn, torchrun_cmd

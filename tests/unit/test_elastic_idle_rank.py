@@ -17,11 +17,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_rank_without_microbatches_after_a_backward_steps_with_overlap():
-    from megascale_omni.models.standalone import one_process
-    from megascale_omni.parallel import ParallelDims
     from megascale_omni.elastic import adapter
     from megascale_omni.elastic.cross_replica import CrossReplicaSums
     from megascale_omni.elastic.membership import ReplicaQuorum
+    from megascale_omni.models.standalone import one_process
+    from megascale_omni.parallel import ParallelDims
     from megascale_omni.platform import init_platform
     from megascale_omni.tasks.gpt_smoke import GptSmokeTask
     from megascale_omni.training.optimizer import build_optimizer, wrap_ddp

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
 from megascale_omni.elastic.ledger import SampleLedger, consumed_samples, read_ledger
+from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 
 ELASTIC = {"enabled": True, "lighthouse": "http://localhost:29510", "replica_id": "r1"}
 
