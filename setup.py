@@ -8,7 +8,7 @@ takes the same versions for a GPU host.
 
 Bounds: a lower bound is the release line we run; an upper bound is the next
 release line that may break us. megatron-core and torchft are held to one
-minor release because platform/cpu_compat.py and parallel/elastic.py patch
+minor release because platform/cpu_compat.py and elastic/adapter.py patch
 or wrap named internals of exactly those lines.
 """
 

@@ -13,7 +13,7 @@ across groups). Read from the step records of rank 0 of group r0:
 
 - ``cross_replica_bytes``: payload bytes that rank handed to torchft's
   all-reduce in the step (gradients, token count, loss report), counted at
-  the seam (megascale_omni/parallel/elastic.py), on steps with 2 participants;
+  the seam (megascale_omni/elastic/cross_replica.py), on steps with 2 participants;
 - ``optimizer_state_bytes``: Adam moments and fp32 main copies held by the rank;
 - the median step time with 2 participants, and the largest relative loss
   difference between the two runs (the same job, so it should be float noise).

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/heal_transport.py [--gib 1] [--rounds 3] [--quick]
 
 Both ``elastic.heal_transport`` values side by side, on the transports that
-:func:`megascale_omni.parallel.heal_transport.checkpoint_transport` builds
+:func:`megascale_omni.elastic.heal.checkpoint_transport` builds
 (torchft's ``HTTPTransport`` and ``PGTransport`` over a torchft
 ``ProcessGroupGloo``; CPU tensors). The state is ``--gib`` GiB of fp32
 tensors (``--tensors`` of them) plus the small metadata a heal carries
@@ -15,11 +15,11 @@ tensors (``--tensors`` of them) plus the small metadata a heal carries
     memory; values checked). The receiver is already waiting, as a joiner
     is. Throughput = state bytes / time.
 (b) join: a lighthouse and two replica groups of one rank each, each an
-    :class:`~megascale_omni.parallel.elastic.ElasticReplica` holding such a
+    :class:`~megascale_omni.elastic.membership.ReplicaQuorum` holding such a
     state. r0 steps (quorum, a one-element cross-replica sum, commit vote);
     r1's process is up (imports done, state allocated) and, after r0
-    committed 3 steps, builds its ElasticReplica and joins. Join latency =
-    r1's ElasticReplica construction (torchft manager, transport) -> r1's
+    committed 3 steps, builds its ReplicaQuorum and joins. Join latency =
+    r1's ReplicaQuorum construction (torchft manager, transport) -> r1's
     first committed step, with the peer state applied (values checked).
     ``heal`` is the part of it r1 waited in its first quorum (the quorum
     and the state fetch). The training program around it (model build,
@@ -103,13 +103,13 @@ def transfer_worker(rank: int, port: int, nbytes: int, tensors: int, trials: lis
     import torch
     import torch.distributed as dist
 
-    from megascale_omni.parallel.elastic import import_torchft
-    from megascale_omni.parallel.heal_transport import checkpoint_transport
+    from megascale_omni.elastic.adapter import process_group_for
+    from megascale_omni.elastic.heal import checkpoint_transport
 
     store = dist.TCPStore("localhost", port, is_master=False, timeout=TIMEOUT)
-    pg = import_torchft().ProcessGroupGloo(timeout=TIMEOUT)
-    pg.configure(f"localhost:{port}/transfer_pg", "0", rank, 2)
     cpu = torch.device("cpu")
+    pg = process_group_for(cpu, TIMEOUT)
+    pg.configure(f"localhost:{port}/transfer_pg", "0", rank, 2)
     transports = {kind: checkpoint_transport(kind, pg, cpu, TIMEOUT) for kind in TRANSPORTS}
     if rank == 0:
         for kind, t in transports.items():
@@ -147,7 +147,8 @@ def replica_worker(rid: str, port: int, lighthouse: str, kind: str, nbytes: int,
     import torch.distributed as dist
 
     from megascale_omni.config import ElasticConfig
-    from megascale_omni.parallel.elastic import ElasticReplica
+    from megascale_omni.elastic.cross_replica import CrossReplicaSums
+    from megascale_omni.elastic.membership import ReplicaQuorum
 
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -165,7 +166,8 @@ def replica_worker(rid: str, port: int, lighthouse: str, kind: str, nbytes: int,
         coord.set("r1/up", "1")
         _wait_key(coord, "go")
     t0 = time.monotonic()
-    replica = ElasticReplica(cfg, lambda: state, load, device=torch.device("cpu"))
+    replica = ReplicaQuorum(cfg, lambda: state, load, device=torch.device("cpu"))
+    sums = CrossReplicaSums(replica, torch.device("cpu"))
     steps = 0
     while True:
         part = replica.begin_step()
@@ -173,7 +175,7 @@ def replica_worker(rid: str, port: int, lighthouse: str, kind: str, nbytes: int,
             heal_s = replica.quorum_wait_s
             assert not part.participating, "r1 should heal in its first quorum"
             coord.set("r1/state", "1")  # before its commit vote: r0 stops after this step
-        replica.reduce_sum(torch.ones(1) if part.participating else torch.zeros(1))
+        sums.reduce_sum(torch.ones(1) if part.participating else torch.zeros(1))
         committed = replica.should_commit()
         steps += committed
         if rid == "r0":
@@ -283,7 +285,7 @@ def main(argv=None) -> int:
 
     joins = {kind: [] for kind in TRANSPORTS}
     heals = {kind: [] for kind in TRANSPORTS}
-    print("(b) join: r1's ElasticReplica built -> its first committed step, peer state applied")
+    print("(b) join: r1's ReplicaQuorum built -> its first committed step, peer state applied")
     print("round | " + " | ".join(f"{kind} join s  heal s" for kind in TRANSPORTS))
     peak = 0.0
     for k in range(args.rounds):

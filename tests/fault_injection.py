@@ -40,7 +40,7 @@ def install_slow_rank(rank: int, from_step: int, delay_s: float) -> None:
     import os
     import time
 
-    from megascale_omni.training.elastic import StaticMembership
+    from megascale_omni.elastic.service import StaticMembership
 
     if int(os.environ.get("RANK", "0")) != rank:
         return

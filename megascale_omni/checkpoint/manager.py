@@ -63,17 +63,19 @@ class Checkpointer:
     """Owns the writer, the triggers and the tiers of one job (every rank).
 
     ``shared=True`` is for elastic jobs, whose replica groups share the
-    checkpoint directories: only the group for which :attr:`writes` returns
-    True saves (set by the elastic layer: participant rank 0 of the last
-    quorum), and no group deletes another's unfinished save directory.
+    checkpoint directories: only the group for which ``writer()`` returns
+    True saves (the replica membership's predicate: participant rank 0 of
+    the last quorum; same answer on every rank of a group), and no group
+    deletes another's unfinished save directory.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str, shared: bool = False):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str, shared: bool = False,
+                 writer: Callable[[], bool] = lambda: True):
         self.cfg = cfg
         self.enabled = cfg.enabled
         self.shared = shared
         #: Whether this replica group saves at the current step boundary (same on its ranks).
-        self.writes: Callable[[], bool] = lambda: self.enabled
+        self.writes: Callable[[], bool] = lambda: self.enabled and writer()
         if not self.enabled:
             return
         self.tiers: list[tuple[str, str]] = ([("local", cfg.local_dir)] if cfg.local_dir else []) + [

@@ -9,7 +9,7 @@ with the same keys::
     "model" | "model0".."model{vpp-1}"  each chunk's weights
     "optimizer"                         megatron optimizer state (in memory:
                                         this rank's shard with the distributed
-                                        optimizer, see checkpoint/peer.py)
+                                        optimizer, see elastic/peer_state.py)
     "scheduler"                         LR scheduler state_dict()
     "task"                              the task's own state (counters, EMA, ...)
     "trainer": {"step": N}              committed optimizer steps
@@ -27,14 +27,6 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from megascale_omni.checkpoint.peer import (
-    check_peer_state,
-    grad_buckets,
-    load_peer_optimizer_state,
-    optimizer_layout,
-    peer_optimizer_state,
-    replica_config,
-)
 from megascale_omni.checkpoint.state import (
     DIST_OPT_METADATA,
     prime_adam_state,
@@ -43,6 +35,14 @@ from megascale_omni.checkpoint.state import (
     rng_object,
 )
 from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.elastic.peer_state import (
+    check_peer_state,
+    grad_buckets,
+    load_peer_optimizer_state,
+    optimizer_layout,
+    peer_optimizer_state,
+    replica_config,
+)
 from megascale_omni.parallel import ParallelDims
 
 

@@ -1,5 +1,5 @@
 """Content identity of a job's training data, compared before a replica group
-joins an elastic job (:func:`megascale_omni.checkpoint.peer.check_peer_state`).
+joins an elastic job (:func:`megascale_omni.elastic.peer_state.check_peer_state`).
 
 Exactly-once holds job-wide only when every replica group plans the same
 samples for a step, and the plan is a function of the data itself besides

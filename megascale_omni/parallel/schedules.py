@@ -21,7 +21,7 @@ LOSS_KEY = "lm loss"
 
 class CrossReplica(Protocol):
     """The elastic replica dimension as a step sees it
-    (:class:`megascale_omni.parallel.elastic.ElasticReplica`)."""
+    (:class:`megascale_omni.elastic.cross_replica.CrossReplicaSums`)."""
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 

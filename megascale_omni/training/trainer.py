@@ -27,6 +27,7 @@ from megascale_omni.checkpoint.pretrained import load_pretrained
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
+from megascale_omni.elastic.service import build_membership
 from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
 from megascale_omni.metrics.clock import events_for
@@ -43,11 +44,9 @@ from megascale_omni.parallel import (
     initialize_parallel,
     is_loss_rank,
 )
-from megascale_omni.parallel.elastic import MembershipChanged
 from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_partition
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.logging_setup import setup_logging
-from megascale_omni.training.elastic import build_membership
 from megascale_omni.training.optimizer import (
     build_optimizer,
     optimizer_state_bytes,
@@ -148,14 +147,13 @@ class Trainer:
         self.history: list[dict] = []
         #: This rank's optimizer state in bytes, measured once Adam has state (after the first step).
         self._optimizer_state_bytes = 0
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir, shared=cfg.elastic.enabled)
+        # Enters the quorum in train() (a standby replica group on `omni-ctl join`).
+        self.membership = build_membership(self.state, cfg.elastic, data_parallel_rank())
+        # Replica groups share the checkpoint directories; one writes.
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.output_dir, shared=cfg.elastic.enabled,
+                                         writer=self.membership.is_writer)
         self._teardown.callback(self.checkpointer.close)
         self.checkpointer.resume(self.state)
-        # A standby replica group enters the quorum only on `omni-ctl join` (train()).
-        self.membership = build_membership(self.state, cfg.elastic, data_parallel_rank())
-        if self.membership.enabled:
-            # Replica groups share the checkpoint directories; one writes.
-            self.checkpointer.writes = self.membership.is_writer
         self.group_exchange = MetricsExchange.for_replica_group(sends_record=self.is_loss_rank)
         self._teardown.callback(self.group_exchange.close)
         self.control = ControlPlane(
@@ -286,14 +284,7 @@ class Trainer:
         # What ran since the previous step (its record, the boundary; not
         # evaluation) counts toward this one.
         boundary_s = sum(self._boundary.values())
-        try:
-            stats = self._train_step(mbs, progress)
-        except MembershipChanged as changed:
-            # The quorum this step assumed (elastic.overlap_quorum) changed:
-            # nothing was sent or updated; compute the share it gives us.
-            share = self.membership.reshare(changed)
-            mbs = self.membership.microbatches(share)
-            stats = self._train_step(mbs, progress)
+        share, stats = self.membership.run_step(share, mbs, lambda mbs: self._train_step(mbs, progress))
         # With parallel.overlap_param_gather the optimizer left the weights' all-gather pending.
         self.state.param_gather.step_done(stats.update_successful)
         t_end = time.perf_counter()

@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from megascale_omni.training.ledger import read_ledger
+from megascale_omni.elastic.ledger import read_ledger
 from tests.dist.test_elastic_membership import Job, join_heal_drain
 
 CP2 = ["parallel.pp=1", "parallel.cp=2"]

@@ -75,7 +75,7 @@ def test_dist_opt_groups_join_heal_drain_match_fixed_membership(tmp_path, transp
 # cross-replica sums start per bucket group from megatron's grad-ready hooks, as soon as the
 # group's reduce-scatter inside the replica group is done, and megatron's finish_grad_sync
 # must not wait on that reduce-scatter again (on gloo a second wait rewrites the shards with
-# the group's own sum: parallel/elastic_buckets.py). Measured 4.8e-8 to 5.8e-8 relative (1e-3
+# the group's own sum: elastic/cross_replica.py). Measured 4.8e-8 to 5.8e-8 relative (1e-3
 # within a few steps of the heal with that second wait).
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -27,10 +27,10 @@ from megascale_omni.checkpoint import layout
 from megascale_omni.data.dit.reader import encode_pixel_record, write_dit_dataset
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.demo.dit_shapes import description, generate, vocabulary
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform
-from megascale_omni.training.ledger import consumed_samples, read_ledger
 from tests.dist.elastic_helpers import step_records
 from tests.dist.test_elastic_membership import Job
 from tests.e2e.test_dit_bad_samples import corrupt_member

@@ -18,7 +18,7 @@ from megascale_omni.data.llava.plan_scan import PlanScanner
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
-from megascale_omni.training.ledger import consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from tests.dist.elastic_helpers import merged_steps, step_records
 from tests.dist.test_elastic_membership import Job, membership_scenario
 from tests.launcher import launch_cmd, run, spawn

@@ -22,7 +22,7 @@ from megascale_omni.data.llava.plan_scan import PlanScanner
 from megascale_omni.data.sample_plan import PackedEpochPlan
 from megascale_omni.data.shards import ShardedSampleReader
 from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
-from megascale_omni.training.ledger import consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import merged_steps
 from tests.dist.test_elastic_membership import CTL_TIMEOUT, Job

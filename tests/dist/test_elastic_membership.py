@@ -47,7 +47,7 @@ import pytest
 from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.tokens_module import NUM_SAMPLES
-from megascale_omni.training.ledger import consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import CONFIG, start_lighthouse, start_replica, step_records, wait_for
 from tests.launcher import finish, kill_group, output_of, spawn, torchrun_cmd

@@ -1,7 +1,7 @@
 """Cross-replica gradient sums overlapped with backward (make test-all)
 (``parallel.overlap_grad_reduce=true``): each bucket group's sum starts from
 megatron's backward hook as soon as its inner reduction started
-(:mod:`megascale_omni.parallel.elastic_buckets`).
+(:mod:`megascale_omni.elastic.cross_replica`).
 
 - Two replica groups (TP1 x PP2, fp32) together from step 0: every step's
   loss and gradient norm equal those of the same job without the overlap,

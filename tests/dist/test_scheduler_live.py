@@ -30,10 +30,10 @@ import yaml
 
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.tokens_module import NUM_SAMPLES
-from megascale_omni.training.ledger import consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from tests.dist.control_helpers import omni_ctl
 from tests.dist.elastic_helpers import step_records, wait_for
-from tests.launcher import REPO, kill_group, finish, spawn, torchrun_cmd
+from tests.launcher import REPO, finish, kill_group, spawn, torchrun_cmd
 
 CONFIG = REPO / "examples" / "scheduler" / "live_local.yaml"
 GLOBAL_BATCH, REL_TOL = 12, 1e-4

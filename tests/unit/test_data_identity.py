@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megascale_omni.checkpoint.peer import check_peer_state, replica_config
 from megascale_omni.config import ConfigError
 from megascale_omni.data.identity import check_data_identity
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.shard_writer import index_shards
 from megascale_omni.data.shards import INDEX_FILENAME, ShardedSampleReader
 from megascale_omni.demo.llava_shapes import load_shapes_tokenizer, make_shapes_dataset
+from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megascale_omni.parallel.elastic_buckets import BucketSums, group_views
+from megascale_omni.elastic.adapter import group_views
+from megascale_omni.elastic.cross_replica import BucketSums
 
 
 class Handle:

@@ -4,37 +4,29 @@ without torchft's vote and leaves torchft's manager where the vote leaves it
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
-import torch.distributed as dist
 
 from megascale_omni.config import ElasticConfig
-from megascale_omni.parallel.elastic import LONE_COMMIT_TORCHFT, ElasticReplica, import_torchft
-from tests.launcher import free_port
+from megascale_omni.elastic import adapter
+from megascale_omni.elastic.membership import ReplicaQuorum
+from tests.unit.replica_group import one_rank_group
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def group():
-    mp = pytest.MonkeyPatch()
-    # torchft's manager finds its group's store at MASTER_ADDR/PORT, as under torchrun.
-    mp.setenv("MASTER_ADDR", "127.0.0.1")
-    mp.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    mp.undo()
+    with one_rank_group():
+        yield
 
 
 def _steps(steps: int, **elastic) -> tuple[list[bool], list[bool], dict, int]:
     """Run ``steps`` quorum + commit rounds of one group against a fresh
     lighthouse; returns (committed, voted, torchft state, commit failures)."""
-    lighthouse = import_torchft()._torchft.LighthouseServer(bind="[::]:0", min_replicas=1)
+    lighthouse = adapter.lighthouse_server(min_replicas=1)
     cfg = ElasticConfig(enabled=True, lighthouse=lighthouse.address().replace("[::]", "localhost"),
                         replica_id="r0", timeout_s=20, quorum_timeout_s=20, **elastic)
-    replica = ElasticReplica(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    replica = ReplicaQuorum(cfg, state_dict=dict, load_state_dict=lambda state: None)
     committed, voted = [], []
     try:
         for _ in range(steps):
@@ -44,7 +36,7 @@ def _steps(steps: int, **elastic) -> tuple[list[bool], list[bool], dict, int]:
             committed.append(replica.should_commit())
             voted.append(replica.voted)
         # torchft sends this with every quorum request; a vote that passes resets it.
-        failures = replica.manager._commit_failures
+        failures = adapter.commit_failures(replica.manager)
         return committed, voted, replica.manager.state_dict(), failures
     finally:
         replica.leave()
@@ -65,10 +57,3 @@ def test_group_below_min_replicas_votes_and_does_not_commit(group):
     assert (committed, voted) == ([False, False], [True, True])
     assert state["step"] == 0 and failures == 2
 
-
-def test_lone_commit_was_checked_against_the_installed_torchft():
-    version = importlib.metadata.version("torchft")
-    assert version in LONE_COMMIT_TORCHFT, (
-        f"torchft {version}: re-read Manager.should_commit and ElasticReplica.should_commit's premise, "
-        "then add the version to LONE_COMMIT_TORCHFT"
-    )

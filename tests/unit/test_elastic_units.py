@@ -1,15 +1,15 @@
 """Elastic pieces that need no processes: config checks, the micro-batch
-split policy, the ledger's exactly-once accounting, and the layout check a
-joiner runs on a peer's state."""
+split policy, the ledger's exactly-once accounting, the layout check a
+joiner runs on a peer's state, and the membership's step retry."""
 
 from __future__ import annotations
 
 import pytest
 
-from megascale_omni.checkpoint.peer import check_peer_state, replica_config
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
-from megascale_omni.training.ledger import SampleLedger, consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import SampleLedger, consumed_samples, read_ledger
+from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 
 ELASTIC = {"enabled": True, "lighthouse": "http://localhost:29510", "replica_id": "r1"}
 
@@ -167,3 +167,36 @@ def test_dataset_and_tokenizer_paths_are_compared_by_content_not_as_strings():
     assert replica_config(here) == replica_config(there)
     assert replica_config(here)["data.blend"] == [{"weight": 1.0}]
     assert not {"data.path", "data.tokenizer"} & set(replica_config(here))
+
+
+def test_run_step_recomputes_a_step_whose_assumed_quorum_changed_for_the_share_it_got():
+    from types import SimpleNamespace
+
+    from megascale_omni.config import ElasticConfig
+    from megascale_omni.elastic.membership import MembershipChanged, Participation
+    from megascale_omni.elastic.service import ElasticMembership, StaticMembership, StepShare
+
+    task = SimpleNamespace(bad_samples=None, microbatches=lambda step, dp_rank, dp_size: [(step, dp_rank, dp_size)])
+    state = SimpleNamespace(task=task, dims=SimpleNamespace(dp=2), step=5)
+    membership = ElasticMembership(state, ElasticConfig(**ELASTIC), dp_rank=1)
+    membership.quorum = SimpleNamespace(current_step=lambda: 5)  # torchft's committed steps
+    assumed = StepShare(5, 0 * 2 + 1, 2 * 2)  # participant 0 of 2, inner DP rank 1 of 2
+    seen = []
+
+    def attempt(mbs):
+        seen.append(mbs)
+        if len(seen) == 1:  # a third group joined: this replica is participant 1 of 3
+            raise MembershipChanged(Participation(1, 3, quorum_id=8), Participation(0, 2, quorum_id=7))
+        return "stats"
+
+    share, stats = membership.run_step(assumed, task.microbatches(5, 1, 4), attempt)
+    assert (share, stats) == (StepShare(5, 1 * 2 + 1, 3 * 2), "stats")
+    assert seen == [[(5, 1, 4)], [(5, 3, 6)]]
+
+    def changes(mbs):
+        raise MembershipChanged(Participation(1, 3, quorum_id=8), Participation(0, 2, quorum_id=7))
+
+    with pytest.raises(MembershipChanged):  # recomputed once; a second change is not absorbed
+        membership.run_step(assumed, [], changes)
+    static = StaticMembership(SimpleNamespace(task=task, dims=SimpleNamespace(dp=2), step=5), dp_rank=1)
+    assert static.run_step(StepShare(5, 1, 2), ["mb"], lambda mbs: mbs) == (StepShare(5, 1, 2), ["mb"])

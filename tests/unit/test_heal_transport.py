@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from megascale_omni.config import ConfigError
-from megascale_omni.parallel.elastic import import_torchft
-from megascale_omni.parallel.heal_transport import checkpoint_transport
+from megascale_omni.elastic.adapter import process_group_for
+from megascale_omni.elastic.heal import checkpoint_transport
 from tests.launcher import free_port
 
 TIMEOUT = timedelta(seconds=60)
@@ -39,7 +39,7 @@ def _transfer(kind: str, state: dict, step: int):
     transport, what it received, torchft's transport class name)."""
     port = free_port()
     _store = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # alive while the groups connect
-    pgs = [import_torchft().ProcessGroupGloo(timeout=TIMEOUT) for _ in range(2)]
+    pgs = [process_group_for(torch.device("cpu"), TIMEOUT) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda r: pgs[r].configure(f"localhost:{port}/heal", "0", r, 2), range(2)))
     sender, receiver = (checkpoint_transport(kind, pg, CPU, TIMEOUT) for pg in pgs)

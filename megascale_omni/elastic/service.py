@@ -1,14 +1,17 @@
-"""Replica membership: which share of each global batch this rank computes.
+"""Replica membership as the Trainer sees it: which share of each global
+batch this rank computes, and how a step is run.
 
 The Trainer holds one membership object and calls it the same way whatever
 the job: :class:`StaticMembership` for a fixed replica group (the null
 object: the share is this rank's DP slice), :class:`ElasticMembership` for
 replica groups that join and leave through torchft. The elastic one decides
-per step, from the quorum, which share of the global batch this rank
-computes, writes the sample ledger, and serves the
-:class:`~megascale_omni.checkpoint.train_state.TrainState` a joining replica
-copies from a live peer. The math of the cross-replica reduction lives in
-:mod:`megascale_omni.parallel.elastic`.
+per step, from the quorum (:mod:`.membership`), which share of the global
+batch this rank computes, recomputes a step whose assumed quorum changed
+(:meth:`ElasticMembership.run_step`), writes the sample ledger, and serves
+the :class:`~megascale_omni.checkpoint.train_state.TrainState` a joining
+replica copies from a live peer. The sums over the participants are
+:mod:`.cross_replica`'s. The checkpointer asks :meth:`is_writer` (a
+predicate it receives at construction).
 
 Data position: the global batch of committed step ``s`` is a pure function
 of (seed, s). Participant ``p`` of ``P`` with inner DP rank ``i`` of ``I``
@@ -23,16 +26,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import ElasticConfig
+from megascale_omni.elastic import adapter
+from megascale_omni.elastic.cross_replica import CrossReplicaSums
+from megascale_omni.elastic.ledger import SampleLedger
+from megascale_omni.elastic.membership import MembershipChanged, Participation, ReplicaQuorum
 from megascale_omni.metrics.breakdown import PHASES
-from megascale_omni.parallel.elastic import ElasticReplica, MembershipChanged, Participation, import_torchft
-from megascale_omni.training.ledger import SampleLedger
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,11 @@ class StaticMembership:
     def microbatches(self, share: StepShare) -> list[dict]:
         return self.state.task.microbatches(share.step, share.dp_rank, share.dp_size)
 
+    def run_step(self, share: StepShare, mbs: list[dict],
+                 attempt: Callable[[list[dict]], Any]) -> tuple[StepShare, Any]:
+        """``(share, attempt(mbs))``: a fixed group's step runs once."""
+        return share, attempt(mbs)
+
     def end_step(self, share: StepShare, committed: bool) -> None:
         """A fixed group always commits: the step's bad-sample counts, reduced
         while it computed, are added to the totals (every rank)."""
@@ -93,8 +103,10 @@ class ElasticMembership:
     """Replica membership, data share, ledger and status of one replica group
     in an elastic job (every rank).
 
-    A standby group (``elastic.standby``) builds everything but creates no
-    torchft manager until :meth:`enter` is told to join by the control plane.
+    The torchft manager is created in :meth:`enter` (after the checkpoint
+    resume, so torchft counts steps from the resumed one); a standby group
+    (``elastic.standby``) creates it only once the control plane tells it
+    to join.
     """
 
     enabled = True
@@ -104,7 +116,8 @@ class ElasticMembership:
         self.cfg = cfg
         self.dp_rank = dp_rank
         self.inner_dp = state.dims.dp
-        self.replica: Optional[ElasticReplica] = None
+        self.quorum: Optional[ReplicaQuorum] = None
+        self.sums: Optional[CrossReplicaSums] = None
         self.ledger: Optional[SampleLedger] = None
         self.left = False
         #: Whether the last finished attempt committed (None before the first).
@@ -117,27 +130,26 @@ class ElasticMembership:
         self.account = state.task.bad_samples
         if self.account is not None:
             self.account.job_wide = True
-        if not cfg.standby:
-            self._start()
 
     @property
-    def cross_replica(self) -> Optional[ElasticReplica]:
-        return self.replica
+    def cross_replica(self) -> Optional[CrossReplicaSums]:
+        return self.sums
 
     def _finalize_model_grads(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
-        """``ElasticReplica.finalize_model_grads`` with its two halves timed
+        """``CrossReplicaSums.finalize_model_grads`` with its two halves timed
         as ``grad_sync`` and ``cross_replica`` (metrics/breakdown.py)."""
         with PHASES.phase("grad_sync"):
             finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         with PHASES.phase("cross_replica"):
-            self.replica.reduce_grads_across_replicas(model, num_tokens, pg_collection)
+            self.sums.reduce_grads_across_replicas(model, num_tokens, pg_collection)
 
     def _start(self) -> None:
         """Create the torchft manager and hook the cross-replica gradient sum (every rank)."""
         device = next(self.state.chunks[0].parameters()).device
-        self.replica = ElasticReplica(self.cfg, self.state.state_dict, self._load_peer_state,
-                                      check_peer_state=self.state.check_peer_state, device=device)
-        self.replica.attach(self.state.chunks)
+        self.quorum = ReplicaQuorum(self.cfg, self.state.state_dict, self._load_peer_state,
+                                    check_peer_state=self.state.check_peer_state, device=device)
+        self.sums = CrossReplicaSums(self.quorum, device)
+        self.sums.attach(self.state.chunks)
         for chunk in self.state.chunks:
             chunk.config.finalize_model_grads_func = self._finalize_model_grads
         # One writer per inner DP rank: its TP ranks and CP ranks compute the same samples.
@@ -152,15 +164,19 @@ class ElasticMembership:
         if self.state.step:
             # Resumed from a checkpoint: torchft counts committed steps from
             # there, so replica groups that loaded the same step need no heal.
-            self.replica.resume_at(self.state.step)
+            self.quorum.resume_at(self.state.step)
 
     def enter(self, control: Any) -> bool:
-        """Standby groups: wait for ``omni-ctl join``, then enter the quorum
-        (every rank). False when drained before joining."""
-        if self.replica is not None:
+        """Enter the quorum (every rank, before the first step); a standby
+        group first waits for ``omni-ctl join``. False when drained before
+        joining."""
+        if self.quorum is not None:
+            return True
+        if not self.cfg.standby:
+            self._start()
             return True
         # Pay torchft's import (seconds) while standing by, not after `join`.
-        import_torchft()
+        adapter.import_torchft()
         if not control.stand_by(self.state.step):
             logger.info("elastic: drained while standing by; replica %s never joined", self.cfg.replica_id)
             return False
@@ -178,26 +194,36 @@ class ElasticMembership:
         replica participated, the share is computed for the same
         participation without waiting: the quorum is confirmed at the step's
         first cross-replica collective, and the Trainer recomputes the step
-        with :meth:`reshare` if membership changed. The weights are made
+        (:meth:`run_step`) if membership changed. The weights are made
         whole first (:meth:`TrainState.sync_params`): a joining replica may
         read them on torchft's quorum thread at any time during the step."""
         # Before the quorum: a joiner's peer state is read on torchft's quorum thread during the step.
         self.state.sync_params()
-        last = self.replica.participation
+        last = self.quorum.participation
         expect = last if self.cfg.overlap_quorum and self.last_committed and last and last.participating else None
-        return self._share(self.replica.begin_step(expect))
+        self.sums.new_step()
+        return self._share(self.quorum.begin_step(expect))
 
-    def reshare(self, changed: MembershipChanged) -> StepShare:
-        """This rank's share of the step for the quorum it actually got
-        (every rank, after :class:`MembershipChanged`); the counts of the
-        discarded micro-batches are dropped."""
-        if self.account is not None:
-            self.account.abandon()
-        logger.info("elastic: membership changed during step %d (%s); recomputing it", self.state.step + 1, changed)
-        return self._share(changed.participation)
+    def run_step(self, share: StepShare, mbs: list[dict],
+                 attempt: Callable[[list[dict]], Any]) -> tuple[StepShare, Any]:
+        """``(share, attempt(mbs))`` (every rank). If the quorum the step
+        assumed (``elastic.overlap_quorum``) gives this replica another
+        participation, :class:`MembershipChanged` is raised before anything
+        was sent or updated: the step is computed again, once, for the share
+        of the quorum it got (the counts of the discarded micro-batches are
+        dropped); returns that share and its result."""
+        try:
+            return share, attempt(mbs)
+        except MembershipChanged as changed:
+            if self.account is not None:
+                self.account.abandon()
+            logger.info("elastic: membership changed during step %d (%s); recomputing it",
+                        self.state.step + 1, changed)
+            share = self._share(changed.participation)
+            return share, attempt(self.microbatches(share))
 
     def _share(self, part: Participation) -> StepShare:
-        step = self.replica.current_step()
+        step = self.quorum.current_step()
         dp_size = part.size * self.inner_dp
         if not part.participating:
             logger.info("elastic: healing from a live peer at step %d (quorum %d)", step, part.quorum_id)
@@ -220,7 +246,7 @@ class ElasticMembership:
             # This replica's counts of the attempt (zero while healing); they
             # ride in the step's cross-replica all-reduce, so settle them now.
             self.account.settle()
-            self.replica.step_counts = self.account.attempt.clone()
+            self.sums.step_counts = self.account.attempt.clone()
         return mbs
 
     def end_step(self, share: StepShare, committed: bool) -> None:
@@ -228,10 +254,10 @@ class ElasticMembership:
         quorum it ran in); on commit add the job-wide step counts to the
         task's totals (every rank)."""
         self.last_committed = committed
-        p = self.replica.participation  # confirmed by the step's collectives
+        p = self.quorum.participation  # confirmed by the step's collectives
         if self.account is not None:
             if committed:
-                self.account.commit(self.replica.step_counts)
+                self.account.commit(self.sums.step_counts)
             else:
                 self.account.abandon()
         self.retries += 0 if committed else 1
@@ -249,15 +275,15 @@ class ElasticMembership:
         healed, the payload bytes this rank sent to cross-replica
         all-reduces in the step (gradients, token count, loss report), and
         how many gradient bucket groups' sums started during backward."""
-        p = self.replica.participation
-        record.update(participants=p.size, quorum_s=self.replica.quorum_wait_s, healed=not p.participating,
-                      cross_replica_bytes=self.replica.bytes_sent,
-                      cross_replica_early_buckets=self.replica.early_buckets)
+        p = self.quorum.participation
+        record.update(participants=p.size, quorum_s=self.quorum.quorum_wait_s, healed=not p.participating,
+                      cross_replica_bytes=self.sums.bytes_sent,
+                      cross_replica_early_buckets=self.sums.early_buckets)
 
     def is_writer(self) -> bool:
         """Whether this replica group writes the shared checkpoints: it was
         participant rank 0 in the last quorum (same answer on all its ranks)."""
-        p = self.replica.participation if self.replica is not None else None
+        p = self.quorum.participation if self.quorum is not None else None
         return p is not None and p.rank == 0
 
     # ---------------------------------------------------- leave and status
@@ -265,9 +291,9 @@ class ElasticMembership:
     # replica at the same step boundary (ControlPlane.step_boundary returns
     # False), the loop stops and the Trainer calls leave() on every rank.
     def leave(self) -> None:
-        if self.replica is not None and not self.left:
+        if self.quorum is not None and not self.left:
             self.left = True
-            self.replica.leave()
+            self.quorum.leave()
         if self.ledger is not None:
             self.ledger.close()
             self.ledger = None
@@ -276,15 +302,15 @@ class ElasticMembership:
         """Replica view for ``omni-ctl status`` (training thread): replica id,
         participants and this replica's participant rank in the last quorum,
         quorum id, committed steps, whether the last attempt committed, retries."""
-        if self.replica is None:
+        if self.quorum is None:
             return {"replica_id": self.cfg.replica_id, "lighthouse": self.cfg.lighthouse, "standby": True,
                     "pid": os.getpid()}
         return {
-            **self.replica.describe(),
+            **self.quorum.describe(),
             "committed_steps": self.state.step,
             "last_step_committed": self.last_committed,
             "uncommitted_attempts": self.retries,
-            "healing": self.replica.healing,
+            "healing": self.quorum.healing,
         }
 
     # ------------------------------------------------ state for joining peers
@@ -292,7 +318,7 @@ class ElasticMembership:
         """Apply a peer's state (training thread, inside should_commit, before the update)."""
         self.state.load_state_dict(state)
         logger.info("elastic: healed from a live peer over %s: model, optimizer, LR scheduler at step %d",
-                    self.replica.transport.name, self.state.step)
+                    self.quorum.transport.name, self.state.step)
 
 
 def build_membership(state: TrainState, cfg: ElasticConfig, dp_rank: int):

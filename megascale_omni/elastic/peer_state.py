@@ -24,6 +24,7 @@ from megatron.core.optimizer import DistributedOptimizer
 from megascale_omni.checkpoint.state import restore_adam_step
 from megascale_omni.config import ConfigError, JobConfig, to_dict
 from megascale_omni.data.identity import check_data_identity
+from megascale_omni.elastic import adapter
 
 
 def _optimizers(optimizer: Any) -> list:
@@ -34,7 +35,7 @@ def optimizer_layout(optimizer: Any) -> list:
     """Per sub-optimizer: ``None`` (whole state on every rank) or, for the
     distributed optimizer, the unpadded element count of every bucket of every
     gradient buffer (identical across groups only for the same model and layout)."""
-    return [opt.per_bucket_numel_unpadded if isinstance(opt, DistributedOptimizer) else None
+    return [adapter.optimizer_bucket_numel(opt) if isinstance(opt, DistributedOptimizer) else None
             for opt in _optimizers(optimizer)]
 
 
@@ -43,7 +44,7 @@ def grad_buckets(chunks: Any, bucket_size: Any) -> dict:
     bucket] per model chunk]}``. Replica groups sum gradients across each
     other bucket by bucket, so the buckets must be identical: the same model
     and layout, ``parallel.ddp_bucket_size`` and ``overlap_grad_reduce``."""
-    numel = [[b.numel_unpadded for g in chunk.bucket_groups for b in g.buckets] for chunk in chunks]
+    numel = [adapter.bucket_numel(chunk) for chunk in chunks]
     return {"ddp_bucket_size": bucket_size, "numel": numel}
 
 

@@ -42,6 +42,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from megascale_omni.config import ConfigError
+from megascale_omni.elastic import adapter
 
 #: ``elastic.heal_transport`` values.
 HEAL_TRANSPORTS = ("http", "pg")
@@ -139,12 +140,8 @@ def checkpoint_transport(kind: str, pg, device: torch.device, timeout: timedelta
     rank, before its ``Manager`` is built). ``pg``: the cross-replica
     process group passed to the Manager; ``device``: where the state's
     tensors live (``pg``'s backend works on it)."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-    from torchft.checkpointing.pg_transport import PGTransport
-
     if kind == "http":
-        # Whole state in one stream (num_chunks=0), as torchft's default.
-        return HealTransport(kind, HTTPTransport(timeout=timeout, num_chunks=0))
+        return HealTransport(kind, adapter.http_transport(timeout))
     if kind == "pg":
-        return HealTransport(kind, PGTransport(pg, timeout=timeout, device=device), packs=True)
+        return HealTransport(kind, adapter.pg_transport(pg, timeout, device), packs=True)
     raise ValueError(f"elastic.heal_transport={kind!r}: must be one of {', '.join(HEAL_TRANSPORTS)}")
