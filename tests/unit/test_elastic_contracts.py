@@ -81,17 +81,16 @@ def ddp():
     """(DDP chunks, optimizer) of a tiny GPT: distributed optimizer,
     overlap_grad_reduce, small buckets (several bucket groups); fresh for
     each test (its process group must be gone before the torchft tests')."""
-    from megascale_omni.tasks.gpt_smoke import GptSmokeTask
-
     from megascale_omni.models.standalone import one_process
     from megascale_omni.parallel import ParallelDims
     from megascale_omni.platform import init_platform
+    from megascale_omni.tasks.registry import get_family
     from megascale_omni.training.optimizer import build_optimizer, wrap_ddp
 
     cfg = load_job_config(["--config", str(REPO / "examples/gpt/tiny.yaml"), "parallel.use_distributed_optimizer=true",
                            "parallel.overlap_grad_reduce=true", "parallel.ddp_bucket_size=20000"])
     with one_process(seed=cfg.train.seed):
-        task = GptSmokeTask(cfg, init_platform(), ParallelDims.from_config(cfg.parallel, 1))
+        task = get_family("gpt").build_task(cfg, init_platform(), ParallelDims.from_config(cfg.parallel, 1))
         model = task.build_model()
         chunks = wrap_ddp(model, model[0].config, cfg.parallel, overlap=True)
         optimizer, _ = build_optimizer(chunks, cfg.train, cfg.parallel, torch.float32)
