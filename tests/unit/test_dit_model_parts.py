@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from megascale_omni.data.dit.flow_pairs import flow_pair, sample_timesteps
 from megascale_omni.demo.dit_shapes import dominant_color, generate
 from megascale_omni.demo.shapes import COLORS
 from megascale_omni.models.dit.ema import EMA
 from megascale_omni.models.dit.embed import patchify, sincos_2d, unpatchify
-from megascale_omni.models.dit.flow import euler_sample, flow_pair, guided, sample_timesteps
+from megascale_omni.models.dit.flow import euler_sample, guided
 
 
 @pytest.mark.parametrize("hw", [(16, 16), (12, 20), (32, 16)])

@@ -25,11 +25,11 @@ import torch
 
 from megascale_omni.config import DitConfig
 from megascale_omni.data.dit.buckets import BucketTable, Package
+from megascale_omni.data.dit.flow_pairs import flow_pair, sample_timesteps
 from megascale_omni.data.dit.reader import DitSampleReader
 from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.shards import BadSampleError
 from megascale_omni.data.tokenizer import TextTokenizer
-from megascale_omni.models.dit.flow import flow_pair, sample_timesteps
 
 
 def sample_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
