@@ -218,8 +218,9 @@ class ControlPlane:
             status["state"] = "draining"
         if loss_record is not None:
             status["last_loss"] = loss_record.get("loss")
-        if self._replica_info is not None:
-            status["replica"] = self._replica_info()
+        replica = self._replica_info() if self._replica_info is not None else None
+        if replica is not None:  # None: not a replica group (static membership)
+            status["replica"] = replica
         if self._straggler_info is not None and self._straggler_info() is not None:
             status["stragglers"] = self._straggler_info()
         changed_config = any(op.kind == "config_set" for op in ops)

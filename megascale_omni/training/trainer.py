@@ -159,7 +159,7 @@ class Trainer:
         self.control = ControlPlane(
             cfg, self.dims.layout(),
             checkpoint=self._control_checkpoint if self.checkpointer.enabled else None,
-            replica_info=self.membership.describe if self.membership.enabled else None,
+            replica_info=self.membership.describe,
             straggler_info=self.group_metrics.describe, settle_records=self.group_exchange.settle,
         )
         self._teardown.callback(self.control.close)
