@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megascale_omni.checkpoint.layout import check_resume_path
 from megascale_omni.config import ConfigError, JobConfig, validate_job
 from megascale_omni.config.validate import require_cp_seq_length, require_divisible_by_tp, validate_paths
 
@@ -151,6 +152,8 @@ class ModelFamily:
         if self.check is not None:
             self.check(cfg)
         validate_paths(cfg)
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
+            check_resume_path(cfg.checkpoint.resume)
 
     def plan_pipeline(self, cfg: JobConfig, cuda: bool, world_size: int):
         """The pipeline plan of ``cfg`` under this family's cost model, or None

@@ -41,12 +41,14 @@ def test_cuda_required_on_a_cpu_host_exits_2_before_any_worker(tmp_path):
 
 
 def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
-    # Valid config; the workers fail at start-up: the resume path is not a checkpoint (exit 4).
+    # Valid config; the workers fail at start-up: the checkpoint to resume has no commit marker (exit 4).
+    broken = tmp_path / "elsewhere" / "step_00000005"
+    broken.mkdir(parents=True)
     res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
                     f"logging.output_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
-                    f"checkpoint.resume={tmp_path}")
+                    f"checkpoint.resume={broken}")
     assert res.returncode == 4, res.output[-3000:]
-    assert "is not a checkpoint directory" in res.stderr
+    assert f"checkpoint.resume={broken} is broken: no commit.json" in res.stderr
     assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
     # Whichever rank failed first; torchrun then terminates the other (code -15), which must not be reported.
     assert re.match(r"omni-run: [12] worker\(s\) failed; first: rank [01] exited with code 4 ",
