@@ -151,6 +151,10 @@ class ModelFamily:
                               f"model.family={self.name} evaluates with one of {['auto', *names, 'none']}")
         if self.check is not None:
             self.check(cfg)
+        if cfg.parallel.pipeline_profile:
+            # Read and matched against this model now (pure Python, no
+            # megatron), not when the workers plan their pipeline.
+            self.build_cost_model(cfg, world_size=world_size)
         validate_paths(cfg)
         if cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
             check_resume_path(cfg.checkpoint.resume)

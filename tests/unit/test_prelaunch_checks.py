@@ -108,3 +108,88 @@ def test_dit_without_eval_resolutions_says_evaluation_is_off(resolutions, said, 
     lines = [r.getMessage() for r in caplog.records if r.name == dit_eval.__name__]
     assert lines == (["evaluation: off (dit.eval_resolutions is empty; list [height, width] sizes to sample)"]
                      if said else [])
+
+
+# ------------------------------------------------------------ parallel.pipeline_profile
+
+LLAVA_PP = "examples/llava/pp4_vit_heavy.yaml"
+
+
+def _profile(tmp_path, **seconds) -> str:
+    import json
+
+    from megascale_omni.config import load_job_config
+    from megascale_omni.parallel.pipeline_cost import PROFILE_VERSION, llava_cost_model
+
+    cfg = load_job_config(["--config", LLAVA_PP])
+    times = {"embedding": 0.001, "lm_layer": 0.02, "output": 0.002, "vision_per_image": 0.003,
+             "projector_per_image": 0.0001, **seconds}
+    path = tmp_path / "profile.json"
+    # json.dumps writes NaN and Infinity as json.load reads them.
+    path.write_text(json.dumps({"version": PROFILE_VERSION, "shape": llava_cost_model(cfg).shape, "seconds": times}))
+    return str(path)
+
+
+@pytest.mark.parametrize("value,shown", [("fast", "'fast'"), (float("nan"), "nan"), (float("inf"), "inf"),
+                                         (-0.5, "-0.5"), (True, "True"), ([0.1], "[0.1]")])
+def test_profile_time_that_is_no_time_names_the_entry(tmp_path, value, shown):
+    path = _profile(tmp_path, lm_layer=value)
+    e = _refused(LLAVA_PP, [f"parallel.pipeline_profile={path}"], world_size=4)
+    assert e.field == "parallel.pipeline_profile" and e.value == path
+    assert e.hint == (f"seconds.lm_layer={shown} is not a measured time (finite seconds >= 0); "
+                      "re-run tools/profile_layers.py or fix that entry")
+
+
+@pytest.mark.parametrize("content,hint", [
+    (None, "file not found"),
+    ("{not json", "is not a profile written by tools/profile_layers.py"),
+    ('{"version": 1, "shape": [], "seconds": {}}', "is not a profile written by tools/profile_layers.py"),
+])
+def test_missing_or_garbage_profile_is_refused_by_validate(tmp_path, content, hint):
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    e = _refused(LLAVA_PP, [f"parallel.pipeline_profile={path}"], world_size=4)
+    assert e.field == "parallel.pipeline_profile" and hint in e.hint
+
+
+def test_a_good_profile_passes_validate(tmp_path):
+    _validate(LLAVA_PP, [f"parallel.pipeline_profile={_profile(tmp_path)}"], world_size=4)
+
+
+def test_plan_pipeline_tool_names_a_nan_profile_entry(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys
+
+    from megascale_omni.entry import run_cli
+
+    spec = importlib.util.spec_from_file_location("tool_plan_pipeline", "tools/plan_pipeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    path = _profile(tmp_path, vision_per_image=float("nan"))
+    monkeypatch.setattr(sys, "argv", ["plan_pipeline.py", "--config", LLAVA_PP, f"parallel.pipeline_profile={path}"])
+    with pytest.raises(SystemExit) as exited:
+        run_cli(tool.main)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: parallel.pipeline_profile='{path}': seconds.vision_per_image=nan is not a measured time "
+        "(finite seconds >= 0); re-run tools/profile_layers.py or fix that entry")
+
+
+def test_validating_a_profile_loads_no_megatron(tmp_path):
+    """omni-run validates before any worker: reading the profile goes through
+    the planner's pure modules, not megatron's parallel state."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megascale_omni.config import load_job_config\n"
+        "from megascale_omni.tasks.registry import get_family\n"
+        f"cfg = load_job_config(['--config', {LLAVA_PP!r}, 'parallel.pipeline_profile={_profile(tmp_path)}'])\n"
+        "get_family('llava').validate(cfg, 4)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"

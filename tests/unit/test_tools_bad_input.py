@@ -109,6 +109,23 @@ def test_sample_dit_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, arg
     assert line.startswith(f"config error: {field}=")
 
 
+@pytest.mark.parametrize("out,hint", [
+    ("afile/g.png", "is a file, not a directory"),
+    ("afile/deeper/g.png", "is a file, not a directory"),
+    ("adir", "is a directory; give a file path such as"),
+    ("g.notanimage", "needs an image file extension PIL can write"),
+])
+def test_sample_dit_checks_out_before_loading_anything(tmp_path, capsys, out, hint):
+    tool = _tool("sample_dit")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    # The checkpoint does not exist either: --out is refused first, before any loading or sampling.
+    argv = ["--checkpoint", str(tmp_path / "none"), "--prompt", "a red circle", "--out", str(tmp_path / out)]
+    assert _exit_code(lambda: tool.main(argv)) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"config error: --out='{tmp_path / out}': ") and hint in line
+
+
 def test_plan_pipeline_refuses_a_negative_world_size(monkeypatch, capsys):
     tool = _tool("plan_pipeline")
     monkeypatch.setattr(sys, "argv", ["plan_pipeline.py", "--world-size", "-4", "--config", "examples/gpt/tiny.yaml"])
