@@ -193,3 +193,90 @@ def test_validating_a_profile_loads_no_megatron(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------ LLaVA / DiT inputs (data, tokenizer, fit)
+
+LLAVA = "examples/llava/tiny_cpu.yaml"
+DIT = "examples/dit/tiny_cpu.yaml"
+
+
+def _dataset(tmp_path, words=("red", "circle")):
+    """A dataset directory as far as validation looks: train/ and a word tokenizer."""
+    from megascale_omni.data.tokenizer import build_word_tokenizer
+
+    root = tmp_path / "ds"
+    (root / "train").mkdir(parents=True)
+    build_word_tokenizer(list(words), root / "tokenizer.json")
+    return root
+
+
+@pytest.mark.parametrize("base", [LLAVA, DIT])
+def test_data_path_that_does_not_exist_is_refused_up_front(tmp_path, base):
+    e = _refused(base, [f"data.path={tmp_path / 'nowhere'}"])
+    assert e.field == "data.path" and e.hint.startswith("does not exist; build a dataset there with ")
+
+
+@pytest.mark.parametrize("base", [LLAVA, DIT])
+def test_data_path_without_a_train_split_is_refused_up_front(tmp_path, base):
+    e = _refused(base, [f"data.path={tmp_path}"])
+    assert e.field == "data.path" and e.hint.startswith("has no train/ split")
+
+
+@pytest.mark.parametrize("base", [LLAVA, DIT])
+def test_data_tokenizer_that_does_not_exist_is_refused_up_front(tmp_path, base):
+    e = _refused(base, [f"data.tokenizer={tmp_path / 'tok.json'}"])
+    assert str(e) == (f"config error: data.tokenizer='{tmp_path / 'tok.json'}': does not exist; "
+                      "point it at a tokenizer.json or directory")
+
+
+def test_vocab_below_the_default_datasets_tokenizer_is_refused_without_building_it(tmp_path):
+    e = _refused(LLAVA, ["model.vocab_size=10", "data.default_num_train=7919"])  # a size never built
+    assert str(e) == ("config error: model.vocab_size=10: is smaller than the tokenizer's 65; "
+                      "set 0 to use the tokenizer's")
+    _validate(LLAVA, ["model.vocab_size=65"])
+
+
+def test_default_vocab_is_the_built_shapes_tokenizers(tmp_path):
+    from megascale_omni.data.tokenizer import build_word_tokenizer
+    from megascale_omni.demo.shapes import dataset_vocabulary, word_tokenizer_size
+
+    assert word_tokenizer_size() == build_word_tokenizer(dataset_vocabulary(), tmp_path / "t.json").vocab_size == 65
+
+
+@pytest.mark.parametrize("fmt", ["words", "chat"])
+def test_vocab_below_a_dataset_tokenizer_is_refused(tmp_path, fmt):
+    root = _dataset(tmp_path)  # 5 special tokens + 2 words
+    e = _refused(LLAVA, [f"data.path={root}", f"data.format={fmt}", "model.vocab_size=6"])
+    assert e.field == "model.vocab_size" and e.hint.startswith("is smaller than the tokenizer's 7;")
+    _validate(LLAVA, [f"data.path={root}", f"data.format={fmt}", "model.vocab_size=7"])
+
+
+def test_chat_format_needs_a_tokenizer_directory(tmp_path):
+    root = _dataset(tmp_path)
+    tok = tmp_path / "tok" / "tokenizer.json"  # its directory does not exist
+    e = _refused(LLAVA, [f"data.path={root}", "data.format=chat", f"data.tokenizer={tok}"])
+    assert e.field == "data.tokenizer"
+
+
+def test_seq_length_without_room_for_one_image_is_refused(tmp_path):
+    # 32-pixel images in 8-pixel patches: 16 tokens each.
+    e = _refused(LLAVA, ["model.seq_length=16"])
+    assert str(e) == ("config error: model.seq_length=16: has no room for one image (16 tokens: "
+                      "vision.tokens_per_image=16) and its text, so every sample with an image would be excluded; "
+                      "use e.g. 64, or a smaller vision.image_size")
+    _validate(LLAVA, ["model.seq_length=17"])
+
+
+def test_seq_length_counts_the_fewest_anyres_views(tmp_path):
+    import json
+
+    root = _dataset(tmp_path)
+    # Smallest grid 32x64: two 32-pixel tiles plus the overview, 3 views of 16 tokens.
+    (root / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}, "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3, "image_grid_pinpoints": [[64, 64], [32, 64], [96, 32]]}))
+    args = [f"data.path={root}", "data.image_mode=anyres"]
+    e = _refused(LLAVA, [*args, "model.seq_length=48"])
+    assert e.field == "model.seq_length" and "(48 tokens: 3 anyres views x 16)" in e.hint
+    _validate(LLAVA, [*args, "model.seq_length=64"])
