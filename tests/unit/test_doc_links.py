@@ -98,6 +98,14 @@ def test_benchmarks_index_links_every_entry():
     assert not missing, f"BENCHMARKS.md: add these entries to its index: {missing}"
 
 
+def test_testing_page_lists_every_test_file():
+    """docs/testing.md's inventory has a row for every test file."""
+    text = (REPO / "docs" / "testing.md").read_text()
+    missing = [f"{p.parent.name}/{p.name}" for p in sorted((REPO / "tests").glob("*/test_*.py"))
+               if f"| `{p.name}` |" not in text.split(f"### tests/{p.parent.name}\n", 1)[-1].split("\n### ", 1)[0]]
+    assert not missing, f"docs/testing.md: add an inventory row (what it proves, its tolerance) for {missing}"
+
+
 def test_the_checker_catches_what_it_should(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     (tmp_path / "docs").mkdir()
