@@ -30,7 +30,7 @@ class DitColorEvaluator(Evaluator):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if not self.cfg.dit.eval_resolutions and is_loss_rank():
+        if not self.cfg.dit.eval_resolutions:  # INFO: rank 0's log only (platform/logging_setup.py)
             logger.info("evaluation: off (dit.eval_resolutions is empty; list [height, width] sizes to sample)")
 
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:

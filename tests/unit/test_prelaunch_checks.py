@@ -97,10 +97,9 @@ def test_resume_of_a_step_directory_passes_validation(tmp_path):
 
 
 @pytest.mark.parametrize("resolutions,said", [("[]", True), ("[[16,16]]", False)])
-def test_dit_without_eval_resolutions_says_evaluation_is_off(resolutions, said, caplog, monkeypatch):
+def test_dit_without_eval_resolutions_says_evaluation_is_off(resolutions, said, caplog):
     from megascale_omni.demo import dit_eval
 
-    monkeypatch.setattr(dit_eval, "is_loss_rank", lambda: True)
     cfg = from_dict(JobConfig, apply_overrides(load_yaml("examples/dit/tiny_cpu.yaml"),
                                                [f"dit.eval_resolutions={resolutions}"]))
     with caplog.at_level(logging.INFO, logger=dit_eval.__name__):
@@ -228,6 +227,11 @@ def test_data_tokenizer_that_does_not_exist_is_refused_up_front(tmp_path, base):
     e = _refused(base, [f"data.tokenizer={tmp_path / 'tok.json'}"])
     assert str(e) == (f"config error: data.tokenizer='{tmp_path / 'tok.json'}': does not exist; "
                       "point it at a tokenizer.json or directory")
+
+
+def test_image_processor_that_does_not_exist_is_refused_up_front(tmp_path):
+    e = _refused(LLAVA, ["data.image_mode=resize_crop", f"data.image_processor={tmp_path / 'pre.json'}"])
+    assert e.field == "data.image_processor" and e.hint.startswith("does not exist;")
 
 
 def test_vocab_below_the_default_datasets_tokenizer_is_refused_without_building_it(tmp_path):

@@ -55,12 +55,17 @@ def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[], int]] = No
     """Raise ConfigError for the first LLaVA input that cannot work (every
     rank and omni-run, before any process group): ``data.path`` and each
     ``data.blend`` member without a ``train/`` split, a ``data.tokenizer``
-    that does not exist, ``model.vocab_size`` below the tokenizer's
-    (``default_vocab()``: the embedded default dataset's, known without
-    building it), and ``model.seq_length`` with no room for one image."""
+    or ``data.image_processor`` that does not exist, ``model.vocab_size``
+    below the tokenizer's (``default_vocab()``: the embedded default
+    dataset's, known without building it), and ``model.seq_length`` with no
+    room for one image."""
     root = check_paths(cfg, default_available=True, how_to_make=HOW_TO_MAKE)
     for i, source in enumerate(cfg.data.blend):
         blend_train_split(i, source.path)
+    if cfg.data.image_processor and not Path(cfg.data.image_processor).exists():
+        raise ConfigError("data.image_processor", cfg.data.image_processor,
+                          "does not exist; point it at the tower's preprocessor_config.json (or its directory), "
+                          "or set null")
     vocab = _tokenizer_vocab(cfg, root, default_vocab)
     if vocab is not None:
         check_vocab_size(cfg, vocab)
