@@ -35,11 +35,13 @@ from typing import Any, Mapping, Optional, Protocol
 
 from PIL import Image
 
-#: Image formats an image member may hold: PIL's format name -> the member
-#: suffix (``<i>.<suffix>``). Images are stored as their source bytes.
-IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
-#: Member suffix -> PIL's format name (the inverse of :data:`IMAGE_FORMATS`).
-IMAGE_SUFFIXES = {suffix: fmt for fmt, suffix in IMAGE_FORMATS.items()}
+#: Member suffix (``<i>.<suffix>``) -> PIL's name of the format it holds.
+#: Images are stored as their source bytes.
+IMAGE_SUFFIXES = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+#: PIL's format name -> the member suffix of an image PIL identifies so. MPO
+#: (a camera's multi-picture JPEG) is a JPEG whose first picture every JPEG
+#: decoder shows, and what PIL decodes as its frame 0.
+IMAGE_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: Bytes of a PNG needed for its size: signature, IHDR length and type, width, height.
 PNG_HEADER_BYTES = 24

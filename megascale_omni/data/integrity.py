@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from megascale_omni.data.costs import validate_cost_fields
+from megascale_omni.data.costs import IMAGE_FORMATS, IMAGE_SUFFIXES, validate_cost_fields
 from megascale_omni.data.errors import DataFileError
 
 #: Fix offered for a broken ``index.json``.
@@ -220,6 +220,8 @@ def decode_image_rgb(data: bytes, fmt: str, modes: Sequence[str] = RGB_MODES) ->
     try:
         with Image.open(io.BytesIO(data)) as img:
             found, mode = img.format, img.mode
+            if found in IMAGE_FORMATS:  # the format it is stored as (MPO: a JPEG)
+                found = IMAGE_SUFFIXES[IMAGE_FORMATS[found]]
             if found == fmt and mode in modes:
                 img.load()
                 array = np.asarray(img if mode == "RGB" else img.convert("RGB"), dtype=np.uint8).copy()

@@ -69,6 +69,14 @@ def encode_sample(sample: Sample, sources: Optional[Sequence[tuple[str, bytes]]]
     return members
 
 
+def tar_writer(fileobj) -> webdataset.TarWriter:
+    """A writer of one shard into the open binary ``fileobj`` (closing the
+    writer does not close ``fileobj``). Fixed metadata, so identical samples
+    give byte-identical tars; ``mtime`` is the int 0 because a float makes
+    tarfile put a 1 KiB PAX header before every member (2 KiB a sample)."""
+    return webdataset.TarWriter(fileobj, user="", group="", mode=0o444, compress=False, encoder=False, mtime=0)
+
+
 def shard_name(shard_number: int) -> str:
     return f"{SHARD_PREFIX}{shard_number:06d}.tar"
 
@@ -120,9 +128,7 @@ def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | o
                     fileobj.close()
                 names.append(shard_name(len(names)))
                 fileobj = open(out / names[-1], "wb")
-                # Fixed metadata so identical samples give byte-identical tars.
-                writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444,
-                                              compress=False, encoder=False, mtime=0.0)
+                writer = tar_writer(fileobj)
             writer.write({"__key__": f"{pos:09d}", **record})
     finally:
         if writer is not None:

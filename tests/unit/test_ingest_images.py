@@ -59,6 +59,9 @@ SOURCES = {
     "d.png": (lambda: Image.fromarray(_photo(20, 50, 3)).convert("RGBA"), "PNG", {}),
     "e.png": (lambda: Image.fromarray(_photo(33, 17, 4)).convert("P"), "PNG", {}),
     "f.webp": (lambda: Image.fromarray(_photo(40, 72, 5)), "WEBP", {"quality": 90}),
+    # A camera's multi-picture JPEG: stored as a .jpg, read as its first picture.
+    "g.jpg": (lambda: Image.fromarray(_photo(24, 36, 7)), "MPO",
+              {"quality": 90, "save_all": True, "append_images": [Image.fromarray(_photo(24, 36, 8))]}),
 }
 
 

@@ -58,12 +58,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import webdataset
 from PIL import Image
 
 from megascale_omni.config import ConfigError
 from megascale_omni.data.conversation import ChatEncoder, ConversationError, normalize_turns, type_phrase
-from megascale_omni.data.costs import IMAGE_FORMATS, Coster
+from megascale_omni.data.costs import IMAGE_FORMATS, IMAGE_SUFFIXES, Coster
 from megascale_omni.data.integrity import decode_image_rgb
 from megascale_omni.data.llava.ingest_inputs import (  # noqa: F401 - IngestInputs, ValSplit: this module's API
     IngestInputs,
@@ -81,7 +80,7 @@ from megascale_omni.data.sample import (
     Sample,
     SampleValidationError,
 )
-from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name
+from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name, tar_writer
 from megascale_omni.utils.files import atomic_open, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -236,7 +235,7 @@ def _load_image(root: str, rel: str) -> tuple[np.ndarray, str, bytes]:
     try:
         # The full decode the reader will do: catches what verify() does not
         # look at, e.g. a JPEG cut short.
-        array = decode_image_rgb(data, fmt)
+        array = decode_image_rgb(data, IMAGE_SUFFIXES[IMAGE_FORMATS[fmt]])
     except ValueError as e:
         raise Rejected(f"image cannot be decoded: {rel} ({e})") from None
     return array, fmt, data
@@ -259,8 +258,7 @@ def _write_chunk(job: tuple) -> dict:
     kept, rejected = 0, []
     name = shard_name(number)
     with atomic_open(Path(out) / name, "wb") as fileobj:
-        writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444, compress=False, encoder=False,
-                                      mtime=0.0)
+        writer = tar_writer(fileobj)
         for offset, (source, record) in enumerate(records):
             position = first + offset
             try:
