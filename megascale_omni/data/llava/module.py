@@ -148,9 +148,10 @@ class ConversationData(DataModule):
             truncates=cfg.data.format == "chat",
         )
         self.train_reader = _train_reader(cfg, root)
-        if cfg.data.image_mode == "exact":
-            check_exact_sizes(self.train_reader, cfg.vision.image_size, cfg.data.max_bad_sample_fraction)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        for reader in (self.train_reader, self.val_reader):
+            if reader is not None and cfg.data.image_mode == "exact":
+                check_exact_sizes(reader, cfg.vision.image_size, cfg.data.max_bad_sample_fraction)
         if self.val_reader is not None:
             self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         scan = self.scanner.scan(self.train_reader)
