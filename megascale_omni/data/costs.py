@@ -114,6 +114,11 @@ def image_size(suffix: str, data: bytes) -> Optional[tuple[int, int]]:
     return (height, width) if width > 0 and height > 0 else None
 
 
+def is_image_member(suffix: str) -> bool:
+    """Whether member suffix ``suffix`` is an image's (``<i>.png|jpg|webp``)."""
+    return _IMAGE_MEMBER.fullmatch(suffix) is not None
+
+
 def image_members(members: Mapping[str, Any]) -> list[str]:
     """The image member suffixes (``<i>.png|jpg|webp``) of a sample, by image number."""
     found = sorted((int(m.group(1)), s) for s in members if (m := _IMAGE_MEMBER.fullmatch(s)))

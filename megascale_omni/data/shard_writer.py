@@ -25,7 +25,14 @@ import numpy as np
 import webdataset
 from PIL import Image
 
-from megascale_omni.data.costs import IMAGE_FORMATS, PNG_HEADER_BYTES, Coster, image_members, sample_cost
+from megascale_omni.data.costs import (
+    IMAGE_FORMATS,
+    PNG_HEADER_BYTES,
+    Coster,
+    image_members,
+    is_image_member,
+    sample_cost,
+)
 from megascale_omni.data.integrity import sha256_of
 from megascale_omni.data.sample import Sample
 from megascale_omni.data.shards import (
@@ -190,7 +197,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                     heads.append({})
                 loc = samples[-1]
                 loc.members[suffix] = (member.offset_data, member.size)
-                if image_members({suffix: None}):
+                if is_image_member(suffix):
                     # A PNG's size is in its first bytes; a JPEG's frame header may
                     # follow long EXIF data, so PIL gets the whole member.
                     heads[-1][suffix] = tar.extractfile(member).read(
