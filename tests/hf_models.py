@@ -80,6 +80,30 @@ def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOC
     return _save(model, path)
 
 
+class ModelSource:
+    """:class:`megascale_omni.hf.directory.HFDirectory`'s read interface over
+    an in-memory ``transformers`` model (e.g. one built on ``meta``), so the
+    importer's mapping runs without a save; ``read`` collects the tensor
+    names the mapping asked for."""
+
+    def __init__(self, model, field: str = "test"):
+        self.config = model.config.to_dict()
+        self.path = Path(f"<{type(model).__name__}>")
+        self.field = field
+        self.architecture = type(model).__name__
+        self.tensors = dict(model.state_dict())
+        self.read: set[str] = set()
+
+    def find_prefix(self, suffix: str, exclude=()):
+        from megascale_omni.hf.directory import find_prefix
+
+        return find_prefix(self.tensors, suffix, exclude)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return self.tensors[name]
+
+
 @torch.no_grad()
 def _perturb_norms(model, seed: int) -> None:
     """Random norm weights/biases and biases: freshly initialised HF models

@@ -87,12 +87,7 @@ class HFDirectory:
         return list(self._where)
 
     def find_prefix(self, suffix: str, exclude: Iterable[str] = ()) -> Optional[str]:
-        """The prefix ``p`` of the one tensor named ``p + suffix`` (None if
-        absent), skipping names that start with any of ``exclude``."""
-        hits = [n[: -len(suffix)] for n in self._where if n.endswith(suffix)
-                and not any(n.startswith(e) for e in exclude)]
-        hits = [h for h in hits if h == "" or h.endswith(".")]
-        return min(hits, key=len) if hits else None
+        return find_prefix(self._where, suffix, exclude)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -112,6 +107,16 @@ class HFDirectory:
             return handle.get_tensor(name).clone()
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e}); the file is damaged") from None
+
+
+def find_prefix(names: Iterable[str], suffix: str, exclude: Iterable[str] = ()) -> Optional[str]:
+    """The prefix ``p`` of the one tensor in ``names`` named ``p + suffix``
+    (the shortest when several are; None if absent), skipping names that
+    start with any of ``exclude``."""
+    exclude = tuple(exclude)
+    hits = [n[: -len(suffix)] for n in names if n.endswith(suffix) and not n.startswith(exclude)]
+    hits = [h for h in hits if h == "" or h.endswith(".")]
+    return min(hits, key=len) if hits else None
 
 
 def expect_shape(tensor: torch.Tensor, shape: tuple[int, ...], name: str, source: Path) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from tests import hf_models
 from tests.hf_models import our_logits, tool_main
+from tests.launcher import run_tool_in_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,3 +57,109 @@ def test_llava_with_a_tower_the_patch_does_not_divide_matches_transformers(tmp_p
     edited[..., 32:, :] = 7.0
     edited[..., :, 32:] = -7.0
     assert torch.equal(our_logits(ours, tokens, edited, image_token=IMAGE_TOKEN), got)
+
+
+# ------------------------------------------------------- real-size architectures
+def _llava_15_7b():
+    """llava-hf/llava-1.5-7b-hf: Vicuna-7B (Llama, vocab 32064 with LLaVA's
+    added tokens) + CLIP-L/14-336, penultimate layer, 2-layer GELU projector."""
+    import transformers as T
+
+    text = T.LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+    tower = T.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                               image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    return T.LlavaConfig(text_config=text, vision_config=tower, image_token_index=32000, vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", image_seq_length=576, tie_word_embeddings=False)
+
+
+def _qwen2_7b_siglip_384():
+    """Qwen2-7B + SigLIP-so400m-patch14-384 (LLaVA-OneVision's pairing): the
+    last tower layer, every one of the 27 x 27 patch features."""
+    import transformers as T
+
+    text = T.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+    tower = T.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                 num_attention_heads=16, image_size=384, patch_size=14,
+                                 hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+    return T.LlavaConfig(text_config=text, vision_config=tower, image_token_index=151646, vision_feature_layer=-1,
+                         vision_feature_select_strategy="full", image_seq_length=729, tie_word_embeddings=False)
+
+
+def _unused_by_llava(names, tower: str, last_layer: int, feature_layer: int) -> set[str]:
+    """HF tensors LLaVA never reads: tower layers after the feature layer,
+    the tower's post-layernorm and (SigLIP) its pooling head."""
+    after = [f"{tower}encoder.layers.{i}." for i in range(last_layer + feature_layer + 2, last_layer + 1)]
+    return {n for n in names if n.startswith((*after, f"{tower}post_layernorm.", f"{tower}head."))}
+
+
+@pytest.mark.parametrize("name,make,facts", [
+    ("llava-1.5-7b", _llava_15_7b, dict(tokens=576, built=23, excluded_layers=1, padded=32128,
+                                                 hf_total=7_063_427_072)),
+    ("qwen2-7b-siglip-384", _qwen2_7b_siglip_384, dict(tokens=729, built=27, excluded_layers=0, padded=152064,
+                                                               hf_total=8_060_823_104)),
+])
+def test_real_size_llava_maps_every_tensor_onto_transformers(name, make, facts):
+    """Both models on ``meta`` (no memory): every tensor of ours comes from the
+    importer's mapping of transformers' own ``LlavaForConditionalGeneration``
+    with the same shape, every HF tensor is read except the ones LLaVA never
+    uses, and the parameter counts agree to the element."""
+    import transformers as T
+
+    from megascale_omni.hf.importer import read_llava
+    from megascale_omni.models.standalone import build_model, one_process
+
+    config = make()
+    with torch.device("meta"):
+        hf = T.LlavaForConditionalGeneration(config)
+    src = hf_models.ModelSource(hf)
+    imp = read_llava(src, seq_length=4096)
+    cfg = from_dict(JobConfig, imp.sections)
+    m, v = cfg.model, cfg.vision
+    assert (v.tokens_per_image, v.layers_built, m.padded_vocab_size(m.vocab_size)) == (
+        facts["tokens"], facts["built"], facts["padded"])
+    with one_process(), torch.device("meta"):
+        ours = build_model(cfg, m.padded_vocab_size(m.vocab_size), int(config.image_token_index))
+    own = {k: tuple(t.shape) for k, t in ours.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(own) == sorted(imp.state)
+    wrong = {k: (s, tuple(imp.state[k].shape)) for k, s in own.items() if tuple(imp.state[k].shape) != s}
+    assert not wrong, wrong
+
+    hf_params = dict(hf.named_parameters())
+    tower = src.find_prefix("embeddings.patch_embedding.weight")
+    unused = _unused_by_llava(hf_params, tower, config.vision_config.num_hidden_layers - 1,
+                              config.vision_feature_layer)
+    assert set(src.tensors) - src.read == unused  # exactly these are left out, nothing else
+    per_layer = 16  # q, k, v, out, fc1, fc2 weight + bias, two norms' weight + bias
+    # SigLIP's pooling head: probe, attention in/out projections, layernorm, MLP (weight + bias each).
+    head = 1 + 4 + 2 + 4 if v.model_type == "siglip" else 0
+    assert len(unused) == facts["excluded_layers"] * per_layer + 2 + head  # + the post-layernorm
+    excluded = sum(hf_params[n].numel() for n in unused)
+    padding = (m.padded_vocab_size(m.vocab_size) - m.vocab_size) * m.hidden_size * 2  # embedding + output rows
+    ours_total = sum(p.numel() for p in ours.parameters())
+    hf_total = sum(p.numel() for p in hf.parameters())
+    print(f"\n{name}: transformers {hf_total:,} parameters, ours {ours_total:,} "
+          f"(- {padding:,} vocabulary padding, + {excluded:,} that LLaVA never reads)")
+    assert hf_total == facts["hf_total"]  # the published model's size: the configs are the real ones
+    assert ours_total - padding == hf_total - excluded
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("patch_size", 40, "patch_size=40: must be an int in [1, image_size=32]"),
+    ("image_size", [32, 48], "image_size=[32, 48]: must be one positive int"),
+    ("num_attention_heads", 5, "hidden_size=32: must be divisible by num_attention_heads=5"),
+])
+def test_bad_tower_geometry_exits_2_with_one_line(tmp_path, key, value, words):
+    import json
+
+    hf_models.causal_lm("llama", tmp_path / "lm")
+    hf_models.vision_tower("siglip", tmp_path / "tower")
+    config = json.loads((tmp_path / "tower" / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "tower" / "config.json").write_text(json.dumps(config))
+    r = run_tool_in_process("tools/hf_import.py", "--llm", tmp_path / "lm", "--vision", tmp_path / "tower",
+                            "--out", tmp_path / "out")
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
