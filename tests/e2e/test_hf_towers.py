@@ -163,3 +163,101 @@ def test_bad_tower_geometry_exits_2_with_one_line(tmp_path, key, value, words):
                             "--out", tmp_path / "out")
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------ real widths, fewer layers
+def _one_image_batch(image_token: int, grid: int, size: int, vocab: int, seed: int = 0):
+    """``[1, grid**2 + 24]`` tokens with one image's placeholders after 8 text tokens, and its pixels."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(6, vocab, (1, grid * grid + 24), generator=g)
+    tokens[tokens == image_token] = 6
+    tokens[0, 8 : 8 + grid * grid] = image_token
+    return tokens, torch.randn(1, 3, size, size, generator=g)
+
+
+def test_clip_l_336_llava_at_real_width_matches_transformers(tmp_path):
+    """CLIP-L/14-336's width and geometry (1024 wide, 24 x 24 patches + class
+    token), 2 layers read at -2 as LLaVA-1.5 does, under a tiny Llama."""
+    src, ours = tmp_path / "hf", tmp_path / "ours"
+    hf = hf_models.llava(src, text="llama", tower="clip", feature_layer=-2, image_token=IMAGE_TOKEN, layers=2,
+                         **hf_models.CLIP_L_336)
+    tool_main("hf_import.py", "--llava", src, "--out", ours)
+    tokens, pixels = _one_image_batch(IMAGE_TOKEN, 24, 336, hf_models.VOCAB)
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, pixel_values=pixels).logits
+    diff = (our_logits(ours, tokens, pixels, image_token=IMAGE_TOKEN) - ref).abs().max().item()
+    print(f"\nCLIP-L/336 (2 layers) LLaVA: max abs logit difference {diff:.2e}")
+    assert diff <= LOGIT_ATOL
+
+
+def _model_state(path) -> dict[str, torch.Tensor]:
+    """One-process model tensors of a checkpoint (import output or training run)."""
+    from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
+    from megascale_omni.models.standalone import build_model, one_process
+
+    ckpt = open_model_checkpoint(path, "test")
+    m = ckpt.cfg.model
+    with one_process():
+        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size))
+        load_model_weights([model], ckpt, "test")
+        return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+STEPS = 8
+
+
+def test_siglip_so400m_384_plus_qwen2_imports_trains_and_exports(tmp_path):
+    """SigLIP-so400m-patch14-384's width and geometry (1152 wide, 27 x 27
+    patches, 6 unused pixel rows/columns), 2 layers, with a tiny Qwen2 (QKV
+    bias, tied embeddings): ``--llm`` + ``--vision`` import, LLaVA stage 1
+    (projector only, fresh) with pretrain_llava.py on 384 px shapes images,
+    then the trained checkpoint exports to a transformers LLaVA whose logits
+    match ours. As tests/dist/test_pretrained_training.py's stage 1: the
+    frozen LM and tower stay bit-identical, the projector changes and the
+    loss falls (here on the same one-sample batch every step)."""
+    import transformers
+
+    from megascale_omni.data.tokenizer import TextTokenizer
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset
+    from tests.launcher import train_and_read
+
+    data = tmp_path / "shapes"
+    make_shapes_dataset(data, num_train=1, num_val=1, seed=7, image_size=384, samples_per_shard=1)
+    tok = TextTokenizer.from_path(data / "tokenizer.json")
+    hf_models.causal_lm("qwen2", tmp_path / "lm", vocab=tok.vocab_size, seed=3)
+    hf_models.vision_tower("siglip", tmp_path / "tower", seed=4, layers=2, **hf_models.SIGLIP_SO400M_384)
+    imported = tmp_path / "imported"
+    tool_main("hf_import.py", "--llm", tmp_path / "lm", "--vision", tmp_path / "tower", "--out", imported,
+              "--seq-length", 2048)
+
+    out = tmp_path / "run"
+    records = train_and_read("pretrain_llava.py", 1, [
+        "--config", "examples/llava/tiny_cpu.yaml", "--config", str(imported / "model.yaml"), f"data.path={data}",
+        f"train.steps={STEPS}", "train.eval_interval=0", "train.global_batch_size=1", "train.micro_batch_size=1",
+        "train.lr=1e-2", "train.lr_warmup_steps=0", "model.freeze=true", "vision.freeze=true",
+        "vision.images_per_sequence=2", f"checkpoint.dir={out}/checkpoints",
+    ], out, STEPS, timeout=400)
+    losses = [r["loss"] for r in records]
+    print(f"\nSigLIP-so400m/384 (2 layers) + Qwen2 stage 1: losses {[round(x, 3) for x in losses]}")
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.1, losses
+
+    before, after = _model_state(imported), _model_state(out / "checkpoints")
+    assert set(before) == set(after) and after["vision_model.conv1.weight"].shape == (1152, 3, 14, 14)
+    frozen = [k for k in before if not k.startswith("vision_projection.")]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert all(not torch.equal(before[k], after[k]) for k in before if k.startswith("vision_projection."))
+
+    # An LLM + tower import records no image token: the export names the dataset tokenizer's.
+    tool_main("hf_export.py", "--checkpoint", out / "checkpoints", "--out", out / "hf",
+              "--image-token-id", tok.image_token_id)
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(out / "hf")).eval()
+    assert hf.config.image_seq_length == 729 and hf.config.vision_config.image_size == 384
+    image_token = hf.config.image_token_index
+    assert image_token == tok.image_token_id
+    tokens, pixels = _one_image_batch(image_token, 27, 384, tok.vocab_size, seed=1)
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, pixel_values=pixels).logits
+    diff = (our_logits(out / "checkpoints", tokens, pixels, image_token) - ref).abs().max().item()
+    print(f"exported after training: max abs logit difference {diff:.2e}")
+    assert diff <= LOGIT_ATOL
