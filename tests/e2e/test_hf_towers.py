@@ -203,12 +203,12 @@ def _model_state(path) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-STEPS = 8
+STEPS = 5
 
 
 def test_siglip_so400m_384_plus_qwen2_imports_trains_and_exports(tmp_path):
     """SigLIP-so400m-patch14-384's width and geometry (1152 wide, 27 x 27
-    patches, 6 unused pixel rows/columns), 2 layers, with a tiny Qwen2 (QKV
+    patches, 6 unused pixel rows/columns), one layer, with a tiny Qwen2 (QKV
     bias, tied embeddings): ``--llm`` + ``--vision`` import, LLaVA stage 1
     (projector only, fresh) with pretrain_llava.py on 384 px shapes images,
     then the trained checkpoint exports to a transformers LLaVA whose logits
@@ -225,7 +225,7 @@ def test_siglip_so400m_384_plus_qwen2_imports_trains_and_exports(tmp_path):
     make_shapes_dataset(data, num_train=1, num_val=1, seed=7, image_size=384, samples_per_shard=1)
     tok = TextTokenizer.from_path(data / "tokenizer.json")
     hf_models.causal_lm("qwen2", tmp_path / "lm", vocab=tok.vocab_size, seed=3)
-    hf_models.vision_tower("siglip", tmp_path / "tower", seed=4, layers=2, **hf_models.SIGLIP_SO400M_384)
+    hf_models.vision_tower("siglip", tmp_path / "tower", seed=4, layers=1, **hf_models.SIGLIP_SO400M_384)
     imported = tmp_path / "imported"
     tool_main("hf_import.py", "--llm", tmp_path / "lm", "--vision", tmp_path / "tower", "--out", imported,
               "--seq-length", 2048)
@@ -235,10 +235,10 @@ def test_siglip_so400m_384_plus_qwen2_imports_trains_and_exports(tmp_path):
         "--config", "examples/llava/tiny_cpu.yaml", "--config", str(imported / "model.yaml"), f"data.path={data}",
         f"train.steps={STEPS}", "train.eval_interval=0", "train.global_batch_size=1", "train.micro_batch_size=1",
         "train.lr=1e-2", "train.lr_warmup_steps=0", "model.freeze=true", "vision.freeze=true",
-        "vision.images_per_sequence=2", f"checkpoint.dir={out}/checkpoints",
+        f"checkpoint.dir={out}/checkpoints",
     ], out, STEPS, timeout=400)
     losses = [r["loss"] for r in records]
-    print(f"\nSigLIP-so400m/384 (2 layers) + Qwen2 stage 1: losses {[round(x, 3) for x in losses]}")
+    print(f"\nSigLIP-so400m/384 (1 layer) + Qwen2 stage 1: losses {[round(x, 3) for x in losses]}")
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.1, losses
 
