@@ -95,8 +95,9 @@ class ModelSource:
     importer's mapping runs without a save; ``read`` collects the tensor
     names the mapping asked for."""
 
-    def __init__(self, model, field: str = "test"):
-        self.config = model.config.to_dict()
+    def __init__(self, model, config: dict | None = None, field: str = "test"):
+        #: ``config.json`` as published (defaults left out) when given, else the model's full config.
+        self.config = model.config.to_dict() if config is None else config
         self.path = Path(f"<{type(model).__name__}>")
         self.field = field
         self.architecture = type(model).__name__

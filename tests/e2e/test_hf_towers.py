@@ -60,32 +60,38 @@ def test_llava_with_a_tower_the_patch_does_not_divide_matches_transformers(tmp_p
 
 
 # ------------------------------------------------------- real-size architectures
-def _llava_15_7b():
-    """llava-hf/llava-1.5-7b-hf: Vicuna-7B (Llama, vocab 32064 with LLaVA's
-    added tokens) + CLIP-L/14-336, penultimate layer, 2-layer GELU projector."""
-    import transformers as T
-
-    text = T.LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                         num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
-    tower = T.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                               image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
-    return T.LlavaConfig(text_config=text, vision_config=tower, image_token_index=32000, vision_feature_layer=-2,
-                         vision_feature_select_strategy="default", image_seq_length=576, tie_word_embeddings=False)
-
-
-def _qwen2_7b_siglip_384():
-    """Qwen2-7B + SigLIP-so400m-patch14-384 (LLaVA-OneVision's pairing): the
-    last tower layer, every one of the 27 x 27 patch features."""
-    import transformers as T
-
-    text = T.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
-                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
-    tower = T.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                                 num_attention_heads=16, image_size=384, patch_size=14,
-                                 hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
-    return T.LlavaConfig(text_config=text, vision_config=tower, image_token_index=151646, vision_feature_layer=-1,
-                         vision_feature_select_strategy="full", image_seq_length=729, tie_word_embeddings=False)
+#: llava-hf/llava-1.5-7b-hf's config.json as published (transformers fills in
+#: the rest): Vicuna-7B (Llama, vocab 32064 with LLaVA's added tokens) +
+#: CLIP-L/14-336 read at its penultimate layer, 2-layer GELU projector.
+LLAVA_15_7B = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False,
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+}
+#: Qwen/Qwen2-7B's config.json and google/siglip-so400m-patch14-384's
+#: ``vision_config`` as published, paired as LLaVA-OneVision pairs them: the
+#: last tower layer, every one of the 27 x 27 patch features.
+QWEN2_7B_SIGLIP_384 = {
+    "model_type": "llava", "image_token_index": 151646, "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full", "image_seq_length": 729, "tie_word_embeddings": False,
+    "text_config": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+                    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+                    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+                    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                    "use_cache": True, "use_sliding_window": False, "vocab_size": 152064},
+    "vision_config": {"hidden_size": 1152, "image_size": 384, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14},
+}
 
 
 def _unused_by_llava(names, tower: str, last_layer: int, feature_layer: int) -> set[str]:
@@ -95,31 +101,42 @@ def _unused_by_llava(names, tower: str, last_layer: int, feature_layer: int) -> 
     return {n for n in names if n.startswith((*after, f"{tower}post_layernorm.", f"{tower}head."))}
 
 
-@pytest.mark.parametrize("name,make,facts", [
-    ("llava-1.5-7b", _llava_15_7b, dict(tokens=576, built=23, excluded_layers=1, padded=32128,
-                                                 hf_total=7_063_427_072)),
-    ("qwen2-7b-siglip-384", _qwen2_7b_siglip_384, dict(tokens=729, built=27, excluded_layers=0, padded=152064,
-                                                               hf_total=8_060_823_104)),
+@pytest.mark.parametrize("name,published,facts", [
+    ("llava-1.5-7b", LLAVA_15_7B, dict(
+        tokens=576, built=23, excluded_layers=1, padded=32128, hf_total=7_063_427_072,
+        fields={"model.hidden_size": 4096, "model.ffn_hidden_size": 11008, "model.norm_epsilon": 1e-5,
+                "model.rotary_base": 10000.0, "vision.activation": "quick_gelu", "vision.norm_epsilon": 1e-5,
+                "vision.class_token": True})),
+    ("qwen2-7b-siglip-384", QWEN2_7B_SIGLIP_384, dict(
+        tokens=729, built=27, excluded_layers=0, padded=152064, hf_total=8_060_823_104,
+        fields={"model.num_query_groups": 4, "model.add_qkv_bias": True, "model.rotary_base": 1e6,
+                "model.norm_epsilon": 1e-6, "vision.activation": "gelu_tanh", "vision.norm_epsilon": 1e-6,
+                "vision.class_token": False})),
 ])
-def test_real_size_llava_maps_every_tensor_onto_transformers(name, make, facts):
-    """Both models on ``meta`` (no memory): every tensor of ours comes from the
-    importer's mapping of transformers' own ``LlavaForConditionalGeneration``
-    with the same shape, every HF tensor is read except the ones LLaVA never
-    uses, and the parameter counts agree to the element."""
+def test_real_size_llava_maps_every_tensor_onto_transformers(name, published, facts):
+    """Both models on ``meta`` (no memory), from the published config.json
+    (defaults left out, as transformers reads it): every tensor of ours comes
+    from the importer's mapping of transformers' own
+    ``LlavaForConditionalGeneration`` with the same shape, every HF tensor is
+    read except the ones LLaVA never uses, and the parameter counts agree to
+    the element."""
     import transformers as T
 
     from megascale_omni.hf.importer import read_llava
     from megascale_omni.models.standalone import build_model, one_process
 
-    config = make()
+    config = T.LlavaConfig(**published)
     with torch.device("meta"):
         hf = T.LlavaForConditionalGeneration(config)
-    src = hf_models.ModelSource(hf)
+    src = hf_models.ModelSource(hf, config=published)
     imp = read_llava(src, seq_length=4096)
     cfg = from_dict(JobConfig, imp.sections)
     m, v = cfg.model, cfg.vision
     assert (v.tokens_per_image, v.layers_built, m.padded_vocab_size(m.vocab_size)) == (
         facts["tokens"], facts["built"], facts["padded"])
+    # Values the published files leave to transformers' defaults (hidden_act, layer_norm_eps, ...).
+    got = {f: getattr(getattr(cfg, f.split(".")[0]), f.split(".")[1]) for f in facts["fields"]}
+    assert got == facts["fields"]
     with one_process(), torch.device("meta"):
         ours = build_model(cfg, m.padded_vocab_size(m.vocab_size), int(config.image_token_index))
     own = {k: tuple(t.shape) for k, t in ours.state_dict().items() if not k.endswith("_extra_state")}
