@@ -128,9 +128,11 @@ class ModelConfig:
 class VisionConfig:
     """ViT encoder + projector of a LLaVA model (ignored by other families)."""
 
-    #: Square input resolution, pixels.
+    #: Square input resolution, pixels (what the data pipeline resizes to).
     image_size: int = checked(32, gt=0)
-    #: Patch side, pixels; tokens per image = (image_size / patch_size) ** 2.
+    #: Patch side, pixels. The grid is ``image_size // patch_size`` patches a
+    #: side, as HF's stride-``patch_size`` conv computes it: with 384 / 14
+    #: (SigLIP-so400m) a 27 x 27 grid whose last 6 pixel rows/columns are unused.
     patch_size: int = checked(8, gt=0)
     num_layers: int = checked(2, gt=0)
     hidden_size: int = checked(64, gt=0)
@@ -176,9 +178,10 @@ class VisionConfig:
                 "vision.feature_layer", self.feature_layer,
                 f"must be in [-{self.num_layers}, -1] (-1: the last of vision.num_layers={self.num_layers})",
             )
-        if self.image_size % self.patch_size:
+        if self.patch_size > self.image_size:
             raise ConfigError(
-                "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
+                "vision.patch_size", self.patch_size,
+                f"must be <= vision.image_size={self.image_size} (the tower needs at least one patch a side)",
             )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
@@ -188,8 +191,19 @@ class VisionConfig:
             )
 
     @property
+    def grid(self) -> int:
+        """Patches a side: ``floor(image_size / patch_size)``."""
+        return self.image_size // self.patch_size
+
+    @property
+    def covered_size(self) -> int:
+        """Pixels a side the patches cover (``grid * patch_size`` <= ``image_size``);
+        the tower ignores the bottom/right border beyond it."""
+        return self.grid * self.patch_size
+
+    @property
     def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.grid**2
 
     @property
     def layers_built(self) -> int:

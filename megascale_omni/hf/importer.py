@@ -26,7 +26,7 @@ import yaml
 
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.directory import HFDirectory
+from megascale_omni.hf.directory import HFDirectory, with_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
 
 def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
     """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
-    tc = d.config
+    tc = with_defaults(d.config, d.field)
     if tc.get("model_type") not in lm.LM_ARCHITECTURES:
         raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
                           f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
@@ -98,13 +98,14 @@ def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
     """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family."""
-    c = d.config
+    raw = dict(d.config)
     where = f"{d.path}/config.json"
-    text = dict(c.get("text_config") or {})
+    text = raw["text_config"] = dict(raw.get("text_config") or {})
     text.setdefault("model_type", "llama")
-    if "tie_word_embeddings" in c and "tie_word_embeddings" not in text:
-        text["tie_word_embeddings"] = c["tie_word_embeddings"]
-    tower = dict(c.get("vision_config") or {})
+    if "tie_word_embeddings" in raw and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    c = with_defaults(raw, d.field)
+    text, tower = dict(c["text_config"]), dict(c.get("vision_config") or {})
     tower.setdefault("model_type", "clip_vision_model")
     feature_layer = c.get("vision_feature_layer", -2)
     if not isinstance(feature_layer, int):
@@ -141,11 +142,9 @@ def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Opti
                        ) -> HFImport:
     """A causal LM + a CLIP/SigLIP tower (``CLIPVisionModel``, ``CLIPModel``,
     ``SiglipVisionModel``, ``SiglipModel``) -> ``llava`` with a fresh projector."""
-    text = llm.config
-    tc = tower.config.get("vision_config") or tower.config
-    tc = dict(tc)
-    if tower.config.get("model_type") in ("clip", "siglip"):
-        tc.setdefault("model_type", f"{tower.config['model_type']}_vision_model")
+    text = with_defaults(llm.config, llm.field)
+    full = with_defaults(tower.config, tower.field)  # CLIPModel / SiglipModel: the vision half
+    tc = dict(full.get("vision_config") or full)
     kind = vision.TOWER_TYPES.get(tc.get("model_type"))
     if feature_layer is None:
         feature_layer = -2 if kind == "clip" else -1  # LLaVA-1.5's choice for CLIP

@@ -39,6 +39,7 @@ BAD_VALUES = [
     ("logging.memory_fraction_cap=2", "logging.memory_fraction_cap", "in [0, 1] (0 = no cap)"),
     ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by", "> 0"),
     ("vision.projector_hidden_size=-1", "vision.projector_hidden_size", "> 0"),
+    ("vision.patch_size=64", "vision.patch_size", "<= vision.image_size=32"),
     ("dit.ema_decay=1.5", "dit.ema_decay", "[0, 1)"),
     ("control.pause_poll_s=nan", "control.pause_poll_s", "finite"),
     ("checkpoint.interval_minutes=inf", "checkpoint.interval_minutes", "finite"),

@@ -31,7 +31,7 @@ from megascale_omni.data.identity import tokenizer_source, train_split_source
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
-from megascale_omni.data.llava.plan_scan import PlanScanner
+from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
 from megascale_omni.data.llava.preflight import HOW_TO_MAKE, blend_train_split, check_vocab_size, tokenizer_dir
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
@@ -129,6 +129,9 @@ class ConversationData(DataModule):
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        for reader in (self.train_reader, self.val_reader):
+            if reader is not None and cfg.data.image_mode == "exact":
+                check_exact_sizes(reader, cfg.vision.image_size, cfg.data.max_bad_sample_fraction)
         if self.val_reader is not None:
             self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         scan = self.scanner.scan(self.train_reader)
