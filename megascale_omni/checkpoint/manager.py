@@ -432,5 +432,6 @@ def _rebuild(portable: tuple) -> Exception:
 def _info_for(path: Path) -> layout.CheckpointInfo:
     info = layout.step_info(path)
     if info is None:
-        raise CheckpointError(f"{path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
+        # Validation refused it at start; it vanished or changed since.
+        raise CheckpointError(f"checkpoint.resume={path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
     return info
