@@ -9,12 +9,13 @@ Both checkpoints export to directories that ``AutoProcessor`` and
 ``LlavaForConditionalGeneration`` load, whose tokenizer renders and
 tokenizes exactly as the source's and whose logits on the processor's own
 inputs match our checkpoint's within 1e-4. A tampered tokenizer file makes
-the checkpoint unexportable (exit 4, one line).
+the checkpoint unexportable (exit 4, one line). A Qwen2 import exports to
+``AutoTokenizer`` + ``AutoModelForCausalLM``; a checkpoint without
+tokenizer files exports its weights and names what is missing in one line.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -24,8 +25,8 @@ import pytest
 import torch
 
 from tests import hf_models
+from tests.launcher import REPO, run_tool_in_process, train_and_read
 from tests.launcher import run as run_command
-from tests.launcher import run_tool_in_process, train_and_read
 
 pytestmark = [pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers")
@@ -114,7 +115,11 @@ def _check_export(src: Path, ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_trained_and_resumed_checkpoints_export_with_tokenizer_chat_template_and_processor(trained, tmp_path):
+    from megascale_omni.checkpoint import layout
+
     src, run = trained
+    saved_dp = [layout.step_info(run / "checkpoints" / layout.step_dir_name(s)).commit["layout"]["dp"] for s in (2, 3)]
+    assert saved_dp == [1, 2]  # step 3 was written under another layout than the one it resumed
     step2 = _check_export(src, run / "checkpoints" / "step_00000002", tmp_path / "s2")
     step3 = _check_export(src, run / "checkpoints", tmp_path / "s3")  # the root: its newest, step 3
     source = transformers.LlavaForConditionalGeneration.from_pretrained(str(src)).state_dict()
@@ -159,14 +164,30 @@ def test_gpt_import_exports_a_tokenizer_that_autotokenizer_loads(tmp_path):
     assert type(model) is transformers.Qwen2ForCausalLM and model.config.vocab_size == len(tok)
 
 
-def test_export_without_tokenizer_files_says_what_is_missing_in_one_line(tmp_path):
-    hf_models.causal_lm("llama", tmp_path / "llama")  # weights only: no tokenizer saved
-    hf_models.tool_main("hf_import.py", "--llm", tmp_path / "llama", "--out", tmp_path / "imported")
-    r = run_tool_in_process("tools/hf_export.py", "--checkpoint", tmp_path / "imported", "--out", tmp_path / "out")
+def test_llava_trained_from_scratch_exports_weights_and_says_what_is_missing_in_one_line(tmp_path):
+    """A checkpoint without tokenizer files: the shapes demo's LLaVA with a
+    Llama decoder, written directly (its word-level tokenizer does not travel)."""
+    from megascale_omni.checkpoint.pretrained import save_model_checkpoint
+    from megascale_omni.config import JobConfig, from_dict
+    from megascale_omni.config.loader import load_yaml
+    from megascale_omni.models.standalone import build_model, one_process
+
+    raw = load_yaml(REPO / "examples/llava/tiny_cpu.yaml")
+    model = {**raw["model"], "vocab_size": 40, "activation": "swiglu", "normalization": "RMSNorm"}
+    cfg = from_dict(JobConfig, {"model": model, "vision": {**raw["vision"], "class_token": True}})
+    with one_process():
+        save_model_checkpoint(build_model(cfg, cfg.model.padded_vocab_size(40), image_token_id=4), cfg,
+                              tmp_path / "ckpt", provenance={})
+    out = tmp_path / "out"
+    r = run_tool_in_process("tools/hf_export.py", "--checkpoint", tmp_path / "ckpt", "--out", out,
+                            "--image-token-id", 4)
     assert r.returncode == 0, r.output
-    wrote, missing = r.stdout.strip().splitlines()
-    assert wrote == f"wrote {tmp_path / 'out'}"
-    assert missing.startswith(f"{tmp_path / 'out'} has no tokenizer (tokenizer.json), tokenizer_config.json, "
-                              "chat template: the checkpoint carries none")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert r.stdout.strip().splitlines() == [
+        f"wrote {out}",
+        f"{out} has no tokenizer (tokenizer.json), tokenizer_config.json, chat template, image processor "
+        "(preprocessor_config.json): the checkpoint carries none (its run did not start from tools/hf_import.py, "
+        "or the source lacked them); copy them from the model's tokenizer before loading it with "
+        "AutoTokenizer/AutoProcessor"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(str(out))
+    assert model.config.image_token_index == 4 and model.config.text_config.vocab_size == 40
