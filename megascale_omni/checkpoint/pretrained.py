@@ -150,7 +150,8 @@ def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> Pretr
     assets = ckpt.hf_assets()
     origin = ckpt.provenance.get("source") or f"step {ckpt.info.step} of a training run"
     logger.info("loaded pretrained weights from %s (%s)%s", ckpt.path, origin,
-                f"; its checkpoints carry {', '.join(assets.files)}" if assets.enabled else "")
+                f"; this run's checkpoints carry its {', '.join(assets.files)}" if assets.enabled
+                else "; it has no tokenizer files, so an export of this run will have none")
     return Pretrained(ckpt.provenance, assets)
 
 
