@@ -55,7 +55,7 @@ EXTRAS = {
     # transformer-engine: megatron-core 0.16.1 declares >=2.9,<2.12; flash-attn 2.8.x is the newest
     # flash-attn 2 that TE 2.11 accepts (its max_version 2.8.3). Both build against the local CUDA torch.
     # NVIDIA apex is not on the package index and not needed (TE provides the fused kernels);
-    # README "GPU" shows its source build.
+    # docs/gpu.md shows its source build.
     "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.8,<2.9"],
 }
 

@@ -104,7 +104,7 @@ def run_tool_in_process(script: str | Path, *args) -> Result:
     run here). For cases about what a tool answers, not about process
     behaviour; each tool keeps at least one real command-line run elsewhere.
 
-    Returns the exit status (``SystemExit``; 0 if ``main`` returns) and what
+    Returns the exit status (``SystemExit``, else ``main``'s int return value, else 0) and what
     was written to ``sys.stdout``/``sys.stderr``, log records of level WARNING
     and above included (as an unconfigured subprocess prints them). Any other
     exception escapes: where a subprocess would print a traceback, the test
@@ -129,7 +129,10 @@ def run_tool_in_process(script: str | Path, *args) -> Result:
     saved_env = dict(os.environ)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(lambda: module.main([str(a) for a in args]))
+            returned = []
+            run_cli(lambda: returned.append(module.main([str(a) for a in args])))
+        # A tool whose ``__main__`` is ``sys.exit(main())`` reports through the return value.
+        code = returned[0] if returned and isinstance(returned[0], int) else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):  # sys.exit("message"): the interpreter prints it

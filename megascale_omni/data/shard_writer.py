@@ -1,6 +1,6 @@
 """Writing and indexing shard sets in the format of :mod:`megascale_omni.data.shards`.
 
-:func:`write_shards` encodes :class:`~megascale_omni.data.sample.Sample`\ s,
+:func:`write_shards` encodes :class:`~megascale_omni.data.sample.Sample` objects,
 :func:`write_member_shards` writes already-encoded records (other families'
 members), and :func:`index_shards` (re)builds ``index.json`` for the tars of
 a split directory: member offsets and sizes, per-shard sizes and sha256, and
