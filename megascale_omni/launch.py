@@ -17,6 +17,12 @@ workers' own messages stay above it.
 Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
 ``-m megascale_omni.smoke``) are validated for their model family; any other
 script is launched unchecked.
+
+Inside a Slurm allocation, run once per node (``srun --ntasks-per-node=1
+omni-run ...``): the node count, node rank, workers per node and a c10d
+rendezvous on the first node come from Slurm's environment unless given
+(``megascale_omni/slurm.py``; one line says what was derived). Outside
+Slurm nothing is derived. See docs/multi-node.md.
 """
 
 from __future__ import annotations
@@ -84,6 +90,17 @@ def check_job(args) -> None:
     check_device(cfg.platform.device)
 
 
+def prepare(args, argv: Sequence[str]) -> None:
+    """Fill ``args`` from a Slurm allocation (if inside one), then :func:`check_job`
+    for the world size that results (raises ConfigError)."""
+    from megascale_omni.slurm import apply_slurm
+
+    derived = apply_slurm(args, argv, os.environ)
+    if derived is not None:  # one line like the failure summary's: it is part of the launcher's answer
+        sys.stderr.write(f"omni-run: {derived}\n")
+    check_job(args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``omni-run``: validate, then launch through torchrun (exit code as described above)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -91,8 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from megascale_omni.entry import run_cli
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    run_cli(lambda: check_job(args))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    run_cli(lambda: prepare(args, argv))
     try:
         run(args)
     except ChildFailedError as e:
