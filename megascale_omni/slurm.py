@@ -12,12 +12,13 @@ the arguments the user left out, and explicit flags (or torchrun's own
     --rdzv-id         the job id                SLURM_JOB_ID
     --rdzv-endpoint   first node : port         SLURM_STEP_NODELIST, SLURM_NODELIST, SLURM_JOB_NODELIST
 
-The first node of the nodelist is the one with ``SLURM_NODEID`` 0, so its
-agent hosts the c10d store (c10d numbers the nodes in the order their agents
-join, so global rank 0 may live on any node; ``--rdzv-backend static`` keeps
-``SLURM_NODEID`` order but needs every node to start). Its host is ``--master-addr`` when given; the
-port is ``--master-port`` when given, else ``29500 + SLURM_JOB_ID % 1000``
-(two jobs that share their first node then rarely pick the same port).
+The endpoint's host is the first node of the nodelist (the one with
+``SLURM_NODEID`` 0), whose agent then hosts the c10d store, or
+``--master-addr`` when given; its port is ``--master-port`` when given, else
+``29500 + SLURM_JOB_ID % 1000`` (two jobs that share their first node then
+rarely pick the same port). c10d numbers the nodes in the order their agents
+join, so global rank 0 may run on any node; ``--rdzv-backend static`` keeps
+``SLURM_NODEID`` order instead.
 ``srun`` sets the step's variables (``SLURM_STEP_*``, and ``SLURM_NNODES``,
 ``SLURM_NODELIST``, ``SLURM_NODEID`` relative to the step), which is why
 they come before the job's.
