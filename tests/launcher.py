@@ -37,10 +37,12 @@ class Result:
 
 
 def spawn(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
-    """Start ``cmd`` in its own session (signal it with ``os.killpg``); pair with :func:`finish`.
-    ``env`` adds to this process's environment; a ``None`` value removes the variable."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env = {name: value for name, value in full_env.items() if value is not None}
+    """Start ``cmd`` in its own session (signal it with ``os.killpg``); pair with :func:`finish`."""
+    # Launched jobs run on this host's loopback: the variables of a Slurm allocation the tests may run
+    # in (omni-run would derive a multi-node launch from them) and torchrun's PET_* defaults stay out.
+    # A test that simulates Slurm passes its own in ``env``.
+    inherited = {name: value for name, value in os.environ.items() if not name.startswith(("SLURM_", "PET_"))}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Collectives must fail fast if a peer dies rather than outlive the test.
     full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
     # Output goes to temporary files, not pipes: a long run that nobody reads

@@ -13,7 +13,6 @@ one-process run with the same global batch at the layout tolerance.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -29,10 +28,9 @@ TIMEOUT = 200
 
 
 def _node_env(node_id: int) -> dict:
-    """The Slurm variables of one node's srun task; every other SLURM_*/PET_*
-    variable of this process (a test run inside a real allocation) removed."""
-    inherited = {name: None for name in os.environ if name.startswith(("SLURM_", "PET_"))}
-    return {**inherited, "SLURM_JOB_ID": JOB_ID, "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
+    """The Slurm variables of one node's srun task (spawn() leaves out those of
+    an allocation this test may run in)."""
+    return {"SLURM_JOB_ID": JOB_ID, "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
             "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NTASKS_PER_NODE": "1"}
 
 
