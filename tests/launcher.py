@@ -195,6 +195,23 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
+def wait_for_record(output_dir: str | Path, step: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Block until ``output_dir/metrics.jsonl`` has a record of ``step`` or later;
+    fail if ``proc`` exits first or the deadline passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"training exited before step {step}:\n{output_of(proc)[-3000:]}"
+        try:
+            if any(r["step"] >= step for r in read_metrics(output_dir)):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass  # not written yet, or a line half-written
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
 def train_and_read(
     target: str, nproc: int, args: Sequence[str], output_dir: str | Path, steps: int, timeout: float
 ) -> list[dict]:
