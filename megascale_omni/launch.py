@@ -19,8 +19,8 @@ Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
 script is launched unchecked.
 
 Inside a Slurm allocation, run once per node (``srun --ntasks-per-node=1
-omni-run ...``): the node count, node rank, workers per node and a c10d
-rendezvous on the first node come from Slurm's environment unless given
+omni-run ...``): the node count, workers per node and a c10d rendezvous
+on the first node come from Slurm's environment unless given
 (``megascale_omni/slurm.py``; one line says what was derived). Outside
 Slurm nothing is derived. SIGUSR1 to ``omni-run`` reaches its workers (a
 checkpoint, training continues). See docs/multi-node.md.
