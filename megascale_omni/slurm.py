@@ -26,7 +26,8 @@ they come before the job's.
 Contradictions raise :class:`ConfigError` naming the flag or variable: an
 ``--nnodes`` (or range) that does not admit the step's node count, a
 nodelist that cannot be parsed or whose length is not the node count, a
-``SLURM_NODEID`` outside ``[0, nodes)``. ``--standalone`` asks for one
+``SLURM_NODEID`` outside ``[0, nodes)``, an srun step of more than one task
+per node (``SLURM_STEP_NUM_TASKS``). ``--standalone`` asks for one
 single-node job per node (e.g. one elastic replica group per node); then
 only ``--nproc-per-node`` is derived.
 """
@@ -148,6 +149,8 @@ class SlurmNodes:
     #: Workers per node Slurm suggests (GPUs, else tasks per node) and from which variable; None if neither.
     nproc: Optional[int]
     nproc_variable: str
+    #: omni-run tasks srun started in this step (``SLURM_STEP_NUM_TASKS``); None outside srun.
+    step_tasks: Optional[int] = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["SlurmNodes"]:
@@ -175,7 +178,8 @@ class SlurmNodes:
         nproc_variable = next((n for n in ("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE")
                                if env.get(n, "").strip() not in ("", "0")), "")
         nproc = _integer(env, nproc_variable, 1) if nproc_variable else None
-        return cls(job_id, num_nodes, nodes_variable, node_id, hosts[0], nproc, nproc_variable)
+        step_tasks = _integer(env, "SLURM_STEP_NUM_TASKS", 1) if env.get("SLURM_STEP_NUM_TASKS") else None
+        return cls(job_id, num_nodes, nodes_variable, node_id, hosts[0], nproc, nproc_variable, step_tasks)
 
 
 def _first_set(env: Mapping[str, str], names: Sequence[str]) -> Optional[str]:
@@ -220,6 +224,12 @@ def apply_slurm(args, argv: Sequence[str], env: Mapping[str, str]) -> Optional[s
     if args.standalone:
         _set(args, derived)
         return f"{where}: --standalone, one single-node job per node; derived {_describe(derived)}"
+    # srun inherits the allocation's tasks per node (#SBATCH --ntasks-per-node=8 is common): eight agents
+    # per node would each start the node's workers and wait for a rendezvous that never fills.
+    if slurm.step_tasks is not None and slurm.step_tasks != slurm.num_nodes:
+        raise ConfigError("SLURM_STEP_NUM_TASKS", slurm.step_tasks,
+                          f"srun started {slurm.step_tasks} omni-run tasks on {slurm.num_nodes} node(s); start one "
+                          "per node: srun --ntasks-per-node=1 omni-run ...")
     if "nnodes" in given:
         _check_nnodes(args.nnodes, slurm)
     else:

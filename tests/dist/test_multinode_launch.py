@@ -31,7 +31,7 @@ def _node_env(node_id: int) -> dict:
     """The Slurm variables of one node's srun task (spawn() leaves out those of
     an allocation this test may run in)."""
     return {"SLURM_JOB_ID": JOB_ID, "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
-            "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NTASKS_PER_NODE": "1"}
+            "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_NUM_TASKS": "2"}
 
 
 def test_two_nodes_from_slurm_train_like_one_process(tmp_path, gpt_baseline):

@@ -17,7 +17,7 @@ from megascale_omni.slurm import BASE_PORT, apply_slurm, expand_nodelist
 ENTRY = ["-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml"]
 # Node 1 of a two-node srun step of job 731 with 8 GPUs per node.
 SLURM = {"SLURM_JOB_ID": "731", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
-         "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1"}
+         "SLURM_GPUS_ON_NODE": "8", "SLURM_NTASKS_PER_NODE": "1", "SLURM_STEP_NUM_TASKS": "2"}
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,8 @@ def test_everything_left_out_comes_from_slurm():
 
 def test_the_step_variables_come_before_the_jobs():
     # srun -N1 inside the two-node allocation: a one-node step on the second node.
-    env = {**SLURM, "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu08", "SLURM_NODEID": "0"}
+    env = {**SLURM, "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu08", "SLURM_NODEID": "0",
+           "SLURM_STEP_NUM_TASKS": "1"}
     args, _ = _derive([], env)
     assert (args["nnodes"], args["rdzv_endpoint"]) == ("1", f"gpu08:{BASE_PORT + 731}")
 
@@ -153,6 +154,10 @@ def test_outside_slurm_nothing_changes():
     ([], {**SLURM, "SLURM_NNODES": "two"},
      "config error: SLURM_NNODES='two': must be an integer >= 1, as Slurm sets it; unset or fix it"),
     ([], {**SLURM, "SLURM_GPUS_ON_NODE": "-1"}, "config error: SLURM_GPUS_ON_NODE='-1': must be an integer >= 1"),
+    # srun inherited #SBATCH --ntasks-per-node=8: sixteen agents on two nodes.
+    ([], {**SLURM, "SLURM_STEP_NUM_TASKS": "16"},
+     "config error: SLURM_STEP_NUM_TASKS=16: srun started 16 omni-run tasks on 2 node(s); start one per node: "
+     "srun --ntasks-per-node=1 omni-run ..."),
     ([], {k: v for k, v in SLURM.items() if k != "SLURM_NODEID"},
      "config error: SLURM_JOB_ID='731': is set but SLURM_NNODES, SLURM_JOB_NODELIST or SLURM_NODEID is not"),
 ])
