@@ -17,6 +17,13 @@ workers' own messages stay above it.
 Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
 ``-m megascale_omni.smoke``) are validated for their model family; any other
 script is launched unchecked.
+
+Inside a Slurm allocation, run once per node (``srun --ntasks-per-node=1
+omni-run ...``): the node count, workers per node and a c10d rendezvous
+on the first node come from Slurm's environment unless given
+(``megascale_omni/slurm.py``; one line says what was derived). Outside
+Slurm nothing is derived. SIGUSR1 to ``omni-run`` reaches its workers (a
+checkpoint, training continues). See docs/multi-node.md.
 """
 
 from __future__ import annotations
@@ -84,6 +91,17 @@ def check_job(args) -> None:
     check_device(cfg.platform.device)
 
 
+def prepare(args, argv: Sequence[str]) -> None:
+    """Fill ``args`` from a Slurm allocation (if inside one), then :func:`check_job`
+    for the world size that results (raises ConfigError)."""
+    from megascale_omni.slurm import apply_slurm
+
+    derived = apply_slurm(args, argv, os.environ)
+    if derived is not None:  # one line like the failure summary's: it is part of the launcher's answer
+        sys.stderr.write(f"omni-run: {derived}\n")
+    check_job(args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``omni-run``: validate, then launch through torchrun (exit code as described above)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -91,8 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from megascale_omni.entry import run_cli
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    run_cli(lambda: check_job(args))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    run_cli(lambda: prepare(args, argv))
+    forward_sigusr1_to_workers()
     try:
         run(args)
     except ChildFailedError as e:
@@ -100,6 +120,35 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.stderr.write(f"omni-run: {len(e.failures)} worker(s) failed; first: rank {rank} exited with code "
                          f"{code} (its message is above)\n")
         sys.exit(code if code in USER_ERROR_CODES else 1)
+
+
+def forward_sigusr1_to_workers() -> None:
+    """From now on SIGUSR1 to this process is sent on to its child processes,
+    torchrun's workers, each of which then saves a checkpoint at the next step
+    boundary (docs/checkpoints.md), and the agent keeps running.
+
+    Schedulers signal the launcher (Slurm's ``--signal=USR1@T``, ``scancel
+    --signal=USR1``), but torchrun starts each worker in a session of its
+    own, and its agent does not handle SIGUSR1: it would die at once and
+    the workers would never hear of it. torchrun's ``--signals-to-handle``
+    is no way out: it treats every signal it handles as the end of the job
+    and stops the workers. Where the scheduler signals the workers as well,
+    a worker gets it twice within microseconds: one flag, one save, unless a
+    step boundary's vote falls between the two (docs/checkpoints.md,
+    "SIGUSR1 bursts").
+    """
+    import signal
+
+    import psutil
+
+    def forward(signum, frame) -> None:
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                pass  # exited since it was listed
+
+    signal.signal(signal.SIGUSR1, forward)
 
 
 def first_failure(failures: dict) -> tuple[int, int]:

@@ -38,7 +38,11 @@ class Result:
 
 def spawn(cmd: Sequence[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
     """Start ``cmd`` in its own session (signal it with ``os.killpg``); pair with :func:`finish`."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    # Launched jobs run on this host's loopback: the variables of a Slurm allocation the tests may run
+    # in (omni-run would derive a multi-node launch from them) and torchrun's PET_* defaults stay out.
+    # A test that simulates Slurm passes its own in ``env``.
+    inherited = {name: value for name, value in os.environ.items() if not name.startswith(("SLURM_", "PET_"))}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Collectives must fail fast if a peer dies rather than outlive the test.
     full_env.setdefault("MEGASCALE_DIST_TIMEOUT_S", str(int(max(timeout - 10, 10))))
     # Output goes to temporary files, not pipes: a long run that nobody reads
@@ -192,6 +196,23 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     """Per-step training records (records with a ``loss`` key) from metrics.jsonl."""
     path = Path(output_dir) / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def wait_for_record(output_dir: str | Path, step: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Block until ``output_dir/metrics.jsonl`` has a record of ``step`` or later;
+    fail if ``proc`` exits first or the deadline passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"training exited before step {step}:\n{output_of(proc)[-3000:]}"
+        try:
+            if any(r["step"] >= step for r in read_metrics(output_dir)):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass  # not written yet, or a line half-written
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
 def train_and_read(

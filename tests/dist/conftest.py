@@ -5,6 +5,16 @@ from __future__ import annotations
 import pytest
 
 from megascale_omni.demo.llava_shapes import make_shapes_dataset
+from tests.launcher import train_and_read
+
+#: The tiny GPT run that multi-process layouts are compared with, step by step.
+GPT_CONFIG = "examples/gpt/tiny.yaml"
+GPT_STEPS = 10
+#: Per-step relative tolerances of a layout against that run: loss and grad
+#: norm (fp32 rounding of another summation order; measured margins in
+#: tests/dist/test_layout_equivalence.py).
+LAYOUT_RTOL = 1e-6
+LAYOUT_GRAD_RTOL = 1e-5
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +23,14 @@ def llava_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     make_shapes_dataset(root / "d", num_train=600, num_val=40, seed=7, image_size=32, samples_per_shard=200)
     return root / "d"
+
+
+@pytest.fixture(scope="session")
+def gpt_baseline(tmp_path_factory) -> list[dict]:
+    """Per-step records of the tiny GPT (:data:`GPT_CONFIG`, :data:`GPT_STEPS`
+    steps) on one process, run once per session."""
+    records = train_and_read("megascale_omni.smoke", 1, ["--config", GPT_CONFIG, f"train.steps={GPT_STEPS}"],
+                             tmp_path_factory.mktemp("gpt-base"), GPT_STEPS, timeout=240)
+    # The run must actually optimise something, or equality proves nothing.
+    assert all(r["grad_norm"] > 0 for r in records)
+    return records

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.dist.conftest import GPT_CONFIG as CONFIG
+from tests.dist.conftest import GPT_STEPS as STEPS
+from tests.dist.conftest import LAYOUT_GRAD_RTOL as GRAD_RTOL
+from tests.dist.conftest import LAYOUT_RTOL as RTOL
 from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
-
-CONFIG = "examples/gpt/tiny.yaml"
-STEPS = 10
-RTOL = 1e-6
-GRAD_RTOL = 1e-5
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -49,14 +48,6 @@ def _train(tmp_path_factory, name: str, nproc: int, overrides: list[str]) -> lis
     return train_and_read("megascale_omni.smoke", nproc, args, tmp_path_factory.mktemp(name), STEPS, timeout=240)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[dict]:
-    records = _train(tmp_path_factory, "base", 1, [])
-    # The run must actually optimise something, or equality proves nothing.
-    assert all(r["grad_norm"] > 0 for r in records)
-    return records
-
-
 # tp2-pp2 and cp4 (4 processes) and dp2-distopt-overlap (covered by dp2-distopt-overlap-gather, which
 # overlaps the reduction too) run in make test-all; the tied-embeddings TP2xPP2 case below stays in make test.
 # tests/dist/test_param_gather.py (make test-all) adds evaluation and checkpoints with the gather overlapped.
@@ -65,11 +56,11 @@ SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap", "cp4")
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
                                   for n in LAYOUTS])
-def test_layout_matches_single_process(tmp_path_factory, baseline, name):
+def test_layout_matches_single_process(tmp_path_factory, gpt_baseline, name):
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, name, nproc, overrides)
     # Same samples (loss tokens) and learning rate per step in every layout.
-    assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("loss_tokens",), lr_rtol=1e-9)
+    assert_same_training(gpt_baseline, records, name, RTOL, GRAD_RTOL, counters=("loss_tokens",), lr_rtol=1e-9)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):

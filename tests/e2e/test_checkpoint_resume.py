@@ -8,16 +8,14 @@ relative (the gradient reduction order changes; measured 5.9e-8).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from megascale_omni.checkpoint import layout
-from tests.launcher import finish, read_metrics, spawn, torchrun, torchrun_cmd
+from tests.launcher import finish, read_metrics, spawn, torchrun, torchrun_cmd, wait_for_record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -133,19 +131,6 @@ def test_cp2_resume_reproduces_losses_and_resumes_under_cp1(tmp_path):
         _assert_same(reference, _losses(records), rel=rel)
 
 
-def _wait_for_step(out: Path, step: int, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "training exited before the signal was sent"
-        try:
-            if any(r["step"] >= step for r in read_metrics(out)):
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
-
-
 def test_sigterm_saves_and_exits_cleanly_then_resumes_and_sigusr1_saves_once_and_training_continues(tmp_path):
     """SIGTERM to every process (as a batch scheduler sends it): the job
     saves at the next step boundary and exits 0; the restart resumes there.
@@ -158,7 +143,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_and_sigusr1_saves_once_and
     args = [*BASE, "parallel.use_distributed_optimizer=true", f"checkpoint.dir={ckpt}",
             f"logging.output_dir={out}", f"train.steps={steps}"]
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
-    _wait_for_step(out, 3, proc)
+    wait_for_record(out, 3, proc)
     os.killpg(proc.pid, signal.SIGTERM)
     res = finish(proc, timeout=120)
     # torchrun's agent exits 1 on SIGTERM whatever its workers do; the
@@ -175,7 +160,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_and_sigusr1_saves_once_and
     # boundary, and the burst must still save once. Never the torchrun
     # agent: SIGUSR1 would terminate it.
     proc = spawn(torchrun_cmd(2, "megascale_omni.smoke", args), timeout=200)
-    _wait_for_step(out, stopped + 3, proc)
+    wait_for_record(out, stopped + 3, proc)
     workers = _worker_pids(proc.pid, "megascale_omni.smoke")
     assert len(workers) == 2, workers
     for pid in workers:

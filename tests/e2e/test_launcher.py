@@ -1,22 +1,32 @@
 """omni-run (megascale_omni/launch.py): a config error exits 2 with one line
 before any worker starts; a worker's failure is passed on as its exit code
-in one line, with no launcher traceback."""
+in one line, with no launcher traceback; SIGUSR1 to omni-run reaches the
+workers. (Slurm: tests/unit/test_slurm_launch.py, tests/dist/test_multinode_launch.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import sys
 
+import psutil
 import pytest
 
-from tests.launcher import free_port, run
+from megascale_omni.checkpoint import layout
+from tests.launcher import finish, free_port, read_metrics, run, spawn, wait_for_record
 
 pytestmark = pytest.mark.timeout(200)
 
 
+def _omni_run_cmd(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "megascale_omni.launch", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *args]
+
+
 def _omni_run(*args: str):
-    return run([sys.executable, "-m", "megascale_omni.launch", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}", *args], timeout=180)
+    return run(_omni_run_cmd(*args), timeout=180)
 
 
 def test_config_error_exits_2_before_any_worker(tmp_path):
@@ -64,6 +74,33 @@ def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
     # Whichever rank failed first; torchrun then terminates the other (code -15), which must not be reported.
     assert re.match(r"omni-run: [12] worker\(s\) failed; first: rank [01] exited with code 4 ",
                     res.stderr.rstrip().splitlines()[-1])
+
+
+def test_sigusr1_to_omni_run_saves_once_and_training_continues(tmp_path):
+    """SIGUSR1 to omni-run itself, as Slurm's ``--signal=USR1@T`` delivers it:
+    the worker saves one checkpoint and trains on to the last step (torchrun's
+    agent alone dies of SIGUSR1, and its workers never see it). One worker:
+    the forwarding is the agent's; that one rank's signal saves for all is
+    tests/unit/test_checkpoint_triggers.py's."""
+    ckpt, out, steps = tmp_path / "ckpt", tmp_path / "run", 50
+    proc = spawn(_omni_run_cmd("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
+                               f"train.steps={steps}", f"checkpoint.dir={ckpt}", "checkpoint.save_at_end=false",
+                               f"logging.output_dir={out}", "logging.tensorboard=false", nproc=1), timeout=180)
+    wait_for_record(out, 3, proc)
+    # Listed now: if omni-run died of the signal, its workers would outlive it in sessions of their own.
+    workers = psutil.Process(proc.pid).children()
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        res = finish(proc, timeout=180)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+    assert res.returncode == 0, res.output[-3000:]
+    saves = [c for c in layout.scan_tier(ckpt, "persistent") if c.complete]
+    assert [c.commit["reason"] for c in saves] == ["sigusr1"], [(c.step, c.commit) for c in saves]
+    assert 3 < saves[0].step < steps
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
 
 
 def test_the_first_failure_is_the_worker_that_exited_on_its_own():
