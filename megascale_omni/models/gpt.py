@@ -38,11 +38,22 @@ def common_config_kwargs(tp: int, dtype: torch.dtype, init_method_std: float) ->
     )
 
 
-def recompute_kwargs(recompute: bool) -> dict:
-    """Full activation recomputation of every layer (``model.recompute``)."""
-    if not recompute:
+def recompute_kwargs(recompute: str) -> dict:
+    """``TransformerConfig`` recomputation settings of ``model.recompute``.
+
+    ``selective``: megatron checkpoints the core attention of every layer
+    (``recompute_modules=["core_attn"]``; ``Attention`` runs it under
+    ``tensor_parallel.checkpoint``, which works with the local spec's
+    :class:`~megascale_omni.models.attention.PackedCoreAttention` and TE's
+    attention alike). ``full``: every layer is one checkpointed unit
+    (``uniform`` method, one layer per unit)."""
+    if recompute == "none":
         return {}
-    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"unknown model.recompute {recompute!r}")
 
 
 def activation_kwargs(activation: str) -> dict:

@@ -50,6 +50,7 @@ UNSUPPORTED = [
      ["parallel.sequence_parallel=True", "does not support sequence parallel"]),
     ("gpt", ["data.num_workers=1"], 1, ["data.num_workers=1", "does not support data workers"]),
     ("dit", ["data.num_workers=2"], 1, ["data.num_workers=2", "does not support data workers", "set data.num_workers: 0"]),
+    ("dit", ["model.recompute=selective"], 1, ["model.recompute='selective'", "set model.recompute: none"]),
 ]
 
 
