@@ -9,7 +9,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megascale_omni.config import ModelConfig, ParallelConfig
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, te_cp_comm_type
+from megascale_omni.models.specs import gpt_decoder_spec, resolve_layer_impl, te_cp_comm_type
 from megascale_omni.parallel.pipeline_plan import megatron_layout
 
 
@@ -80,10 +80,14 @@ def rope_kwargs(model: ModelConfig) -> dict:
 
 def build_gpt_model(
     model: ModelConfig, config: TransformerConfig, spec, *, vocab_size: int, max_sequence_length: int,
-    pre_process: bool, post_process: bool, vp_stage,
+    pre_process: bool, post_process: bool, vp_stage, scatter_embedding: bool = True,
 ) -> GPTModel:
     """One megatron ``GPTModel`` (a pipeline chunk) with every architecture
-    option of ``model`` applied (every rank)."""
+    option of ``model`` applied (every rank). ``spec``: the chunk's decoder
+    spec (:func:`~megascale_omni.models.specs.gpt_decoder_spec`).
+    ``scatter_embedding``: under sequence parallelism the embedding scatters
+    its output over TP; False leaves that to the caller (LLaVA splices image
+    features into the whole sequence first)."""
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -94,6 +98,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         vp_stage=vp_stage,
+        scatter_embedding_sequence_parallel=scatter_embedding,
         **rope_kwargs(model),
     )
 
@@ -165,14 +170,13 @@ def build_gpt_chunks(
     output layer on the last virtual stage of the last PP rank.
     """
     impl = resolve_layer_impl(model.layer_impl)
-    spec = gpt_layer_spec(impl, model.normalization)
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
         chunks.append(
             build_gpt_model(
-                model, config, spec,
+                model, config, gpt_decoder_spec(impl, model.normalization, config, vp_stage),
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

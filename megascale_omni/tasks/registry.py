@@ -283,14 +283,12 @@ FAMILIES: dict[str, ModelFamily] = {
             ),
             default_dataset="megascale_omni.demo.defaults:llava_shapes",
             features=frozenset(
-                {"vpp", "explicit_partition", "context_parallel", "elastic", "data_blend", "data_workers"}
+                {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
+                 "data_workers"}
             ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
-            notes=(
-                ("sequence_parallel", "packed sequences are not split across TP ranks"),
-            ),
         ),
         ModelFamily(
             name="dit",
