@@ -167,7 +167,9 @@ def _transformer_layer(
     params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
     shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout,
                        fused_attention)
-    act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute) if backward else 0.0
+    act = 0.0
+    if backward:
+        act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute)
     return ComponentCost(
         flops=flops / tp,
         params=params // tp,

@@ -9,14 +9,9 @@ the single-process run is tests/dist/test_llava_layouts.py's ``tp2-sp*``.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
-
 import pytest
 
-from tests.launcher import REPO, run_spawned_ranks
+from tests.launcher import REPO, gloo_rank, run_spawned_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -24,54 +19,50 @@ WORLD, SEQ, VOCAB, IMAGE_TOKEN, IMAGE_AT = 2, 96, 64, 5, 40
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    gloo_rank(rank, port, WORLD, out_dir, lambda: _split(rank))
+
+
+def _split(rank: int) -> dict:
+    """One TP2 + SP forward and backward of the tiny LLaVA on one image-bearing row."""
     import torch
-    import torch.distributed as dist
 
     from megascale_omni.config import load_job_config
     from megascale_omni.models.attention import thd_inputs
     from megascale_omni.models.llava import build_llava_chunks
     from megascale_omni.parallel.state import ParallelDims, destroy_parallel, initialize_parallel
-    from megascale_omni.platform import init_platform
 
-    try:
-        init_platform("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))
-        cfg = load_job_config(["--config", str(REPO / "examples/llava/tiny_cpu.yaml"), f"model.vocab_size={VOCAB}",
-                               f"model.seq_length={SEQ}", "parallel.tp=2", "parallel.sequence_parallel=true"])
-        initialize_parallel(ParallelDims.from_config(cfg.parallel, WORLD), seed=0)
-        (chunk,) = build_llava_chunks(cfg, torch.float32, cfg.model.padded_vocab_size(VOCAB), IMAGE_TOKEN)
-        g = torch.Generator().manual_seed(0)  # the same batch on both TP ranks
-        tokens = torch.randint(6, VOCAB, (1, SEQ), generator=g)
-        tokens[0, IMAGE_AT : IMAGE_AT + cfg.vision.tokens_per_image] = IMAGE_TOKEN
-        images = torch.randn(1, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
-        batch = {"tokens": tokens, "position_ids": torch.arange(SEQ)[None], "labels": torch.roll(tokens, -1, 1),
-                 "cu_seqlens": torch.tensor([0, SEQ], dtype=torch.int32)}
-        seen = {}
+    cfg = load_job_config(["--config", str(REPO / "examples/llava/tiny_cpu.yaml"), f"model.vocab_size={VOCAB}",
+                           f"model.seq_length={SEQ}", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    initialize_parallel(ParallelDims.from_config(cfg.parallel, WORLD), seed=0)
+    (chunk,) = build_llava_chunks(cfg, torch.float32, cfg.model.padded_vocab_size(VOCAB), IMAGE_TOKEN)
+    g = torch.Generator().manual_seed(0)  # the same batch on both TP ranks
+    tokens = torch.randint(6, VOCAB, (1, SEQ), generator=g)
+    tokens[0, IMAGE_AT : IMAGE_AT + cfg.vision.tokens_per_image] = IMAGE_TOKEN
+    images = torch.randn(1, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
+    batch = {"tokens": tokens, "position_ids": torch.arange(SEQ)[None], "labels": torch.roll(tokens, -1, 1),
+             "cu_seqlens": torch.tensor([0, SEQ], dtype=torch.int32)}
+    seen = {}
 
-        def record(module, args, kwargs):
-            seen["decoder_input"] = kwargs["hidden_states"].detach()
+    def record(module, args, kwargs):
+        seen["decoder_input"] = kwargs["hidden_states"].detach()
 
-        chunk.language_model.decoder.register_forward_pre_hook(record, with_kwargs=True)
-        tokens, position_ids, labels, params = thd_inputs(batch)
-        chunk.train()(tokens, position_ids, params, images=images, labels=labels).sum().backward()
-        # The whole spliced sequence, as embed() builds it without the scatter.
-        chunk.config.sequence_parallel = False
-        with torch.no_grad():
-            whole = chunk.embed(tokens, position_ids, images)
-        chunk.config.sequence_parallel = True
-        half = SEQ // WORLD
-        norms = {n: getattr(p, "sequence_parallel", None) for n, p in chunk.language_model.named_parameters()
-                 if "norm" in n}
-        first_norm = chunk.language_model.decoder.layers[0].input_layernorm.weight
-        result = {"decoder_input": list(seen["decoder_input"].shape), "whole": list(whole.shape),
-                  "is_my_half": torch.equal(seen["decoder_input"], whole[rank * half : (rank + 1) * half]),
-                  "norm_tags": norms, "norm_grad": first_norm.grad.tolist()}
-        destroy_parallel()
-    except Exception:  # reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    chunk.language_model.decoder.register_forward_pre_hook(record, with_kwargs=True)
+    tokens, position_ids, labels, params = thd_inputs(batch)
+    chunk.train()(tokens, position_ids, params, images=images, labels=labels).sum().backward()
+    # The whole spliced sequence, as embed() builds it without the scatter.
+    chunk.config.sequence_parallel = False
+    with torch.no_grad():
+        whole = chunk.embed(tokens, position_ids, images)
+    chunk.config.sequence_parallel = True
+    half = SEQ // WORLD
+    norms = {n: getattr(p, "sequence_parallel", None) for n, p in chunk.language_model.named_parameters()
+             if "norm" in n}
+    first_norm = chunk.language_model.decoder.layers[0].input_layernorm.weight
+    result = {"decoder_input": list(seen["decoder_input"].shape), "whole": list(whole.shape),
+              "is_my_half": torch.equal(seen["decoder_input"], whole[rank * half : (rank + 1) * half]),
+              "norm_tags": norms, "norm_grad": first_norm.grad.tolist()}
+    destroy_parallel()
+    return result
 
 
 def test_tp2_sequence_parallel_splits_the_spliced_sequence(tmp_path):
