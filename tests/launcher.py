@@ -234,7 +234,7 @@ def assert_same_training(
     """Every per-step loss within ``rtol`` and grad norm within ``grad_rtol``
     (relative) of ``baseline``, lr within ``lr_rtol`` if given, equal
     ``counters`` per step. Prints and returns the worst relative loss and
-    grad-norm differences (the measured numbers quoted in README.md)."""
+    grad-norm differences (the measured numbers quoted in docs/testing.md)."""
     assert [r["step"] for r in records] == [r["step"] for r in baseline]
     loss = relative_differences(baseline, records, "loss")
     grad = relative_differences(baseline, records, "grad_norm")

@@ -137,9 +137,11 @@ class ModelConfig:
 class VisionConfig:
     """ViT encoder + projector of a LLaVA model (ignored by other families)."""
 
-    #: Square input resolution, pixels.
+    #: Square input resolution, pixels (what the data pipeline resizes to).
     image_size: int = checked(32, gt=0)
-    #: Patch side, pixels; tokens per image = (image_size / patch_size) ** 2.
+    #: Patch side, pixels. The grid is ``image_size // patch_size`` patches a
+    #: side, as HF's stride-``patch_size`` conv computes it: with 384 / 14
+    #: (SigLIP-so400m) a 27 x 27 grid whose last 6 pixel rows/columns are unused.
     patch_size: int = checked(8, gt=0)
     num_layers: int = checked(2, gt=0)
     hidden_size: int = checked(64, gt=0)
@@ -185,9 +187,10 @@ class VisionConfig:
                 "vision.feature_layer", self.feature_layer,
                 f"must be in [-{self.num_layers}, -1] (-1: the last of vision.num_layers={self.num_layers})",
             )
-        if self.image_size % self.patch_size:
+        if self.patch_size > self.image_size:
             raise ConfigError(
-                "vision.image_size", self.image_size, f"must be divisible by vision.patch_size={self.patch_size}"
+                "vision.patch_size", self.patch_size,
+                f"must be <= vision.image_size={self.image_size} (the tower needs at least one patch a side)",
             )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
@@ -197,8 +200,19 @@ class VisionConfig:
             )
 
     @property
+    def grid(self) -> int:
+        """Patches a side: ``floor(image_size / patch_size)``."""
+        return self.image_size // self.patch_size
+
+    @property
+    def covered_size(self) -> int:
+        """Pixels a side the patches cover (``grid * patch_size`` <= ``image_size``);
+        the tower ignores the bottom/right border beyond it."""
+        return self.grid * self.patch_size
+
+    @property
     def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.grid**2
 
     @property
     def layers_built(self) -> int:
@@ -255,7 +269,8 @@ class DitConfig:
     guidance_scale: float = checked(4.0, ge=0)
     #: Images sampled per colour prompt and resolution in evaluation.
     eval_samples_per_prompt: int = checked(4, gt=0)
-    #: ``[height, width]`` resolutions sampled in evaluation.
+    #: ``[height, width]`` resolutions sampled in evaluation. ``[]``: no
+    #: evaluation (logged once at start; the tests' way to skip sampling).
     eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
 
     def __post_init__(self) -> None:

@@ -140,8 +140,10 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and schedule."""
 
-    #: Seed for init, data order and dropout.
-    seed: int = 1234
+    #: Seed for init, data order and dropout. Below 2**31: megatron, torch
+    #: and the data plans add per-rank and per-stream offsets to it, and
+    #: numpy's legacy generator takes 32-bit seeds.
+    seed: int = checked(1234, ge=0, lt=2**31)
     #: Optimizer steps to run.
     steps: int = checked(10, gt=0)
     #: Samples (or packed sequences) per optimizer step, summed over DP ranks.

@@ -83,6 +83,49 @@ def projector_config(cfg: JobConfig, dtype: torch.dtype) -> TransformerConfig:
     )
 
 
+class VisionTower(CLIPViTModel):
+    """megatron's ``CLIPViTModel`` for any ``image_size``, also one that the
+    patch size does not divide (SigLIP-so400m: 384 px, 14 px patches).
+
+    megatron asserts ``img_h % patch_dim == 0``; HF's stride-``patch_size``
+    conv without padding instead uses a ``floor(image_size / patch_size)``
+    grid and never reads the last ``image_size % patch_size`` pixel rows and
+    columns. We build megatron's tower for the covered size
+    ``vision.covered_size`` and crop that unused bottom/right border off the
+    input, which is exactly the set of pixels HF's conv reads, so the weights,
+    the position table and the features are HF's. Cropping here (and not in
+    the data pipeline) keeps the images at ``vision.image_size``, the size the
+    tower's preprocessor config resizes to.
+
+    ``forward`` input: ``[n, 3, image_size, image_size]``; output ``[n, c + grid**2, vh]``.
+    """
+
+    def __init__(self, cfg: JobConfig, dtype: torch.dtype, impl: str):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        v = cfg.vision
+        super().__init__(
+            vision_transformer_config(cfg, dtype),
+            vit_layer_spec(impl),
+            # The default resolves to TE or torch.nn.LayerNorm, which does
+            # not accept megatron's ``config`` argument.
+            ln_pre_impl=WrappedTorchNorm,
+            ln_post_impl=WrappedTorchNorm,
+            add_class_token=v.class_token,
+            class_token_len=1 if v.class_token else 0,
+            patch_dim=v.patch_size,
+            img_h=v.covered_size,
+            img_w=v.covered_size,
+            model_subtype=v.model_type,
+        )
+        # LLaVA reads a layer's hidden states, before SigLIP's post-norm
+        # (which only feeds SigLIP's pooling head): the norm is not built.
+        self.ln_post = None
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return super().forward(x[..., : self.img_h, : self.img_w], attention_mask)
+
+
 class LlavaChunk(MegatronModule):
     """One pipeline model chunk of LLaVA (built on every rank).
 
@@ -118,30 +161,12 @@ class LlavaChunk(MegatronModule):
         self.image_token_id = image_token_id
         self.tokens_per_image = cfg.vision.tokens_per_image
         self.class_tokens = 0
-        self.vision_model: Optional[CLIPViTModel] = None
+        self.vision_model: Optional[VisionTower] = None
         self.vision_projection: Optional[MultimodalProjector] = None
         if pre_process:
             v = cfg.vision
-            from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
             self.class_tokens = 1 if v.class_token else 0
-            self.vision_model = CLIPViTModel(
-                vision_transformer_config(cfg, dtype),
-                vit_layer_spec(impl),
-                # The default resolves to TE or torch.nn.LayerNorm, which does
-                # not accept megatron's ``config`` argument.
-                ln_pre_impl=WrappedTorchNorm,
-                ln_post_impl=WrappedTorchNorm,
-                add_class_token=v.class_token,
-                class_token_len=self.class_tokens,
-                patch_dim=v.patch_size,
-                img_h=v.image_size,
-                img_w=v.image_size,
-                model_subtype=v.model_type,
-            )
-            # LLaVA reads a layer's hidden states, before SigLIP's post-norm
-            # (which only feeds SigLIP's pooling head): the norm is not built.
-            self.vision_model.ln_post = None
+            self.vision_model = VisionTower(cfg, dtype, impl)
             self.vision_projection = MultimodalProjector(
                 projector_config(cfg, dtype),
                 MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -440,6 +441,8 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         version, shape, seconds = data["version"], data["shape"], data["seconds"]
+        if not (isinstance(shape, dict) and isinstance(seconds, dict)):
+            raise TypeError("shape and seconds must be objects")
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(field_name, path, "is not a profile written by tools/profile_layers.py; re-run it") from None
     if version != PROFILE_VERSION:
@@ -457,7 +460,16 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         key = f"{name}_per_image" if name in (VISION, PROJECTOR) else name
         if key not in seconds:
             raise ConfigError(field_name, path, f"has no time for {key!r}; re-run tools/profile_layers.py")
-        t = float(seconds[key]) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
+        measured = seconds[key]
+        # json reads NaN and Infinity; a string, NaN or a negative time would
+        # fail later with a traceback or plan nonsense.
+        if isinstance(measured, bool) or not isinstance(measured, (int, float)) or not 0 <= measured < math.inf:
+            raise ConfigError(
+                field_name, path,
+                f"seconds.{key}={measured!r} is not a measured time (finite seconds >= 0); "
+                "re-run tools/profile_layers.py or fix that entry",
+            )
+        t = float(measured) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
         comps[name] = ComponentCost(c.flops, c.params, c.trainable_params, c.activation_bytes, seconds=t)
     return dataclasses.replace(
         model, components=comps, unit="s", source=f"profile {path} ({data.get('device', 'unknown device')})"
