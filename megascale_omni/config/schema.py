@@ -79,7 +79,11 @@ class ParallelConfig:
     #: Buckets exist only with ``overlap_grad_reduce``: without it every
     #: buffer is one bucket.
     ddp_bucket_size: Optional[int] = checked(None, gt=0)
-    #: Megatron sequence parallelism (requires tp > 1).
+    #: Megatron sequence parallelism: the residual stream between the TP
+    #: matmuls (norms, dropout, residual adds) is split along the sequence
+    #: over the TP ranks, dividing those activations by tp (docs/memory.md).
+    #: Needs tp > 1 and ``model.seq_length`` divisible by tp * cp; GPT and
+    #: LLaVA, on CPU (local spec) and GPU.
     sequence_parallel: bool = False
     #: Transformer layers (LM layers, DiT blocks) per pipeline stage.
     #: ``uniform``: megatron's even split (``num_layers`` divisible by
