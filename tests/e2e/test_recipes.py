@@ -7,6 +7,7 @@ outside reference), and trains 5 steps on CPU at reduced width."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -108,6 +109,51 @@ def test_entry_point_refuses_stage2_without_distributed_optimizer(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert len(lines) == 1 and "parallel.pipeline_memory_gib=80.0" in lines[0]
     assert "set parallel.use_distributed_optimizer=true" in lines[0]
+
+
+def _vicuna_like_tokenizer(path, corpus):
+    """A tiny Llama-style fast tokenizer (``<unk> <s> </s>``, no chat template)
+    trained on ``corpus`` (so that no character of it is unknown, as with
+    Vicuna's byte fallback), saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                    show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+
+
+@pytest.mark.parametrize("template,rendered,answers", [
+    # Stage 1, LLaVA's "plain": the image, then the caption; no system prompt or user text.
+    ("llava_plain.jinja", "<s><image>a red circle\n", ["a red circle\n"]),
+    # Stage 2, Vicuna v1: system prompt, USER / ASSISTANT, </s> after each answer.
+    ("vicuna_v1.jinja", "<s>A chat between a curious human and an artificial intelligence assistant. The "
+     "assistant gives helpful, detailed, and polite answers to the human's questions. USER: <image>\nRender "
+     "a clear and concise summary of the photo. ASSISTANT: a red circle</s>USER: left? ASSISTANT: left</s>",
+     ["a red circle</s>", "left</s>"]),
+])
+def test_llava15_chat_templates_mask_the_answers(tmp_path, template, rendered, answers):
+    from megascale_omni.data.conversation import ChatEncoder
+
+    _vicuna_like_tokenizer(tmp_path, [rendered.replace("<s>", "").replace("</s>", "").replace("<image>", "")])
+    (tmp_path / "chat_template.jinja").write_text((RECIPES / template).read_text())
+    cfg, _ = recipe(STAGE1 if "plain" in template else STAGE2, 8)
+    enc = ChatEncoder.from_pretrained(tmp_path, cfg.data.image_token, cfg.vision.tokens_per_image)
+    conv = [{"from": "human", "value": "<image>\nRender a clear and concise summary of the photo."},
+            {"from": "gpt", "value": "a red circle"}]
+    if "vicuna" in template:
+        conv += [{"from": "human", "value": "left?"}, {"from": "gpt", "value": "left"}]
+    assert enc.tok.apply_chat_template([{"role": t["from"].replace("human", "user").replace("gpt", "assistant"),
+                                         "content": t["value"]} for t in conv], tokenize=False) == rendered
+    out = enc.encode(conv, num_images=1)
+    # The 576 placeholders are Vicuna's <unk> (id 0): byte fallback never produces it from text.
+    assert enc.image_token_id == 0 and out.tokens.count(0) == 576
+    spans = [[t for t, _ in run] for m, run in itertools.groupby(zip(out.tokens, out.loss_mask), key=lambda x: x[1])
+             if m]
+    assert [enc.tok.decode(ids) for ids in spans] == answers, [enc.tok.decode(ids) for ids in spans]
 
 
 # ------------------------------------------------- full-size models on meta
