@@ -8,7 +8,7 @@ does the cheap, local checks (cross-section checks: :mod:`.validate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megascale_omni.config.constraints import check_fields, checked
 from megascale_omni.config.errors import ConfigError
@@ -74,13 +74,22 @@ class ModelConfig:
     layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     #: Freeze the language model (LLaVA stage-1 "train the projector only").
     freeze: bool = False
-    #: Full activation recomputation of every LM and ViT layer (megatron
-    #: ``recompute_granularity=full``): keeps only each layer's input between
-    #: forward and backward, at the price of a second forward in backward.
-    recompute: bool = False
+    #: Activation recomputation of every LM and ViT layer (docs/memory.md).
+    #: ``none``: keep every activation. ``selective``: recompute the attention
+    #: core (scores, softmax, attention over V) in backward (megatron
+    #: ``recompute_granularity=selective``, ``recompute_modules=[core_attn]``);
+    #: drops the activation term that grows with the sequence, for a few
+    #: percent more FLOPs. ``full``: keep only each layer's input and rerun
+    #: the layer's forward in backward (``recompute_granularity=full``,
+    #: ``recompute_method=uniform``, ``recompute_num_layers=1``). The
+    #: booleans of older configs still work: ``true`` is ``full``, ``false``
+    #: is ``none``.
+    recompute: Union[bool, Literal["none", "selective", "full"]] = "none"
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
+        if isinstance(self.recompute, bool):  # configs written before selective recompute existed
+            self.recompute = "full" if self.recompute else "none"
         if self.family == "gpt" and self.vocab_size == 0:
             raise ConfigError("model.vocab_size", 0, "must be > 0 for the gpt family (it has no tokenizer to take it from)")
         if self.hidden_size % self.num_attention_heads:

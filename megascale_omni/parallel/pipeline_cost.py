@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.activations import LayerShape, layer_activation_bytes, recompute_forward_flops
 from megascale_omni.parallel.batch_shape import BatchShape, causal_pairs
 
 #: Component names, in pipeline order. ``lm_layer`` is the cost of *one*
@@ -137,8 +138,8 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 def _transformer_layer(
     tokens: float, pairs: float, hidden: int, ffn: int, heads: int, groups: int,
-    dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
-    cp: int = 1,
+    dtype_bytes: int, recompute: str, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
+    cp: int = 1, sequence_parallel: bool = False, hidden_dropout: bool = False, attention_dropout: bool = False,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -146,30 +147,30 @@ def _transformer_layer(
     through it (something before it trains). ``gated``: a SwiGLU MLP (gate,
     up and down matrices instead of two). ``cp``: every sequence is split
     over that many context-parallel ranks; the cost is one rank's, whose
-    queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs."""
+    queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs.
+    ``recompute`` (``model.recompute``), ``sequence_parallel`` and the
+    dropouts set the activation bytes
+    (:func:`~megascale_omni.parallel.activations.layer_activation_bytes`)
+    and the FLOPs recomputed in backward."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
     matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
     tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
-    forward = 2.0 * tokens * matmul_params + 4.0 * pairs * hidden
+    core_forward = 4.0 * pairs * hidden
+    forward = 2.0 * tokens * matmul_params + core_forward
     backward = trainable or grad_flows
-    passes = _passes(trainable, grad_flows) + (1.0 if recompute and backward else 0.0)
+    flops = _passes(trainable, grad_flows) * forward
+    if backward:
+        flops += recompute_forward_flops(core_forward, forward, recompute)
     params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
-    if not backward:
-        act_elems = 0.0
-    elif recompute:
-        # Only the layer input survives; one layer's full set is rebuilt at a time.
-        act_elems = tokens * hidden
-    else:
-        # Inputs of both norms, QKV, the projection, fc1; Q, K, V; fc1 and
-        # GELU outputs; softmax probabilities (and their pre-mask scores).
-        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * heads * pairs
+    shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout)
+    act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute) if backward else 0.0
     return ComponentCost(
-        flops=passes * forward / tp,
+        flops=flops / tp,
         params=params // tp,
         trainable_params=params // tp if trainable else 0,
-        activation_bytes=act_elems * dtype_bytes / tp,
+        activation_bytes=act,
     )
 
 
@@ -202,6 +203,14 @@ class MemoryConventions:
     bytes_per_frozen_param: float
     #: Micro-batches per step on one DP rank.
     num_microbatches: int
+    #: The gradient's share of ``bytes_per_trainable_param`` (megatron's main-grad buffer).
+    grad_bytes_per_param: float = 4.0
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Optimizer state per trainable parameter on this rank, bytes (after
+        the distributed optimizer's sharding)."""
+        return self.bytes_per_trainable_param - self.bytes_per_frozen_param - self.grad_bytes_per_param
 
 
 def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) -> MemoryConventions:
@@ -219,6 +228,7 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
         bytes_per_trainable_param=weights + grads + optim,
         bytes_per_frozen_param=weights,
         num_microbatches=max(train.global_batch_size // (train.micro_batch_size * dp), 1),
+        grad_bytes_per_param=grads,
     )
 
 
@@ -237,6 +247,8 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
     all_tokens, pairs = ((float(b * s), float(b * s * s)) if batch is None
                          else (float(batch.tokens), causal_pairs(batch.segments)))
     tokens = all_tokens / cp  # this CP rank's
+    sp = cfg.parallel.sequence_parallel
+    sp_share = 1.0 / tp if sp else 1.0  # what SP keeps of a hidden-state tensor
     vocab = padded_vocab_size(cfg)
     lm_trainable = not m.freeze
     emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
@@ -246,13 +258,14 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             flops=3.0 * tokens * h / tp,  # gather + add (vocab-parallel); negligible next to matmuls
             params=emb_params,
             trainable_params=emb_params if lm_trainable else 0,
-            activation_bytes=tokens * h * nbytes,
+            activation_bytes=tokens * h * nbytes * sp_share,
         ),
         LM_LAYER: _transformer_layer(
             all_tokens, pairs, h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
+            sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
@@ -260,8 +273,9 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             flops=(_passes(lm_trainable, lm_trainable or head_trains) * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
             params=out_params,
             trainable_params=out_params if lm_trainable else 0,
-            # Final-norm input, output-layer input, fp32 logits and their softmax.
-            activation_bytes=2.0 * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
+            # Final-norm input (SP: sharded), output-layer input (gathered),
+            # fp32 logits and their softmax.
+            activation_bytes=(1.0 + sp_share) * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
         ),
     }
 
@@ -279,6 +293,7 @@ def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] 
     # Images enter with no gradient: backward reaches the ViT only if it trains.
     layer = _transformer_layer(
         vtokens, images * p * p, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
+        # The ViT has its own TransformerConfig: no sequence parallelism.
         nbytes, m.recompute, not v.freeze, not v.freeze, tp,
     )
     patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size

@@ -220,6 +220,9 @@ def _check_dit(cfg: JobConfig) -> None:
     require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
     if dit.text_encoder == "precomputed" and dit.text_dim == 0:
         raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
+    if cfg.model.recompute != "none":
+        raise ConfigError("model.recompute", cfg.model.recompute,
+                          "the DiT blocks are not wired to megatron's recomputation; set model.recompute: none")
     if par.cp > 1:
         _check_dit_context_parallel(cfg)
 
@@ -280,14 +283,12 @@ FAMILIES: dict[str, ModelFamily] = {
             ),
             default_dataset="megascale_omni.demo.defaults:llava_shapes",
             features=frozenset(
-                {"vpp", "explicit_partition", "context_parallel", "elastic", "data_blend", "data_workers"}
+                {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
+                 "data_workers"}
             ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
-            notes=(
-                ("sequence_parallel", "packed sequences are not split across TP ranks"),
-            ),
         ),
         ModelFamily(
             name="dit",
@@ -321,3 +322,17 @@ def get_family(name: str) -> ModelFamily:
 
 def family_of(cfg: JobConfig) -> ModelFamily:
     return get_family(cfg.model.family)
+
+
+def estimate_memory_per_gpu(cfg: JobConfig, cuda: bool = True, world_size: Optional[int] = None):
+    """Predicted bytes per GPU of every pipeline rank of ``cfg`` under its
+    family's cost model: a tuple of
+    :class:`~megascale_omni.parallel.memory.StageMemory` (weights, gradients,
+    optimizer state, activations; ``.total``), see
+    :func:`megascale_omni.parallel.memory.estimate_memory_per_gpu`. ``cuda``:
+    ``train.precision: auto`` means bf16; ``world_size``: GPUs of one replica
+    group (None: DP 1). Any caller, before any process group; ConfigError if
+    the family has no cost model."""
+    from megascale_omni.parallel.memory import estimate_memory_per_gpu as estimate
+
+    return estimate(cfg, family_of(cfg).cost_model_fn(cfg), cuda=cuda, world_size=world_size)
