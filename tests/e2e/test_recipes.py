@@ -18,21 +18,24 @@ import torch
 
 from megascale_omni.config import ConfigError, load_yaml
 from megascale_omni.data.dit.reader import encode_latent_record, write_dit_dataset
+from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.entry import parse_for_family
 from megascale_omni.models.standalone import build_model, one_process, single_process_config
 from megascale_omni.parallel.pipeline_plan import GIB, plan_pipeline
+from megascale_omni.tasks.registry import estimate_memory_per_gpu
 from tests.launcher import REPO, finish, read_training, spawn, start_training
 
 RECIPES = REPO / "examples" / "recipes"
 STAGE1, STAGE2 = "llava15_7b_stage1.yaml", "llava15_7b_stage2.yaml"
 ANYRES, DIT = "qwen2_7b_siglip_anyres.yaml", "dit_xl2_256.yaml"
-#: The planner's per-GPU estimate (GiB, bf16, fullest pp rank) of each recipe
-#: as shipped, at 8 and 64 GPUs: the numbers examples/recipes/README.md quotes.
+#: Per-GPU memory estimate (GiB, bf16, fullest pp rank; weights, gradients,
+#: optimizer state and activations) of each recipe as shipped, at 8 and 64
+#: GPUs: the numbers examples/recipes/README.md quotes.
 PEAK_GIB = {
-    (STAGE1, 8): 14.58, (STAGE1, 64): 14.55,
-    (STAGE2, 8): 48.82, (STAGE2, 64): 40.56,
-    (ANYRES, 8): 36.60, (ANYRES, 64): 26.78,
-    (DIT, 8): 19.77, (DIT, 64): 19.77,
+    (STAGE1, 8): 23.99, (STAGE1, 64): 23.96,
+    (STAGE2, 8): 56.35, (STAGE2, 64): 48.09,
+    (ANYRES, 8): 46.54, (ANYRES, 64): 36.72,
+    (DIT, 8): 19.55, (DIT, 64): 19.55,
 }
 
 
@@ -43,8 +46,9 @@ def recipe(name: str, world: int, *overrides: str):
     return parse_for_family(family, ["--config", str(RECIPES / name), *overrides], world_size=world)
 
 
-def peak_gib(cfg, family, world: int) -> float:
-    """The planner's per-GPU estimate on CUDA, GiB (raises its ConfigError when over the budget)."""
+def planned_gib(cfg, family, world: int) -> float:
+    """The start-up check's per-GPU figure on CUDA, GiB (raises its ConfigError
+    when over ``parallel.pipeline_memory_gib``)."""
     return plan_pipeline(cfg, family.cost_model_fn(cfg), cuda=True, world_size=world).peak_memory / GIB
 
 
@@ -52,7 +56,10 @@ def peak_gib(cfg, family, world: int) -> float:
 def test_recipe_validates_and_fits_80gb(name, world):
     cfg, family = recipe(name, world)
     assert cfg.parallel.pipeline_memory_gib == 80 and cfg.train.precision == "bf16"
-    assert round(peak_gib(cfg, family, world), 2) == PEAK_GIB[name, world]
+    stages = estimate_memory_per_gpu(cfg, cuda=True, world_size=world)
+    assert round(max(s.total_gib for s in stages), 2) == PEAK_GIB[name, world]
+    # The start-up check sums the same and lets it through.
+    assert planned_gib(cfg, family, world) == pytest.approx(max(s.total_gib for s in stages), rel=1e-9)
     dp = world // cfg.parallel.model_parallel_size
     accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     assert accumulation * cfg.train.micro_batch_size * dp == cfg.train.global_batch_size
@@ -79,22 +86,26 @@ def test_recipes_published_settings():
     assert s1.vision.tokens_per_image == 576 and s1.vision.layers_built == 23
     assert any_.vision.tokens_per_image == 729 and any_.vision.layers_built == 26
     assert any_.train.lr * any_.vision.lr_mult == pytest.approx(2e-6)
+    # A 640 x 480 photo: the 768 x 768 grid, 4 tiles + the overview, 3645 tokens in a 4096-token row.
+    tiles = ImagePreprocessor.from_config("anyres", any_.vision.image_size, REPO / any_.data.image_processor)
+    assert tiles.num_views((480, 640)) == 5 and tiles(np.zeros((480, 640, 3), np.uint8)).shape == (5, 3, 384, 384)
+    assert 5 * any_.vision.tokens_per_image == 3645 < any_.model.seq_length
     assert (dit.train.lr, dit.train.lr_decay_style, dit.dit.ema_decay) == (1e-4, "constant", 0.9999)
 
 
 @pytest.mark.parametrize("overrides,words", [
     # ZeRO-less Adam on 8 GPUs: 18 bytes per parameter does not fit 80 GB.
     (["parallel.use_distributed_optimizer=false"],
-     ["parallel.pipeline_memory_gib=80.0", "114.932 GiB", "set parallel.use_distributed_optimizer=true",
-      "48.820 GiB", "parallel.pp=2"]),
+     ["parallel.pipeline_memory_gib=80.0", "122.463 GiB", "set parallel.use_distributed_optimizer=true",
+      "56.351 GiB", "parallel.pp=2"]),
     # A 40 GB card.
     (["parallel.pipeline_memory_gib=40"],
-     ["parallel.pipeline_memory_gib=40.0", "48.820 GiB", "parallel.pp=2 (smallest pp that fits)"]),
+     ["parallel.pipeline_memory_gib=40.0", "56.351 GiB", "parallel.pp=2 (smallest pp that fits)"]),
 ])
 def test_stage2_on_too_little_memory_is_refused_with_the_fix(overrides, words):
     cfg, family = recipe(STAGE2, 8, *overrides)
     with pytest.raises(ConfigError) as err:
-        peak_gib(cfg, family, 8)
+        planned_gib(cfg, family, 8)
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
@@ -259,7 +270,7 @@ LLAVA_SMALL = [
     "vision.num_attention_heads=2", "vision.ffn_hidden_size=64", "vision.image_size=28",
     "data.path=null", "data.format=words", "data.tokenizer=null", "data.image_token=<image>",
     "data.num_workers=0", "data.default_num_train=200", "data.default_num_val=20", "data.image_processor=null",
-    "parallel.tp=1", "train.steps=5", "train.global_batch_size=2", "train.micro_batch_size=1",
+    "train.steps=5", "train.global_batch_size=2", "train.micro_batch_size=1",
     "train.evaluator=none", "checkpoint.dir=''", "checkpoint.interval=0", "checkpoint.pretrained=''",
 ]
 DIT_SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
@@ -285,20 +296,22 @@ def test_recipes_train_five_steps_at_reduced_width(tmp_path):
     conf = json.loads((RECIPES / "siglip_so400m_384_anyres.json").read_text())
     conf.update(size={"height": 30, "width": 30}, image_grid_pinpoints=[[30, 60], [60, 30], [60, 60], [90, 30]])
     anyres.write_text(json.dumps(conf))
-    runs = {
-        STAGE1: ("pretrain_llava.py", LLAVA_SMALL),
-        STAGE2: ("pretrain_llava.py", LLAVA_SMALL),
-        ANYRES: ("pretrain_llava.py", [*LLAVA_SMALL, "model.num_query_groups=2", "vision.image_size=30",
-                                       f"data.image_processor={anyres}"]),
-        DIT: ("pretrain_dit.py", [*DIT_SMALL, f"data.path={_latents(tmp_path / 'latents')}"]),
+    assert ImagePreprocessor.from_config("anyres", 30, anyres).num_views((30, 30)) == 3  # a 30 x 60 grid + overview
+    runs = {  # name: (entry point, processes, overrides)
+        STAGE1: ("pretrain_llava.py", 1, LLAVA_SMALL),
+        STAGE2: ("pretrain_llava.py", 1, LLAVA_SMALL),
+        # As shipped: tp=2 with sequence parallelism, on 2 processes.
+        ANYRES: ("pretrain_llava.py", 2, [*LLAVA_SMALL, "model.num_query_groups=2", "vision.image_size=30",
+                                          f"data.image_processor={anyres}"]),
+        DIT: ("pretrain_dit.py", 1, [*DIT_SMALL, f"data.path={_latents(tmp_path / 'latents')}"]),
     }
-    # Started together: one-process runs share the 2 cores (the 28 px LLaVA runs share one embedded set).
+    # Started together: the runs share the 2 cores (the 28 px LLaVA runs share one embedded set).
     out = {name: tmp_path / f"run{i}" for i, name in enumerate(runs)}  # short: the control socket lives there
-    procs = {name: start_training(entry, 1, ["--config", str(RECIPES / name), *args], out[name], timeout=300)
-             for name, (entry, args) in runs.items()}
+    procs = {name: start_training(entry, nproc, ["--config", str(RECIPES / name), *args], out[name], timeout=300)
+             for name, (entry, nproc, args) in runs.items()}
     for name, proc in procs.items():
         records = read_training(proc, out[name], 5, timeout=300)
-        cfg = recipe(name, 1, *runs[name][1])[0]
+        cfg = recipe(name, runs[name][1], *runs[name][2])[0]
         assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records), (name, records)
         # The recipe's schedule: linear warm-up from 0 over lr_warmup_steps, step k at
         # lr * (k - 1) / warmup as in HF Trainer's schedules (DiT: constant).
