@@ -20,7 +20,9 @@ from megascale_omni.config import ConfigError, load_yaml
 from megascale_omni.data.dit.reader import encode_latent_record, write_dit_dataset
 from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.entry import parse_for_family
+from megascale_omni.metrics.flops import step_model_flops
 from megascale_omni.models.standalone import build_model, one_process, single_process_config
+from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.pipeline_plan import GIB, plan_pipeline
 from megascale_omni.tasks.registry import estimate_memory_per_gpu
 from tests.launcher import REPO, finish, read_training, spawn, start_training
@@ -91,6 +93,26 @@ def test_recipes_published_settings():
     assert tiles.num_views((480, 640)) == 5 and tiles(np.zeros((480, 640, 3), np.uint8)).shape == (5, 3, 384, 384)
     assert 5 * any_.vision.tokens_per_image == 3645 < any_.model.seq_length
     assert (dit.train.lr, dit.train.lr_decay_style, dit.dit.ema_decay) == (1e-4, "constant", 0.9999)
+
+
+#: (samples of the batch, per what) -> model GFLOPs per token (per image for DiT)
+#: and throughput per H100 at MFU 0.4, as examples/recipes/README.md quotes them.
+THROUGHPUT = {
+    STAGE1: (BatchShape(segments=(592,) * 100, tower_inputs=100), 592 * 100, 27.4, 14_400),
+    STAGE2: (BatchShape(segments=(900,) * 100, tower_inputs=100), 900 * 100, 40.8, 9_700),
+    ANYRES: (BatchShape(segments=(4096,) * 10, tower_inputs=50), 4096 * 10, 47.3, 8_400),
+    DIT: (BatchShape(dit_packages=((256, 4),) * 10), 40, 835, 474),
+}
+
+
+@pytest.mark.parametrize("name", sorted(THROUGHPUT))
+def test_expected_throughput_is_the_step_records_flop_count(name):
+    cfg, family = recipe(name, 8)
+    batch, units, gflop, per_gpu = THROUGHPUT[name]
+    flops = step_model_flops(cfg, family.cost_model_fn(cfg), batch) / units
+    assert round(flops / 1e9, 1 if gflop < 100 else 0) == gflop
+    rate = 0.4 * 989e12 / flops  # H100 SXM dense bf16 peak
+    assert round(rate, -2 if per_gpu > 1000 else 0) == per_gpu
 
 
 @pytest.mark.parametrize("overrides,words", [
