@@ -1,9 +1,10 @@
 """examples/recipes/: every recipe, as shipped, validates at 8 and 64 GPUs
-through the entry points' parse path, fits 80 GB per GPU by the planner's
-estimate (and a layout that does not fit is refused at start with one line,
-exit 2), builds its full-size model on the meta device with the published
+through the entry points' parse path and fits 80 GB per GPU by the memory
+estimate (a layout that does not fit is refused at start with one line,
+exit 2); its full-size model builds on the meta device with the published
 parameter count (transformers / diffusers built from the same config are the
-outside reference), and trains 5 steps on CPU at reduced width."""
+outside reference); the README's throughput figures are the step record's
+FLOP count; and each recipe trains 5 steps on CPU at reduced width."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from megascale_omni.models.standalone import build_model, one_process, single_pr
 from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.pipeline_plan import GIB, plan_pipeline
 from megascale_omni.tasks.registry import estimate_memory_per_gpu
-from tests.launcher import REPO, finish, read_training, spawn, start_training
+from tests.launcher import REPO, finish, kill_group, read_training, spawn, start_training
 
 RECIPES = REPO / "examples" / "recipes"
 STAGE1, STAGE2 = "llava15_7b_stage1.yaml", "llava15_7b_stage2.yaml"
@@ -76,8 +77,10 @@ def test_recipes_published_settings():
     any_, _ = recipe(ANYRES, 8)
     dit, _ = recipe(DIT, 8)
     # Stage 1 and 2 train the same architecture; only what trains and the row length differ.
-    arch = lambda c: ({k: v for k, v in vars(c.model).items() if k not in ("freeze", "recompute", "seq_length")},
-                      {k: v for k, v in vars(c.vision).items() if k != "images_per_sequence"})  # noqa: E731
+    def arch(c):
+        return ({k: v for k, v in vars(c.model).items() if k not in ("freeze", "recompute", "seq_length")},
+                {k: v for k, v in vars(c.vision).items() if k != "images_per_sequence"})
+
     assert arch(s1) == arch(s2)
     assert (s1.model.freeze, s1.vision.freeze, s1.vision.freeze_projector) == (True, True, False)
     assert (s2.model.freeze, s2.vision.freeze, s2.vision.freeze_projector) == (False, True, False)
@@ -95,8 +98,9 @@ def test_recipes_published_settings():
     assert (dit.train.lr, dit.train.lr_decay_style, dit.dit.ema_decay) == (1e-4, "constant", 0.9999)
 
 
-#: (samples of the batch, per what) -> model GFLOPs per token (per image for DiT)
-#: and throughput per H100 at MFU 0.4, as examples/recipes/README.md quotes them.
+#: name -> (a global batch of typical samples, its tokens (DiT: images), model
+#: GFLOPs per token (DiT: per image), tokens (images) per second of one H100 at
+#: MFU 0.4), as examples/recipes/README.md quotes them.
 THROUGHPUT = {
     STAGE1: (BatchShape(segments=(592,) * 100, tower_inputs=100), 592 * 100, 27.4, 14_400),
     STAGE2: (BatchShape(segments=(900,) * 100, tower_inputs=100), 900 * 100, 40.8, 9_700),
@@ -283,9 +287,10 @@ def test_dit_xl2_parameter_count_against_the_paper_model():
 
 # ------------------------------------------------ reduced width on the CPU
 
-#: Every LLaVA recipe at toy width on the embedded shapes data, one process:
-#: what stays is the recipe's structure (tower type, patch 14, feature layer,
-#: projector, freezing, image mode, optimizer and schedule, bf16).
+#: Every LLaVA recipe at toy width on the embedded shapes data (word-level
+#: tokens): what stays is the recipe's structure (tower type, patch 14,
+#: feature layer, projector, freezing, image mode, tp and sequence
+#: parallelism, optimizer and schedule, bf16).
 LLAVA_SMALL = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
     "model.vocab_size=0", "model.seq_length=256", "vision.num_layers=2", "vision.hidden_size=32",
@@ -331,12 +336,16 @@ def test_recipes_train_five_steps_at_reduced_width(tmp_path):
     out = {name: tmp_path / f"run{i}" for i, name in enumerate(runs)}  # short: the control socket lives there
     procs = {name: start_training(entry, nproc, ["--config", str(RECIPES / name), *args], out[name], timeout=300)
              for name, (entry, nproc, args) in runs.items()}
-    for name, proc in procs.items():
-        records = read_training(proc, out[name], 5, timeout=300)
-        cfg = recipe(name, runs[name][1], *runs[name][2])[0]
-        assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records), (name, records)
-        # The recipe's schedule: linear warm-up from 0 over lr_warmup_steps, step k at
-        # lr * (k - 1) / warmup as in HF Trainer's schedules (DiT: constant).
-        warmup = cfg.train.lr_warmup_steps
-        expected = [cfg.train.lr * min((k - 1) / warmup, 1.0) if warmup else cfg.train.lr for k in range(1, 6)]
-        assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6, abs=1e-12), name
+    try:
+        for name, proc in procs.items():
+            records = read_training(proc, out[name], 5, timeout=300)
+            cfg = recipe(name, runs[name][1], *runs[name][2])[0]
+            assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records), (name, records)
+            # The recipe's schedule: linear warm-up from 0 over lr_warmup_steps, step k at
+            # lr * (k - 1) / warmup as in HF Trainer's schedules (DiT: constant).
+            warmup = cfg.train.lr_warmup_steps
+            expected = [cfg.train.lr * min((k - 1) / warmup, 1.0) if warmup else cfg.train.lr for k in range(1, 6)]
+            assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6, abs=1e-12), name
+    finally:  # a failed run must not leave the others running
+        for proc in procs.values():
+            kill_group(proc)
