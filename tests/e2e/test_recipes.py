@@ -193,6 +193,40 @@ def test_llava15_chat_templates_mask_the_answers(tmp_path, template, rendered, a
     assert [enc.tok.decode(ids) for ids in spans] == answers, [enc.tok.decode(ids) for ids in spans]
 
 
+#: The config.json fields of the published checkpoints the recipes import
+#: (lmsys/vicuna-7b-v1.5, openai/clip-vit-large-patch14-336's vision_config,
+#: Qwen/Qwen2-7B-Instruct, google/siglip-so400m-patch14-384's vision_config).
+VICUNA = dict(model_type="llama", hidden_act="silu", hidden_size=4096, intermediate_size=11008,
+              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+              max_position_embeddings=4096, vocab_size=32000, tie_word_embeddings=False, rope_scaling=None)
+CLIP_336 = dict(model_type="clip_vision_model", hidden_act="quick_gelu", hidden_size=1024, intermediate_size=4096,
+                num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14, layer_norm_eps=1e-5)
+QWEN2_7B = dict(model_type="qwen2", hidden_act="silu", hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=32768, vocab_size=152064, tie_word_embeddings=False,
+                use_sliding_window=False, sliding_window=131072)
+SIGLIP_384 = dict(model_type="siglip_vision_model", hidden_act="gelu_pytorch_tanh", hidden_size=1152,
+                  intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384,
+                  patch_size=14, layer_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("name,text,tower", [(STAGE1, VICUNA, CLIP_336), (ANYRES, QWEN2_7B, SIGLIP_384)])
+def test_recipe_loads_the_weights_tools_hf_import_writes(name, text, tower):
+    """``checkpoint.pretrained`` accepts the import: the model/vision sections
+    tools/hf_import.py writes for the published configs (``--feature-layer -2``)
+    match the recipe's up to the fields that may change when starting from weights."""
+    from megascale_omni.checkpoint.state import PRETRAINED_FREE_FIELDS, incompatibilities
+    from megascale_omni.config import from_dict, to_dict
+    from megascale_omni.config.schema import JobConfig
+    from megascale_omni.hf.importer import _llava_sections
+
+    imported = from_dict(JobConfig, _llava_sections(text, tower, 2048, -2, "config.json"))
+    cfg, _ = recipe(name, 8)
+    assert incompatibilities(to_dict(imported), cfg, PRETRAINED_FREE_FIELDS) == []
+    if name == STAGE1:  # stage 2 starts from stage 1's checkpoints
+        assert incompatibilities(to_dict(cfg), recipe(STAGE2, 8)[0], PRETRAINED_FREE_FIELDS) == []
+
+
 # ------------------------------------------------- full-size models on meta
 
 
