@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv if missing, install the exact versions of constraints.txt, run the demo job
-#   make test   - same set-up, then the test suite (12-22 min on 2 CPU cores)
+#   make test   - same set-up, then the test suite without the slow cases (about 25 min on 2 CPU cores)
 #   make test-gpu - tests/gpu on a CUDA host, against GPU_PYTHON's own torch (no .venv, no CPU torch):
 #                   installs build/gpu-wheels when present (tools/gpu_ci/run.sh --tests-only)
 PYTHON ?= python3.11
@@ -41,7 +41,7 @@ test: install
 test-all: install
 	$(PY) -m pytest
 
-# tests/gpu on a CUDA host (skipped, with the reason, without one); see README "GPU".
+# tests/gpu on a CUDA host (skipped, with the reason, without one); see docs/gpu.md.
 # No `install`: the host's interpreter keeps its own (CUDA) torch.
 test-gpu:
 	PYTHON=$(GPU_PYTHON) tools/gpu_ci/run.sh --tests-only $(GPU_WHEELS)

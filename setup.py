@@ -33,7 +33,8 @@ INSTALL_REQUIRES = [
 ]
 
 # Optional features; their imports are lazy and name the extra to install.
-HF = ["safetensors>=0.4,<1"]  # hf/ import and export of Hugging Face checkpoints
+# hf/ import and export of Hugging Face checkpoints (transformers reads their configs' defaults)
+HF = ["safetensors>=0.4,<1", "transformers>=5.0,<6"]
 CHAT = ["transformers>=5.0,<6"]  # data.format=chat (chat templates), HF tokenizer directories
 # Offline DiT latent tools only (tools/make_dit_latents.py, tools/sample_dit.py --vae).
 LATENTS = ["diffusers>=0.42,<1", "transformers>=5.0,<6"]

@@ -44,33 +44,42 @@ def causal_lm(kind: str, path: Path, seed: int = 0, **overrides):
     return _save(model, path)
 
 
-def vision_config(kind: str, image_size: int = 32, patch_size: int = 8, layers: int = 3):
+def vision_config(kind: str, image_size: int = 32, patch_size: int = 8, layers: int = 3, **overrides):
     import transformers as T
 
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   image_size=image_size, patch_size=patch_size)
+    common.update(overrides)
     if kind == "clip":
         return T.CLIPVisionConfig(**common)
     return T.SiglipVisionConfig(**common)
 
 
-def vision_tower(kind: str, path: Path, seed: int = 0):
+#: Real tower widths and geometry (``vision_config`` overrides; fewer layers
+#: are given separately): CLIP-L/14-336 (LLaVA-1.5) and SigLIP-so400m-patch14-384.
+CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, image_size=336, patch_size=14,
+                  hidden_act="quick_gelu", layer_norm_eps=1e-5)
+SIGLIP_SO400M_384 = dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, image_size=384,
+                         patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+
+
+def vision_tower(kind: str, path: Path, seed: int = 0, **config):
     import transformers as T
 
     torch.manual_seed(seed)
     cls = T.CLIPVisionModel if kind == "clip" else T.SiglipVisionModel
-    model = cls(vision_config(kind))
+    model = cls(vision_config(kind, **config))
     _perturb_norms(model, seed)
     return _save(model, path)
 
 
 def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOCAB, image_token: int = 5,
-          seed: int = 0, feature_layer: int = -2, image_size: int = 32, patch_size: int = 8):
+          seed: int = 0, feature_layer: int = -2, image_size: int = 32, patch_size: int = 8, **tower_config):
     import transformers as T
 
     torch.manual_seed(seed)
     config = T.LlavaConfig(
-        vision_config=vision_config(tower, image_size, patch_size), text_config=text_config(text, vocab),
+        vision_config=vision_config(tower, image_size, patch_size, **tower_config), text_config=text_config(text, vocab),
         image_token_index=image_token, vision_feature_layer=feature_layer,
         vision_feature_select_strategy="default" if tower == "clip" else "full",
         image_seq_length=(image_size // patch_size) ** 2,
@@ -78,6 +87,31 @@ def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOC
     model = T.LlavaForConditionalGeneration(config)
     _perturb_norms(model, seed)
     return _save(model, path)
+
+
+class ModelSource:
+    """:class:`megascale_omni.hf.directory.HFDirectory`'s read interface over
+    an in-memory ``transformers`` model (e.g. one built on ``meta``), so the
+    importer's mapping runs without a save; ``read`` collects the tensor
+    names the mapping asked for."""
+
+    def __init__(self, model, config: dict | None = None, field: str = "test"):
+        #: ``config.json`` as published (defaults left out) when given, else the model's full config.
+        self.config = model.config.to_dict() if config is None else config
+        self.path = Path(f"<{type(model).__name__}>")
+        self.field = field
+        self.architecture = type(model).__name__
+        self.tensors = dict(model.state_dict())
+        self.read: set[str] = set()
+
+    def find_prefix(self, suffix: str, exclude=()):
+        from megascale_omni.hf.directory import find_prefix
+
+        return find_prefix(self.tensors, suffix, exclude)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return self.tensors[name]
 
 
 @torch.no_grad()

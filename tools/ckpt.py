@@ -8,7 +8,10 @@
 ``list`` shows every step directory of the given tiers, newest first, with
 its state (complete / incomplete), size, reason and layout. ``verify`` checks
 sizes and sha256 checksums against the commit marker; exit code 0 when every
-checkpoint checked is intact, 1 otherwise, 2 for a bad path. ``clean``
+checkpoint checked is intact, 1 otherwise, 2 for a bad path, 4 (the
+checkpoint error code of the entry points) when a ``commit.json`` cannot be
+read at all: one line on stderr per such marker, naming the file and what is
+wrong. ``clean``
 removes unfinished saves (incomplete step directories) that are older than
 the newest complete checkpoint and untouched for ``--min-age-minutes``;
 without ``--yes`` it only says what it would remove. Elastic jobs leave such
@@ -20,11 +23,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 
 from megascale_omni.checkpoint import layout
+
+#: A commit marker that cannot be read (megascale_omni.entry's checkpoint error code).
+EXIT_CHECKPOINT = 4
 
 
 def _infos(path: Path) -> list:
@@ -82,15 +89,19 @@ def cmd_list(args) -> int:
 def cmd_verify(args) -> int:
     infos = _infos(Path(args.path))
     single = layout.is_step_dir_name(Path(args.path).name)
-    targets = infos if single else [c for c in infos if c.complete]
-    if not targets:
+    # A marker is written atomically, so an unreadable one is damage, not a save in flight.
+    unreadable = {c.path: problem for c in infos if (problem := layout.commit_problem(c.path))}
+    for path, problem in unreadable.items():
+        sys.stderr.write(f"ckpt: {path / layout.COMMIT_FILE}: {problem}\n")
+    targets = [c for c in infos if c.path not in unreadable and (single or c.complete)]
+    if not targets and not unreadable:
         return _die(f"{args.path}: no {'such' if single else 'complete'} checkpoint")
     bad = 0
     for c in targets:
         problems = layout.verify(c, checksums=not args.no_checksums)
         print(f"{c.path}: {'OK' if not problems else 'BROKEN: ' + '; '.join(problems)}")
         bad += bool(problems)
-    return 1 if bad else 0
+    return EXIT_CHECKPOINT if unreadable else 1 if bad else 0
 
 
 def cmd_clean(args) -> int:
@@ -137,7 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--yes", action="store_true", help="remove them (default: only list them)")
     p.set_defaults(fn=cmd_clean)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    # The commands report broken markers themselves, once, on stdout or stderr.
+    quiet = logging.getLogger(layout.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return args.fn(args)
+    finally:
+        quiet.setLevel(level)
 
 
 if __name__ == "__main__":

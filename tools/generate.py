@@ -10,8 +10,9 @@
 gpt or llava model, saved under any layout (resharded to one process), or a tools/hf_import.py
 output. Each <image> in --prompt takes the next --image (resized to vision.image_size and
 normalised as in training, or with the tower's preprocessor_config.json mean/std when the
-tokenizer directory has one). The tokenizer: --tokenizer, else the import's tokenizer/, else
-the training run's (data.tokenizer or <data.path>/tokenizer.json). Prints the generated text;
+tokenizer directory has one). The tokenizer: --tokenizer, else the one the checkpoint carries
+(step_NNNNNNNN/tokenizer/: every checkpoint of a run from an import), else the import's tokenizer/,
+else the training run's (data.tokenizer or <data.path>/tokenizer.json). Prints the generated text;
 --ids also prints the token ids. Exit codes: 2 bad arguments, 4 broken checkpoint.
 """
 
@@ -27,6 +28,7 @@ try:
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megascale_omni.checkpoint.hf_assets import ASSET_DIR
 from megascale_omni.config import ConfigError
 from megascale_omni.entry import run_cli
 
@@ -50,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def find_tokenizer(args_tokenizer, ckpt) -> Path:
     """Where the tokenizer of ``ckpt`` is (see the module docstring)."""
     cfg = ckpt.cfg
-    candidates = [args_tokenizer, ckpt.path.parent / "tokenizer"]
+    candidates = [args_tokenizer, ckpt.path / ASSET_DIR, ckpt.path.parent / "tokenizer"]
     if cfg.data.tokenizer:
         candidates.append(Path(cfg.data.tokenizer))
     if cfg.data.path:

@@ -8,7 +8,9 @@
 directory, saved under any TP/PP/VPP/DP layout (resharded to one process here).
 gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from),
 llava models LlavaForConditionalGeneration (the vision tower holds the layers up to the
-feature layer, read with vision_feature_layer: -1). Tokenizer files of an import come along.
+feature layer, read with vision_feature_layer: -1). The tokenizer, chat template and
+processor config come along: every checkpoint of a run that started from tools/hf_import.py
+carries them (verified with the checkpoint). Otherwise one line says what OUT lacks.
 
 Exit codes: 2 bad arguments or a model HF cannot express; 4 a broken checkpoint.
 """
@@ -40,8 +42,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from megascale_omni.hf.exporter import export_hf
 
-    out = export_hf(args.checkpoint, args.out, "--checkpoint", args.image_token_id)
-    print(f"wrote {out}")
+    done = export_hf(args.checkpoint, args.out, "--checkpoint", args.image_token_id)
+    print(f"wrote {done.path}" + (f" (weights, config, {', '.join(done.copied)})" if done.copied else ""))
+    if done.missing:
+        print(f"{done.path} has no {', '.join(done.missing)}: the checkpoint carries none (its run did not start "
+              "from tools/hf_import.py, or the source lacked them); copy them from the model's tokenizer "
+              "before loading it with AutoTokenizer/AutoProcessor")
 
 
 if __name__ == "__main__":

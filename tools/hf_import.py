@@ -12,8 +12,9 @@
 Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM; CLIPVisionModel/CLIPModel,
 SiglipVisionModel/SiglipModel; LlavaForConditionalGeneration. OUT gets step_00000000/ (loads
 under any TP/PP/VPP), model.yaml (the model/vision sections and checkpoint.pretrained: OUT)
-and tokenizer/ (the HF tokenizer files and chat template). Train from it with
-`checkpoint.pretrained=OUT` and the sections of model.yaml.
+and tokenizer/ (the HF tokenizer files, chat template and image processor config; a copy
+inside step_00000000/ travels into every checkpoint of a run from OUT, so tools/hf_export.py
+writes them back). Train from it with `checkpoint.pretrained=OUT` and the sections of model.yaml.
 
 Exit codes: 2 bad arguments, unsupported architecture or option; 4 a broken
 directory (missing shard or tensor, unreadable file, weights that do not

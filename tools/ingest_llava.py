@@ -3,13 +3,17 @@
 
     python tools/ingest_llava.py --out data/my_set/train --image-root /data/images \\
         --llava-json llava_v1_5_mix665k.json [--captions blip_laion.jsonl] [--text sharegpt.jsonl] \\
-        [--workers 8] [--samples-per-shard 1000] \\
+        [--workers 8] [--samples-per-shard 1000] [--val-fraction 0.01 [--val-seed 0]] [--val-json val.json] \\
         [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576]]
 
 Writes WebDataset shards + ``index.json`` into ``--out`` (a split
 directory: point ``data.path`` at its parent, which holds ``train/`` and
 optionally ``val/``), ``rejected.jsonl`` (every rejected record with its
 position, source line and reason) and ``ingest_report.json`` (counts).
+Images are stored as their source bytes (JPEG, PNG, WebP), checked by a
+full decode here. ``--val-fraction`` (records chosen by a hash of their id
+and ``--val-seed``) and ``--val-json`` (every record) make the val split in
+``--val-out`` (default: ``val`` beside ``--out``).
 Rerunning the same command resumes: finished shards are kept. With
 ``--tokenizer`` (the training run's: an HF tokenizer directory with a chat
 template, or with ``--data-format words`` a word-level ``tokenizer.json``)
@@ -32,7 +36,14 @@ if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megascale_omni.config import ConfigError  # noqa: E402
-from megascale_omni.data.llava.ingest import IngestInputs, LengthCheck, chat_coster, ingest, words_coster  # noqa: E402
+from megascale_omni.data.llava.ingest import (  # noqa: E402
+    IngestInputs,
+    LengthCheck,
+    ValSplit,
+    chat_coster,
+    ingest,
+    words_coster,
+)
 from megascale_omni.entry import run_cli  # noqa: E402
 
 
@@ -46,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text", action="append", default=[], help="text-only conversation JSONL (repeatable)")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="input records per shard")
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="worker processes")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="share of the records moved to the val split, chosen by a hash of (seed, record id)")
+    p.add_argument("--val-seed", type=int, default=0, help="seed of the --val-fraction choice")
+    p.add_argument("--val-json", action="append", default=[], help="LLaVA-format JSON of val records (repeatable)")
+    p.add_argument("--val-out", help="the val split directory (default: val beside --out)")
     p.add_argument("--tokenizer", help="the training run's tokenizer: token counts in the index (and the length check)")
     p.add_argument("--data-format", choices=("chat", "words"), default="chat",
                    help="with --tokenizer: the training run's data.format the counts are for")
@@ -73,9 +89,15 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not (args.llava_json or args.captions or args.text):
         raise ConfigError("--llava-json/--captions/--text", None, "give at least one input file")
-    for path in (*args.llava_json, *args.captions, *args.text):
+    for path in (*args.llava_json, *args.captions, *args.text, *args.val_json):
         if not os.path.isfile(path):
             raise ConfigError("input", path, "no such file")
+    val = None
+    if args.val_fraction or args.val_json:
+        val_out = args.val_out or os.path.join(os.path.dirname(os.path.abspath(args.out)), "val")
+        val = ValSplit(val_out, args.val_fraction, args.val_seed, args.val_json)
+    elif args.val_out:
+        raise ConfigError("--val-out", args.val_out, "needs --val-fraction or --val-json")
     length = coster = None
     if args.seq_length is not None:
         if not (args.tokenizer and args.seq_length > 0 and args.tokens_per_image > 0 and args.data_format == "chat"):
@@ -86,10 +108,12 @@ def main(argv=None) -> None:
     if args.tokenizer:
         coster = _coster(args)
     inputs = IngestInputs(args.llava_json, args.captions, args.text, args.image_root, args.caption_prompt)
-    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length, coster)
+    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length, coster, val)
     print(json.dumps(report.to_dict(), indent=2))
-    print(f"ingested {report.kept} of {report.inputs} records into {report.shards} shard(s) under {args.out}; "
-          f"{report.rejected} rejected (see {os.path.join(args.out, 'rejected.jsonl')})")
+    for out, rep in ((args.out, report), (val and val.out, report.val)):
+        if rep is not None:
+            print(f"ingested {rep.kept} of {rep.inputs} records into {rep.shards} shard(s) under {out}; "
+                  f"{rep.rejected} rejected (see {os.path.join(out, 'rejected.jsonl')})")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,24 @@ def _sizes(items) -> list[tuple[int, int]]:
     return out
 
 
+def _check_out(out: Path) -> None:
+    """``--out`` must be a new or replaceable image file in a directory this
+    user can create or write: checked before loading and sampling, so a bad
+    path costs nothing."""
+    from PIL import Image
+
+    from megascale_omni.config.validate import directory_problem
+
+    if out.is_dir():
+        raise ConfigError("--out", str(out), f"is a directory; give a file path such as {out / 'grid.png'}")
+    problem = directory_problem(str(out.parent))
+    if problem:
+        raise ConfigError("--out", str(out), f"cannot be written: {problem}; choose another path")
+    Image.init()
+    if Image.registered_extensions().get(out.suffix.lower()) not in Image.SAVE:
+        raise ConfigError("--out", str(out), "needs an image file extension PIL can write, e.g. .png")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     for name in ("per_prompt", "steps"):
@@ -84,6 +102,7 @@ def main(argv=None) -> None:
             # A missing local directory is never taken for a model-hub id (no network access is assumed).
             raise ConfigError(f"--{name.replace('_', '-')}", str(path), "no such directory; pass a local model directory")
     sizes = _sizes(args.size)
+    _check_out(args.out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise ConfigError("WORLD_SIZE", world, "run with plain python (one process): the checkpoint is resharded "

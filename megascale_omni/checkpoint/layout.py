@@ -80,19 +80,40 @@ def scan_tier(root: str | os.PathLike, tier: str) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def _read_commit(path: Path) -> Optional[dict]:
+def _load_commit(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """``(marker, None)``, ``(None, None)`` without a marker, or ``(None,
+    what is wrong with it)`` for a marker that is unreadable or not an object
+    with a ``files`` object (per-file entries are checked by :func:`verify`)."""
     try:
         with open(path / COMMIT_FILE, encoding="utf-8") as f:
             commit = json.load(f)
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        logger.warning("checkpoint %s: unreadable %s (%s); treating it as incomplete", path, COMMIT_FILE, e)
-        return None
-    if not isinstance(commit, dict) or not isinstance(commit.get("files"), dict):
-        logger.warning("checkpoint %s: malformed %s; treating it as incomplete", path, COMMIT_FILE)
-        return None
+        return None, None
+    except json.JSONDecodeError as e:
+        what = e.msg.removesuffix(" at").removesuffix(" starting")  # json puts the position after "at"
+        return None, f"is not valid JSON ({what} at line {e.lineno} column {e.colno}; truncated or overwritten?)"
+    except ValueError:
+        return None, "is not UTF-8 text"
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    if not isinstance(commit, dict):
+        return None, f"must hold a JSON object, not a {type(commit).__name__}"
+    if not isinstance(commit.get("files"), dict):
+        return None, 'has no "files" object mapping each file to its size and sha256'
+    return commit, None
+
+
+def _read_commit(path: Path) -> Optional[dict]:
+    commit, problem = _load_commit(path)
+    if problem:
+        logger.warning("checkpoint %s: %s %s; treating it as incomplete", path, COMMIT_FILE, problem)
     return commit
+
+
+def commit_problem(path: str | os.PathLike) -> Optional[str]:
+    """What is wrong with the commit marker of step directory ``path``, or
+    None when it is usable or absent (absent: a save that never finished)."""
+    return _load_commit(Path(path))[1]
 
 
 def step_info(path: str | os.PathLike) -> Optional[CheckpointInfo]:
@@ -102,6 +123,26 @@ def step_info(path: str | os.PathLike) -> Optional[CheckpointInfo]:
     if not (m and path.is_dir()):
         return None
     return CheckpointInfo(path, int(m.group(1)), "explicit", _read_commit(path))
+
+
+def check_resume_path(path: str | os.PathLike) -> None:
+    """Raise ConfigError naming ``checkpoint.resume`` unless ``path`` is a
+    ``step_NNNNNNNN`` directory (whether it is intact is checked on load).
+    Stat calls only: every rank runs it before any process group."""
+    from megascale_omni.errors import ConfigError
+
+    path = Path(path)
+    fix = "name a step_NNNNNNNN directory, or use auto (the newest under checkpoint.dir) or none (start fresh)"
+    if not path.exists():
+        raise ConfigError("checkpoint.resume", str(path), f"does not exist; {fix}")
+    if step_info(path) is not None:
+        return
+    steps = scan_tier(path, "explicit") if path.is_dir() else []
+    if steps:
+        raise ConfigError("checkpoint.resume", str(path),
+                          f"is a checkpoint root, not one checkpoint; name one of its step directories "
+                          f"(e.g. {steps[-1].path}), or set checkpoint.dir to it and checkpoint.resume: auto")
+    raise ConfigError("checkpoint.resume", str(path), f"is not a checkpoint directory; {fix}")
 
 
 def newest_complete(tiers: Iterable[tuple[str, str | os.PathLike]]) -> list[CheckpointInfo]:
@@ -139,7 +180,8 @@ def write_commit(path: Path, step: int, extra: dict) -> dict:
 def verify(info: CheckpointInfo, checksums: bool = True) -> list[str]:
     """Problems that make ``info`` unloadable (empty list = intact)."""
     if not info.complete:
-        return [f"no {COMMIT_FILE} (the save never finished)"]
+        problem = commit_problem(info.path)
+        return [f"{COMMIT_FILE} {problem}" if problem else f"no {COMMIT_FILE} (the save never finished)"]
     if not info.commit["files"]:
         return [f"{COMMIT_FILE} lists no files (a save writes at least one; the marker was edited or truncated)"]
     problems = []

@@ -18,7 +18,9 @@ A save blocks training for building the state dict, megatron's planning
 (cached from the third save on) and the host copy into buffers allocated
 once (:mod:`~megascale_omni.checkpoint.staging`); the writer thread writes
 the files; at a later step boundary every rank runs megatron's collective
-finalisers; then rank 0's committer thread hashes the files, publishes
+finalisers; then rank 0's committer thread writes the run's Hugging Face
+tokenizer and processor files into the step directory
+(:mod:`~megascale_omni.checkpoint.hf_assets`), hashes the files, publishes
 ``commit.json``, replicates the fast tier to the persistent tier and prunes
 old checkpoints.
 The next save waits for the previous one's files to be written and
@@ -43,6 +45,7 @@ from megatron.core import dist_checkpointing
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.errors import CheckpointError
+from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.checkpoint.save_strategy import SaveStrategy
 from megascale_omni.checkpoint.staging import HostStaging
 from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches
@@ -190,6 +193,10 @@ class Checkpointer:
             )
         loaded = dist_checkpointing.load(template, str(path))
         state.load_sharded_state_dict(loaded)
+        # A checkpoint written before its run carried tokenizer files keeps
+        # those of checkpoint.pretrained, if any.
+        assets = HFAssets.from_checkpoint(path, layout.step_info(path).commit)
+        state.hf_assets = assets if assets.enabled else state.hf_assets
         logger.info(
             "resumed from %s at step %d in %.2f s (saved with %s, now %s%s)",
             path, state.step, time.perf_counter() - t0, describe_layout(saved_layout), describe_layout(now),
@@ -274,7 +281,8 @@ class Checkpointer:
         clock.lap("plan")
         blocking_s = waited + time.perf_counter() - t0
         meta = {"layout": state.layout(), "mode": "sync" if synchronous else "async"}
-        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta, phases=clock.phases)
+        self.writer.submit(step, reason, request, started=t0, blocking_s=blocking_s, meta=meta, phases=clock.phases,
+                           assets=state.hf_assets)
         self.triggers.saved()
         if not synchronous:
             logger.info(
@@ -328,8 +336,9 @@ class Checkpointer:
             self._commits.append((save.step, self._committer.submit(self._publish, save)))
 
     def _publish(self, save: InflightSave) -> None:
-        """Rank 0, committer thread: checksum, commit marker, replicate, prune."""
+        """Rank 0, committer thread: tokenizer files, checksum, commit marker, replicate, prune."""
         path = self.save_root / layout.step_dir_name(save.step)
+        save.assets.write(path / ASSET_DIR, durable=True)
         commit = layout.write_commit(path, save.step, {"reason": save.reason, **save.meta})
         info = layout.CheckpointInfo(path, save.step, self.save_tier, commit)
         total_s = time.perf_counter() - save.started
@@ -432,5 +441,6 @@ def _rebuild(portable: tuple) -> Exception:
 def _info_for(path: Path) -> layout.CheckpointInfo:
     info = layout.step_info(path)
     if info is None:
-        raise CheckpointError(f"{path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
+        # Validation refused it at start; it vanished or changed since.
+        raise CheckpointError(f"checkpoint.resume={path} is not a checkpoint directory (expected <dir>/step_NNNNNNNN)")
     return info

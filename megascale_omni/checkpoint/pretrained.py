@@ -2,8 +2,9 @@
 ``checkpoint.pretrained`` and by the offline tools (export, generation).
 
 A model-only checkpoint is an ordinary checkpoint directory (``step_00000000``
-with its commit marker) holding the model's sharded tensors, the job config
-and a ``pretrained`` record (where the weights came from). Any training
+with its commit marker) holding the model's sharded tensors, the job config,
+a ``pretrained`` record (where the weights came from) and, for an import, the
+Hugging Face tokenizer and processor files (:mod:`~megascale_omni.checkpoint.hf_assets`). Any training
 checkpoint is also a valid source: only its model tensors are read, so a
 stage-2 run can start from a stage-1 run's checkpoint with a fresh optimizer.
 Tensors are stored by megatron's layout-independent keys, so the model loads
@@ -23,6 +24,7 @@ from megatron.core import dist_checkpointing
 
 from megascale_omni.checkpoint import layout
 from megascale_omni.checkpoint.errors import CheckpointError
+from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.checkpoint.state import PRETRAINED_FREE_FIELDS, incompatibilities, shape_mismatches
 from megascale_omni.config import ConfigError, JobConfig, from_dict, to_dict
 
@@ -47,6 +49,21 @@ class ModelCheckpoint:
     def provenance(self) -> dict:
         """The ``pretrained`` record of an imported checkpoint (``{}`` otherwise)."""
         return self.common.get("pretrained") or {}
+
+    def hf_assets(self) -> HFAssets:
+        """Its tokenizer and processor files, checked against the commit marker (empty when none)."""
+        return HFAssets.from_checkpoint(self.path, self.info.commit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """What a run takes from ``checkpoint.pretrained`` besides the weights;
+    its checkpoints carry both."""
+
+    #: The import record (HF configs, image token); ``{}`` when none.
+    provenance: dict = dataclasses.field(default_factory=dict)
+    #: The tokenizer, chat template and processor files (empty when none).
+    assets: HFAssets = dataclasses.field(default_factory=HFAssets)
 
 
 def open_model_checkpoint(path: str | Path, field: str, family: Optional[str] = None,
@@ -99,14 +116,15 @@ def load_model_weights(modules: Sequence[torch.nn.Module], ckpt: ModelCheckpoint
         module.load_state_dict(loaded[key])
 
 
-def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> dict:
+def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> Pretrained:
     """``checkpoint.pretrained`` into this rank's freshly built chunks (every
     rank, before the optimizer copies the parameters). Rank 0 verifies the
-    checkpoint once; every rank then loads its shards. Returns the
-    checkpoint's provenance record (``{}`` when not configured or none)."""
+    checkpoint once; every rank then loads its shards and reads its
+    tokenizer files (checked against the commit marker). Returns the
+    provenance record and those files (empty when not configured or none)."""
     source = cfg.checkpoint.pretrained
     if not source:
-        return {}
+        return Pretrained()
     field = "checkpoint.pretrained"
     payload: list = [None]
     if dist.get_rank() == 0:
@@ -129,14 +147,19 @@ def load_pretrained(modules: Sequence[torch.nn.Module], cfg: JobConfig) -> dict:
         raise CheckpointError(f"{field}: {value}")
     ckpt = open_model_checkpoint(value, field, cfg.model.family, checksums=False)
     load_model_weights(modules, ckpt, field)
+    assets = ckpt.hf_assets()
     origin = ckpt.provenance.get("source") or f"step {ckpt.info.step} of a training run"
-    logger.info("loaded pretrained weights from %s (%s)", ckpt.path, origin)
-    return ckpt.provenance
+    logger.info("loaded pretrained weights from %s (%s)%s", ckpt.path, origin,
+                f"; this run's checkpoints carry its {', '.join(assets.files)}" if assets.enabled
+                else "; it has no tokenizer files, so an export of this run will have none")
+    return Pretrained(ckpt.provenance, assets)
 
 
-def save_model_checkpoint(module: torch.nn.Module, cfg: JobConfig, root: Path, provenance: dict) -> Path:
-    """Write ``module`` (one process, TP1/PP1) as the model-only checkpoint
-    ``root/step_00000000`` and commit it. Returns the step directory."""
+def save_model_checkpoint(module: torch.nn.Module, cfg: JobConfig, root: Path, provenance: dict,
+                          assets: HFAssets = HFAssets()) -> Path:
+    """Write ``module`` (one process, TP1/PP1) and ``assets`` as the
+    model-only checkpoint ``root/step_00000000`` and commit it. Returns the
+    step directory."""
     target = root / layout.step_dir_name(0)
     target.mkdir(parents=True, exist_ok=False)
     state = {
@@ -147,5 +170,6 @@ def save_model_checkpoint(module: torch.nn.Module, cfg: JobConfig, root: Path, p
         "pretrained": provenance,
     }
     dist_checkpointing.save(state, str(target))
+    assets.write(target / ASSET_DIR, durable=True)
     layout.write_commit(target, 0, {"layout": state["layout"], "mode": "pretrained"})
     return target

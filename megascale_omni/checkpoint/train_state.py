@@ -16,7 +16,8 @@ with the same keys::
 
 in memory only, ``"peer"`` (layout, shared config, data digests and
 gradient buckets, checked by a joiner before it applies anything), and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
-``"config"`` (the job config as a plain dict) and ``"layout"``. The data
+``"config"`` (the job config as a plain dict) and ``"layout"``; beside
+the tensors, a checkpoint holds :attr:`TrainState.hf_assets` as files. The data
 position is the step: every sample plan is step-indexed. Every method is
 called on every rank.
 """
@@ -27,6 +28,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from megascale_omni.checkpoint.hf_assets import HFAssets
 from megascale_omni.checkpoint.state import (
     DIST_OPT_METADATA,
     prime_adam_state,
@@ -91,6 +93,9 @@ class TrainState:
         #: import record: HF configs, image token); carried into every
         #: checkpoint so an export of the trained model knows it.
         self.provenance: dict = {}
+        #: The Hugging Face tokenizer, chat template and processor files of
+        #: that import, written into every checkpoint (empty: none).
+        self.hf_assets = HFAssets()
 
     def sync_params(self) -> None:
         """Make the weights whole before anything reads them outside a

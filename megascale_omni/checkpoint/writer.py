@@ -37,6 +37,7 @@ from typing import Optional
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
+from megascale_omni.checkpoint.hf_assets import HFAssets
 from megascale_omni.checkpoint.write_workers import WriteWorkers
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class InflightSave:
     meta: dict
     #: Seconds per blocking phase (wait, state_dict, split, host_copy, plan).
     phases: dict
+    #: Tokenizer and processor files the committer writes into the step directory.
+    assets: HFAssets = HFAssets()
 
 
 class AsyncWriter:
@@ -69,12 +72,12 @@ class AsyncWriter:
 
     def submit(
         self, step: int, reason: str, request: AsyncRequest, started: float, blocking_s: float, meta: dict,
-        phases: Optional[dict] = None,
+        phases: Optional[dict] = None, assets: HFAssets = HFAssets(),
     ) -> None:
         """Start writing ``request``'s files in the background (host copies staged)."""
         assert self.inflight is None, "at most one checkpoint save may be in flight"
         future = self._pool.submit(_run_write, request, self.files)
-        self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta, phases or {})
+        self.inflight = InflightSave(step, reason, request, future, started, blocking_s, meta, phases or {}, assets)
 
     def done_locally(self) -> bool:
         """True when no save is in flight or this rank's files are written."""

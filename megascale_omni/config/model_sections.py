@@ -269,7 +269,8 @@ class DitConfig:
     guidance_scale: float = checked(4.0, ge=0)
     #: Images sampled per colour prompt and resolution in evaluation.
     eval_samples_per_prompt: int = checked(4, gt=0)
-    #: ``[height, width]`` resolutions sampled in evaluation.
+    #: ``[height, width]`` resolutions sampled in evaluation. ``[]``: no
+    #: evaluation (logged once at start; the tests' way to skip sampling).
     eval_resolutions: list[list[int]] = field(default_factory=lambda: [[16, 16], [16, 32]])
 
     def __post_init__(self) -> None:

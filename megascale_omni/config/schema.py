@@ -79,7 +79,11 @@ class ParallelConfig:
     #: Buckets exist only with ``overlap_grad_reduce``: without it every
     #: buffer is one bucket.
     ddp_bucket_size: Optional[int] = checked(None, gt=0)
-    #: Megatron sequence parallelism (requires tp > 1).
+    #: Megatron sequence parallelism: the residual stream between the TP
+    #: matmuls (norms, dropout, residual adds) is split along the sequence
+    #: over the TP ranks, dividing those activations by tp (docs/memory.md).
+    #: Needs tp > 1 and ``model.seq_length`` divisible by tp * cp; GPT and
+    #: LLaVA, on CPU (local spec) and GPU.
     sequence_parallel: bool = False
     #: Transformer layers (LM layers, DiT blocks) per pipeline stage.
     #: ``uniform``: megatron's even split (``num_layers`` divisible by
@@ -140,8 +144,10 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and schedule."""
 
-    #: Seed for init, data order and dropout.
-    seed: int = 1234
+    #: Seed for init, data order and dropout. Below 2**31: megatron, torch
+    #: and the data plans add per-rank and per-stream offsets to it, and
+    #: numpy's legacy generator takes 32-bit seeds.
+    seed: int = checked(1234, ge=0, lt=2**31)
     #: Optimizer steps to run.
     steps: int = checked(10, gt=0)
     #: Samples (or packed sequences) per optimizer step, summed over DP ranks.

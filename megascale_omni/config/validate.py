@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from typing import Optional
 
@@ -76,11 +77,15 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
 
 
 def validate_paths(cfg: JobConfig) -> None:
-    """Directories the job will write must not be files (every rank, before any process group)."""
+    """Directories the job will write must be creatable and writable: not
+    files, not under a file (every rank, before any process group)."""
     for name, path in (("logging.output_dir", cfg.logging.output_dir), ("checkpoint.dir", cfg.checkpoint.dir),
                        ("checkpoint.local_dir", cfg.checkpoint.local_dir)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(name, path, "exists and is not a directory; choose a directory path")
+        problem = directory_problem(path) if path else None
+        if problem:
+            raise ConfigError(name, path, f"cannot be created: {problem}; choose another directory")
 
 
 def _validate_pipeline_partition(cfg: JobConfig) -> None:
@@ -233,6 +238,20 @@ def load_control_token(control: ControlConfig) -> Optional[str]:
     return token
 
 
+def directory_problem(directory: str) -> Optional[str]:
+    """Why ``directory`` cannot be created or written by this process (None:
+    it can): the nearest existing ancestor (or ``directory`` itself) must be a
+    directory we may write and enter. Checks only, creates nothing."""
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user"
+    return None
+
+
 def _validate_control(cfg: JobConfig) -> None:
     path = control_socket_path(cfg)
     if len(os.fsencode(path)) > MAX_UNIX_SOCKET_PATH:
@@ -242,6 +261,18 @@ def _validate_control(cfg: JobConfig) -> None:
             f"Unix socket paths are limited to {MAX_UNIX_SOCKET_PATH} bytes; set a shorter "
             "control.socket_path (e.g. /tmp/<job>.sock) or leave it unset for an automatic one",
         )
+    if cfg.control.socket_path:
+        # The server creates the socket's directory and binds there after the
+        # model is built; a path it cannot use must fail now, naming the field.
+        # (The default lives in logging.output_dir, checked by validate_paths.)
+        value = cfg.control.socket_path
+        problem = directory_problem(os.path.dirname(path))
+        if problem:
+            raise ConfigError("control.socket_path", value,
+                              f"cannot hold the control socket: {problem}; choose another path")
+        if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError("control.socket_path", value,
+                              f"{path} exists and is not a socket; remove it or choose another path")
     token = load_control_token(cfg.control)
     if cfg.control.tcp_port is not None and token is None:
         raise ConfigError(

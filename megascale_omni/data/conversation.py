@@ -73,33 +73,55 @@ class EncodedConversation:
     truncated: bool
 
 
-def normalize_turns(conversation: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+_ROLE_LABELS = MappingProxyType({"from": "human, gpt or system", "role": "user, assistant or system"})
+_TEXT_KEYS = ("value", "text", "content")
+
+
+def normalize_turns(conversation: Sequence[Mapping[str, Any]], where: str = "turn") -> list[dict[str, str]]:
     """LLaVA or our turn dicts -> ``[{"role", "content"}]``; checks the turn
-    order (see module docstring). Raises ConversationError."""
+    order (see module docstring). Raises ConversationError naming the turn
+    as ``<where>[i]``, the role as the data spells it and the field."""
     turns = []
     for i, turn in enumerate(conversation):
+        at = f"{where}[{i}]"
         if not isinstance(turn, Mapping):
-            raise ConversationError(f"turn {i} is a {type(turn).__name__}, expected a dict")
-        role = _ROLE_NAMES.get(str(turn.get("from", turn.get("role"))))
-        text = turn.get("value", turn.get("text", turn.get("content")))
-        if role is None or not isinstance(text, str):
-            raise ConversationError(f"turn {i} needs 'from' (human/gpt/system) or 'role' and a text value, got "
-                                    f"keys {sorted(turn)}")
-        turns.append({"role": role, "content": text})
+            raise ConversationError(f"{at} is {type_phrase(turn)}, expected an object with 'from' and 'value'")
+        key = "from" if "from" in turn else "role" if "role" in turn else None
+        if key is None:
+            raise ConversationError(f"{at} has no 'from' ({_ROLE_LABELS['from']}) or 'role' "
+                                    f"({_ROLE_LABELS['role']}); keys {sorted(map(str, turn))}")
+        role = _ROLE_NAMES.get(turn[key]) if isinstance(turn[key], str) else None
+        if role is None:
+            raise ConversationError(f"{at}.{key} is {turn[key]!r:.40}, expected {_ROLE_LABELS[key]}")
+        text_key = next((k for k in _TEXT_KEYS if k in turn), None)
+        if text_key is None:
+            raise ConversationError(f"{at} ({turn[key]}) has no 'value'; keys {sorted(map(str, turn))}")
+        if not isinstance(turn[text_key], str):
+            raise ConversationError(f"{at}.{text_key} is {type_phrase(turn[text_key])}, expected a string")
+        turns.append({"role": role, "content": turn[text_key], "label": turn[key]})
     body = turns[1:] if turns and turns[0]["role"] == "system" else turns
     if not body:
         raise ConversationError("conversation has no user/assistant turns")
     for i, turn in enumerate(body):
         want = "user" if i % 2 == 0 else "assistant"
         if turn["role"] != want:
-            raise ConversationError(f"turn {i + len(turns) - len(body)} is {turn['role']!r}, expected {want!r} "
-                                    "(an optional system turn, then user and assistant alternating)")
+            raise ConversationError(
+                f"{where}[{i + len(turns) - len(body)}] is from {turn['label']!r} ({turn['role']}), expected "
+                f"{want!r} (an optional system turn, then user and assistant alternating)")
     if body[-1]["role"] != "assistant":
-        raise ConversationError("conversation ends with a user turn; the last turn must be the assistant's")
-    for turn in turns:
+        raise ConversationError(f"{where}[{len(turns) - 1}] is from {body[-1]['label']!r} (user): the conversation "
+                                "ends with a user turn; the last turn must be the assistant's")
+    for i, turn in enumerate(turns):
         if turn["role"] != "user" and IMAGE_MARKER in turn["content"]:
-            raise ConversationError(f"a {turn['role']} turn contains {IMAGE_MARKER}; images belong in user turns")
-    return turns
+            raise ConversationError(f"{where}[{i}] is from {turn['label']!r} ({turn['role']}) and contains "
+                                    f"{IMAGE_MARKER}; images belong in user turns")
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
+def type_phrase(value: Any) -> str:
+    """``"an int"``, ``"a list"``: the type of ``value`` for a reason."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 class ChatEncoder:

@@ -4,9 +4,9 @@ packed rows from the index alone instead of opening every sample.
 Each index sample entry has ``"cost"``: ``null`` (unknown: a planner reads
 the sample) or ``{"tokens": int | null, "images": [[height, width], ...]}``:
 
-* ``images``: the pixel size of each ``<i>.png`` member, in order, read from
-  the PNG header at index time (no decode). A tiled (anyres) image's view
-  count follows from it.
+* ``images``: the pixel size of each image member (``<i>.png``, ``<i>.jpg``,
+  ``<i>.webp``), in order, read from the image's header at index time (no
+  decode). A tiled (anyres) image's view count follows from it.
 * ``tokens``: the sample's encoded length *without* image placeholders
   (text, special and template tokens only), under the index's
   ``cost_basis`` ``{"format": data.format, "tokenizer": fingerprint}``;
@@ -15,8 +15,8 @@ the sample) or ``{"tokens": int | null, "images": [[height, width], ...]}``:
   before). The encoded length for the model is ``tokens + tokens_per_image
   * views``, ``views`` = 1 per image (``num_views`` per image for anyres).
 
-A ``cost`` is ``null`` when an image member's header is not a readable PNG
-header (the sample is bad and is reported when read).
+A ``cost`` is ``null`` when an image member's header is not readable as
+the format its suffix names (the sample is bad and is reported when read).
 
 Who computes ``tokens``: a :class:`Coster` handed to
 :func:`~megascale_omni.data.shard_writer.index_shards` (the LLaVA encoders are
@@ -27,15 +27,25 @@ another tokenizer or format ignores the counts instead of trusting them.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol
 
+from PIL import Image
+
+#: Member suffix (``<i>.<suffix>``) -> PIL's name of the format it holds.
+#: Images are stored as their source bytes.
+IMAGE_SUFFIXES = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+#: PIL's format name -> the member suffix of an image PIL identifies so. MPO
+#: (a camera's multi-picture JPEG) is a JPEG whose first picture every JPEG
+#: decoder shows, and what PIL decodes as its frame 0.
+IMAGE_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: Bytes of a PNG needed for its size: signature, IHDR length and type, width, height.
 PNG_HEADER_BYTES = 24
-_IMAGE_MEMBER = re.compile(r"(\d+)\.png")
+_IMAGE_MEMBER = re.compile(r"(\d+)\.(" + "|".join(IMAGE_SUFFIXES) + ")")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -88,16 +98,38 @@ def png_size(head: bytes) -> Optional[tuple[int, int]]:
     return (height, width) if width > 0 and height > 0 else None
 
 
+def image_size(suffix: str, data: bytes) -> Optional[tuple[int, int]]:
+    """``(height, width)`` of an image member from its first bytes (a PNG:
+    :data:`PNG_HEADER_BYTES`; a JPEG or WebP: the whole member, whose header
+    PIL parses without decoding), or None if they are not a header of the
+    format ``<i>.<suffix>`` names."""
+    if suffix.endswith(".png"):
+        return png_size(data)
+    fmt = IMAGE_SUFFIXES.get(suffix.rpartition(".")[2])
+    try:
+        with Image.open(io.BytesIO(data), formats=[fmt] if fmt else []) as img:
+            width, height = img.size
+    except Exception:  # noqa: BLE001 - PIL reports a bad header with many types; any means unknown
+        return None
+    return (height, width) if width > 0 and height > 0 else None
+
+
+def is_image_member(suffix: str) -> bool:
+    """Whether member suffix ``suffix`` is an image's (``<i>.png|jpg|webp``)."""
+    return _IMAGE_MEMBER.fullmatch(suffix) is not None
+
+
 def image_members(members: Mapping[str, Any]) -> list[str]:
-    """The ``<i>.png`` member suffixes of a sample, by image number."""
+    """The image member suffixes (``<i>.png|jpg|webp``) of a sample, by image number."""
     found = sorted((int(m.group(1)), s) for s in members if (m := _IMAGE_MEMBER.fullmatch(s)))
     return [s for _, s in found]
 
 
-def sample_cost(meta: Any, heads: list[bytes], coster: Optional[Coster]) -> Optional[SampleCost]:
+def sample_cost(meta: Any, images: list[tuple[str, bytes]], coster: Optional[Coster]) -> Optional[SampleCost]:
     """The cost entry of one sample from its parsed JSON member (None if
-    unreadable) and its image members' first bytes, in image order."""
-    sizes = [png_size(h) for h in heads]
+    unreadable) and its image members' ``(suffix, first bytes)`` in image
+    order (:func:`image_size` says how many bytes)."""
+    sizes = [image_size(suffix, data) for suffix, data in images]
     if any(s is None for s in sizes):
         return None
     tokens = None
@@ -137,6 +169,6 @@ def validate_cost_fields(doc: Mapping[str, Any], bad) -> None:
                                                           for x in hw) for hw in images
         ):
             raise bad(f"{where}.images {images!r:.60} must be a list of [height, width] positive ints")
-        num_members = sum(1 for suffix in s["members"] if suffix.endswith(".png") and _IMAGE_MEMBER.fullmatch(suffix))
+        num_members = len(image_members(s["members"]))
         if len(images) != num_members:
             raise bad(f"{where}.images lists {len(images)} sizes for {num_members} image members")

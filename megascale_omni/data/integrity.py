@@ -12,7 +12,12 @@ What is fatal and what is a bad sample:
 * **Bad sample** (skipped and counted against ``data.max_bad_sample_fraction``):
   a member of a shard whose checksum *is* right but whose content is wrong,
   i.e. the sample was written corrupt: an image failing
-  :func:`decode_png_rgb`, wrong JSON fields or types, a missing member.
+  :func:`decode_image_rgb`, wrong JSON fields or types, a missing member.
+
+Image members hold the source file's bytes (JPEG, PNG or WebP, never
+re-encoded). A JPEG has no checksum of its own, so the shard's size and
+sha256 in ``index.json`` are what guard its bytes: a flipped byte that still
+decodes into other pixels is caught when the shard is first opened.
 
 Both are pure functions of the bytes on disk, so every rank decides alike.
 """
@@ -31,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from megascale_omni.data.costs import validate_cost_fields
+from megascale_omni.data.costs import IMAGE_FORMATS, IMAGE_SUFFIXES, validate_cost_fields
 from megascale_omni.data.errors import DataFileError
 
 #: Fix offered for a broken ``index.json``.
@@ -75,7 +80,7 @@ def validate_index_doc(doc: Any, path: Path, format_versions: Sequence[int]) -> 
     version = doc.get("format_version")
     if isinstance(version, bool) or version not in format_versions:
         raise DataFileError(path, f"unsupported shard index format_version {version!r} "
-                            f"(this code reads {' and '.join(map(str, format_versions))})", INDEX_FIX)
+                            f"(this code reads {', '.join(map(str, format_versions))})", INDEX_FIX)
     sample_fields = {"id", "key", "shard", "members"} | ({"cost"} if version >= 2 else set())
     for name, kind in (("num_samples", int), ("shards", list), ("samples", list)):
         if name not in doc:
@@ -191,31 +196,49 @@ def check_png_chunks(data: bytes) -> None:
     raise ValueError("does not decode: no IEND chunk (truncated)")
 
 
-def decode_png_rgb(data: bytes) -> np.ndarray:
-    """Strictly decode an image member: it must be a PNG whose every chunk
-    passes its CRC (:func:`check_png_chunks`; a flipped byte in the pixel
-    data often still inflates into other pixels), of mode ``RGB`` (8 bits
-    per channel) and at least 1x1. Returns np.uint8 ``[H, W, 3]``.
+#: Pixel modes of a stored image that convert to 8-bit RGB without loss of
+#: meaning (PIL's ``convert("RGB")``, as LLaVA's own loader does: alpha is
+#: dropped, grey and palette expanded, CMYK/YCbCr converted). 16-bit and
+#: float modes are refused: PIL clips them instead of scaling.
+RGB_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "1", "CMYK", "YCbCr")
+
+
+def decode_image_rgb(data: bytes, fmt: str, modes: Sequence[str] = RGB_MODES) -> np.ndarray:
+    """Strictly decode an image member declared (by its suffix) to be of
+    PIL format ``fmt``: a PNG's every chunk passes its CRC
+    (:func:`check_png_chunks`: a flipped byte in the pixel data often still
+    inflates into other pixels), the bytes are of format ``fmt``, of a mode in
+    ``modes``, fully decodable (a truncated JPEG fails here) and at least
+    1x1. Returns np.uint8 ``[H, W, 3]`` (converted to RGB).
 
     Raises:
         ValueError: saying which check failed.
     """
     if data[:len(PNG_SIGNATURE)] == PNG_SIGNATURE:
         check_png_chunks(data)
+    array = None
     try:
         with Image.open(io.BytesIO(data)) as img:
-            fmt, mode = img.format, img.mode
-            if fmt == "PNG" and mode == "RGB":
+            found, mode = img.format, img.mode
+            if found in IMAGE_FORMATS:  # the format it is stored as (MPO: a JPEG)
+                found = IMAGE_SUFFIXES[IMAGE_FORMATS[found]]
+            if found == fmt and mode in modes:
                 img.load()
-                array = np.asarray(img, dtype=np.uint8).copy()
+                array = np.asarray(img if mode == "RGB" else img.convert("RGB"), dtype=np.uint8).copy()
     # PIL signals malformed input with many types (OSError, SyntaxError,
     # zlib.error, DecompressionBombError, ...); any of them means corrupt.
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"does not decode: {type(exc).__name__}: {exc}") from exc
-    if fmt != "PNG":
-        raise ValueError(f"is {fmt}, expected PNG")
-    if mode != "RGB":
-        raise ValueError(f"has mode {mode}, expected 8-bit RGB")
+    if found != fmt:
+        raise ValueError(f"is {found}, expected {fmt}")
+    if array is None:
+        raise ValueError(f"has mode {mode}, expected 8-bit {'RGB' if tuple(modes) == ('RGB',) else ', '.join(modes)}")
     if array.ndim != 3 or array.shape[2] != 3 or array.shape[0] == 0 or array.shape[1] == 0:
         raise ValueError(f"decodes to shape {array.shape}, expected [H, W, 3] with H, W >= 1")
     return array
+
+
+def decode_png_rgb(data: bytes) -> np.ndarray:
+    """:func:`decode_image_rgb` of a PNG that must already be 8-bit RGB (the
+    DiT image members, and what shards written before source bytes held)."""
+    return decode_image_rgb(data, "PNG", ("RGB",))

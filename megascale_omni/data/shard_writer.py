@@ -5,8 +5,9 @@
 members), and :func:`index_shards` (re)builds ``index.json`` for the tars of
 a split directory: member offsets and sizes, per-shard sizes and sha256, and
 per-sample costs. Writes are reproducible: tar headers carry fixed
-mtime/uid/gid/owner names, JSON is canonical and PNG encoding is
-deterministic for a given zlib, so equal samples give byte-identical shards.
+mtime/uid/gid/owner names, JSON is canonical, source image bytes are stored
+as they are and PNG encoding (of images given as arrays) is deterministic
+for a given zlib, so equal samples give byte-identical shards.
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ import os
 import tarfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import webdataset
 from PIL import Image
 
-from megascale_omni.data.costs import PNG_HEADER_BYTES, Coster, image_members, sample_cost
+from megascale_omni.data.costs import (
+    IMAGE_FORMATS,
+    PNG_HEADER_BYTES,
+    Coster,
+    image_members,
+    is_image_member,
+    sample_cost,
+)
 from megascale_omni.data.integrity import sha256_of
 from megascale_omni.data.sample import Sample
 from megascale_omni.data.shards import (
@@ -47,13 +55,33 @@ def encode_image_png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_sample(sample: Sample) -> dict[str, bytes]:
-    """Member suffix -> bytes for one sample (see module docstring)."""
+def encode_sample(sample: Sample, sources: Optional[Sequence[tuple[str, bytes]]] = None) -> dict[str, bytes]:
+    """Member suffix -> bytes for one sample (format: :mod:`megascale_omni.data.shards`).
+
+    ``sources``: per image, ``(PIL format name, the file's bytes)`` (a key of
+    :data:`~megascale_omni.data.costs.IMAGE_FORMATS`), stored as they are in
+    ``<i>.jpg|png|webp``; the caller has decoded them into ``sample.images``
+    (``tools/ingest_llava.py`` does). Without: each image is PNG-encoded.
+    """
     sample.validate()
     members = {"json": json.dumps(sample.metadata(), sort_keys=True, separators=(",", ":")).encode("utf-8")}
-    for i, image in enumerate(sample.images):
-        members[f"{i}.png"] = encode_image_png(image)
+    if sources is None:
+        for i, image in enumerate(sample.images):
+            members[f"{i}.png"] = encode_image_png(image)
+        return members
+    if len(sources) != len(sample.images):
+        raise ValueError(f"{len(sources)} source images for a sample of {len(sample.images)}")
+    for i, (fmt, data) in enumerate(sources):
+        members[f"{i}.{IMAGE_FORMATS[fmt]}"] = data
     return members
+
+
+def tar_writer(fileobj) -> webdataset.TarWriter:
+    """A writer of one shard into the open binary ``fileobj`` (closing the
+    writer does not close ``fileobj``). Fixed metadata, so identical samples
+    give byte-identical tars; ``mtime`` is the int 0 because a float makes
+    tarfile put a 1 KiB PAX header before every member (2 KiB a sample)."""
+    return webdataset.TarWriter(fileobj, user="", group="", mode=0o444, compress=False, encoder=False, mtime=0)
 
 
 def shard_name(shard_number: int) -> str:
@@ -107,9 +135,7 @@ def write_member_shards(records: Iterable[Mapping[str, bytes]], out_dir: str | o
                     fileobj.close()
                 names.append(shard_name(len(names)))
                 fileobj = open(out / names[-1], "wb")
-                # Fixed metadata so identical samples give byte-identical tars.
-                writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444,
-                                              compress=False, encoder=False, mtime=0.0)
+                writer = tar_writer(fileobj)
             writer.write({"__key__": f"{pos:09d}", **record})
     finally:
         if writer is not None:
@@ -129,7 +155,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
     as :class:`BadSampleError` on read, not at index time).
 
     Each sample's cost (:mod:`megascale_omni.data.costs`) is recorded: the
-    sizes of its ``<i>.png`` members from their PNG headers and, with
+    sizes of its image members from their headers and, with
     ``coster``, its token count (the index then records
     ``coster.cost_basis()``).
 
@@ -145,7 +171,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
     samples: list[SampleLocation] = []
     seen_keys: set[str] = set()
     metas: list[Any] = []  # parsed JSON member per sample (None: absent or unreadable)
-    heads: list[dict[str, bytes]] = []  # first bytes of each member that may be an image
+    heads: list[dict[str, bytes]] = []  # first bytes of each image member (enough for its size)
     for shard_number, name in enumerate(shard_names):
         path = out / name
         first = len(samples)
@@ -171,8 +197,11 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                     heads.append({})
                 loc = samples[-1]
                 loc.members[suffix] = (member.offset_data, member.size)
-                if suffix.endswith(".png"):
-                    heads[-1][suffix] = tar.extractfile(member).read(PNG_HEADER_BYTES)
+                if is_image_member(suffix):
+                    # A PNG's size is in its first bytes; a JPEG's frame header may
+                    # follow long EXIF data, so PIL gets the whole member.
+                    heads[-1][suffix] = tar.extractfile(member).read(
+                        PNG_HEADER_BYTES if suffix.endswith(".png") else -1)
                 if suffix == "json":
                     try:
                         metas[-1] = json.loads(tar.extractfile(member).read())
@@ -182,7 +211,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                         pass  # reported with the position as id when the sample is read
         shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
                                 size=path.stat().st_size, sha256=sha256_of(path)))
-    samples = [replace(loc, cost=sample_cost(meta, [head[s] for s in image_members(loc.members)], coster))
+    samples = [replace(loc, cost=sample_cost(meta, [(s, head[s]) for s in image_members(loc.members)], coster))
                for loc, meta, head in zip(samples, metas, heads)]
     basis = coster.cost_basis() if coster is not None else None
     index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples, basis)

@@ -3,7 +3,7 @@ byte-offset index for O(1) random access.
 
 On-disk layout of a split directory::
 
-    shard-000000.tar      WebDataset tar: <key>.json, <key>.0.png, <key>.1.png, ...
+    shard-000000.tar      WebDataset tar: <key>.json, <key>.0.jpg, <key>.1.png, ...
     shard-000001.tar
     index.json            ShardIndex: manifest + per-sample member offsets and costs
 
@@ -11,15 +11,21 @@ Members of sample ``key`` (a zero-padded 9-digit position in the split):
 
 * ``<key>.json``: UTF-8 JSON ``{"id", "kind", "conversation",
   "image_dependent_words", "num_images"}`` (sorted keys, compact separators).
-* ``<key>.<i>.png``: image ``i`` as an 8-bit RGB PNG, ``0 <= i < num_images``.
+* ``<key>.<i>.<jpg|png|webp>``: image ``i``, ``0 <= i < num_images``: the
+  source file's bytes as they are (JPEG, PNG or WebP, never re-encoded; the
+  suffix names the format), or an 8-bit RGB PNG for images written from
+  arrays. Read as 8-bit RGB (:func:`~megascale_omni.data.integrity.decode_image_rgb`).
 
 The shards are ordinary WebDataset tars (streamable with ``webdataset.WebDataset``);
 ``index.json`` additionally records, for each member, the byte offset of its
 data and its size, so :class:`ShardedSampleReader` reads a sample with one
 ``pread`` per member and never scans a tar. Format 2 also records each
 sample's cost (image sizes, and token counts when written with a coster;
-:mod:`megascale_omni.data.costs`), so a planner needs only the index;
-format-1 indexes (no costs) are still read.
+:mod:`megascale_omni.data.costs`), so a planner needs only the index.
+Format 3 allows image members other than PNG (``.jpg``, ``.webp``): code
+that reads only formats 1 and 2 refuses it with the format number instead
+of reporting every image as missing. Formats 1 (no costs) and 2 (PNG images
+only) are still read.
 
 This module holds the format (:class:`ShardIndex`, :func:`decode_sample`)
 and the reader; :mod:`megascale_omni.data.shard_writer` writes and indexes
@@ -38,16 +44,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from megascale_omni.data.costs import SampleCost
+from megascale_omni.data.costs import IMAGE_SUFFIXES, SampleCost
 from megascale_omni.data.errors import DataFileError
-from megascale_omni.data.integrity import INDEX_FIX, decode_png_rgb, validate_index_doc, verify_shard
+from megascale_omni.data.integrity import INDEX_FIX, decode_image_rgb, validate_index_doc, verify_shard
 from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidationError, validate_metadata
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-#: Index formats this code reads (1: no per-sample costs).
-READ_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Index formats this code reads (1: no per-sample costs; 2: PNG image members only).
+READ_FORMAT_VERSIONS = (1, 2, 3)
 INDEX_FILENAME = "index.json"
 SHARD_PREFIX = "shard-"
 _TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its data
@@ -113,7 +119,7 @@ class ShardInfo:
 @dataclass(frozen=True)
 class SampleLocation:
     """Where sample ``key`` lives: shard number and ``member suffix -> (data offset, size)``
-    in bytes; suffixes are ``"json"``, ``"0.png"``, ``"1.png"``, ..."""
+    in bytes; suffixes are ``"json"``, ``"0.jpg"``, ``"1.png"``, ..."""
 
     id: int
     key: str
@@ -188,9 +194,9 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
     Raises:
         SampleDecodeError: missing/corrupt JSON, a field missing or of the
             wrong type (:func:`~megascale_omni.data.sample.validate_metadata`),
-            a missing member, or an image failing
-            :func:`~megascale_omni.data.integrity.decode_png_rgb` (corrupt,
-            not an RGB PNG); the message says which.
+            a missing member (or two for one image), or an image failing
+            :func:`~megascale_omni.data.integrity.decode_image_rgb` (corrupt,
+            truncated, not the format its suffix names); the message says which.
     """
     if "json" not in members:
         raise SampleDecodeError("member 'json' missing")
@@ -204,11 +210,13 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
         raise SampleDecodeError(str(exc)) from exc
     images = []
     for i in range(meta["num_images"]):
-        name = f"{i}.png"
-        if name not in members:
-            raise SampleDecodeError(f"member {name!r} missing (json says num_images={meta['num_images']})")
+        names = [f"{i}.{suffix}" for suffix in IMAGE_SUFFIXES if f"{i}.{suffix}" in members]
+        if len(names) != 1:
+            raise SampleDecodeError(f"member '{i}.<jpg|png|webp>' missing (json says num_images={meta['num_images']})" if not names
+                                    else f"image {i} has {len(names)} members {names}; expected one")
+        name = names[0]
         try:
-            images.append(decode_png_rgb(members[name]))
+            images.append(decode_image_rgb(members[name], IMAGE_SUFFIXES[name.rpartition(".")[2]]))
         except ValueError as exc:
             raise SampleDecodeError(f"corrupt image member {name!r}: {exc}") from exc
     try:
@@ -222,8 +230,8 @@ class ShardedSampleReader:
     """Random access to a split directory written by :func:`~megascale_omni.data.shard_writer.write_shards`.
 
     ``reader[i]`` reads each member of sample ``i`` with one ``os.pread`` at
-    the offset recorded in ``index.json`` and decodes it (PNG -> np.uint8
-    ``[H, W, 3]``). Shard file descriptors are opened lazily and cached. pread
+    the offset recorded in ``index.json`` and decodes it (JPEG, PNG or WebP
+    -> np.uint8 ``[H, W, 3]``). Shard file descriptors are opened lazily and cached. pread
     does not move a shared file offset, so descriptors inherited through
     ``fork`` stay safe; pickling drops them (they are reopened on demand).
 

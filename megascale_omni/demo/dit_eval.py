@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 
 class DitColorEvaluator(Evaluator):
     """``train.evaluator: colors`` of the DiT family (every rank), at the
-    ``dit.eval_resolutions`` (none: no evaluation)."""
+    ``dit.eval_resolutions`` (none: no evaluation, said once at start so an
+    empty override does not skip it unnoticed)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.cfg.dit.eval_resolutions:  # INFO: rank 0's log only (platform/logging_setup.py)
+            logger.info("evaluation: off (dit.eval_resolutions is empty; list [height, width] sizes to sample)")
 
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
         """Sample the colour prompts with the EMA weights; write the PNG grid and

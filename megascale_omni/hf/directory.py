@@ -87,12 +87,7 @@ class HFDirectory:
         return list(self._where)
 
     def find_prefix(self, suffix: str, exclude: Iterable[str] = ()) -> Optional[str]:
-        """The prefix ``p`` of the one tensor named ``p + suffix`` (None if
-        absent), skipping names that start with any of ``exclude``."""
-        hits = [n[: -len(suffix)] for n in self._where if n.endswith(suffix)
-                and not any(n.startswith(e) for e in exclude)]
-        hits = [h for h in hits if h == "" or h.endswith(".")]
-        return min(hits, key=len) if hits else None
+        return find_prefix(self._where, suffix, exclude)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -112,6 +107,40 @@ class HFDirectory:
             return handle.get_tensor(name).clone()
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e}); the file is damaged") from None
+
+
+def with_defaults(config: dict, field: str) -> dict:
+    """``config`` as ``transformers`` reads it: every field its config class
+    (by ``model_type``) fills in, nested ``text_config`` / ``vision_config``
+    too. Published ``config.json`` files leave defaults out
+    (google/siglip-so400m-patch14-384's ``vision_config`` has no
+    ``hidden_act``; llava-hf/llava-1.5-7b-hf's ``text_config`` no
+    ``hidden_size``), so reading the raw file would refuse or misread them.
+    An unknown ``model_type`` comes back unchanged for the caller to refuse."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        raise ConfigError(field, config.get("model_type"), "reading Hugging Face configs needs transformers: "
+                          "pip install -e '.[hf]'") from None
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return dict(config)
+    try:
+        return CONFIG_MAPPING[model_type](**config).to_dict()
+    except (KeyError, TypeError, ValueError) as e:  # e.g. a sub-config of a model_type transformers lacks
+        first = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
+        raise ConfigError(field, model_type, f"transformers cannot read this config ({first}); check config.json "
+                          "against the transformers version installed") from None
+
+
+def find_prefix(names: Iterable[str], suffix: str, exclude: Iterable[str] = ()) -> Optional[str]:
+    """The prefix ``p`` of the one tensor in ``names`` named ``p + suffix``
+    (the shortest when several are; None if absent), skipping names that
+    start with any of ``exclude``."""
+    exclude = tuple(exclude)
+    hits = [n[: -len(suffix)] for n in names if n.endswith(suffix) and not n.startswith(exclude)]
+    hits = [h for h in hits if h == "" or h.endswith(".")]
+    return min(hits, key=len) if hits else None
 
 
 def expect_shape(tensor: torch.Tensor, shape: tuple[int, ...], name: str, source: Path) -> torch.Tensor:

@@ -4,12 +4,16 @@
 
 ``gpt`` models become ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or the
 architecture they were imported from), ``llava`` models
-``LlavaForConditionalGeneration``. The output is written under a temporary
-name and renamed at the end.
+``LlavaForConditionalGeneration``. The tokenizer, chat template and
+processor files are the ones the checkpoint carries
+(:mod:`~megascale_omni.checkpoint.hf_assets`: a run that started from an
+import has them in every checkpoint), checked against its commit marker.
+The output is written under a temporary name and renamed at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +24,7 @@ import torch
 from megascale_omni.checkpoint.pretrained import ModelCheckpoint, load_model_weights, open_model_checkpoint
 from megascale_omni.config import ConfigError
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.importer import PROJECTOR_PREFIX, TOKENIZER_FILES
+from megascale_omni.hf.importer import PROJECTOR_PREFIX
 
 
 def checkpoint_state(ckpt: ModelCheckpoint, field: str) -> dict[str, torch.Tensor]:
@@ -49,8 +53,23 @@ def hf_vocab_size(ckpt: ModelCheckpoint, padded: int) -> int:
     return int(ckpt.provenance.get("vocab_size") or ckpt.cfg.model.vocab_size or padded)
 
 
-def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: int | None = None) -> Path:
-    """Write the HF directory ``out`` for the checkpoint at ``path``."""
+@dataclasses.dataclass(frozen=True)
+class Export:
+    """What :func:`export_hf` wrote."""
+
+    #: The Hugging Face directory.
+    path: Path
+    #: Tokenizer/processor files copied from the checkpoint.
+    copied: tuple[str, ...]
+    #: What ``AutoTokenizer``/``AutoProcessor`` would miss (readable names; empty: nothing).
+    missing: tuple[str, ...]
+
+
+def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: int | None = None) -> Export:
+    """Write the HF directory ``out`` for the checkpoint at ``path``: weights,
+    config and the tokenizer/processor files the checkpoint carries. Raises
+    ConfigError for a model HF cannot express, CheckpointError for a broken
+    checkpoint (its tokenizer files included)."""
     from safetensors.torch import save_file
 
     from megascale_omni.models.standalone import one_process
@@ -59,6 +78,7 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
     if out.exists():
         raise ConfigError("--out", str(out), "already exists; choose a new directory (exports never overwrite)")
     ckpt = open_model_checkpoint(path, field)
+    assets = ckpt.hf_assets()
     family = ckpt.cfg.model.family
     if family not in ("gpt", "llava"):
         raise ConfigError(field, str(ckpt.path), f"holds a {family!r} model; gpt and llava checkpoints export to "
@@ -86,15 +106,11 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
         save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        tokenizer = ckpt.path.parent / "tokenizer"
-        if tokenizer.is_dir():
-            for name in TOKENIZER_FILES:
-                if (tokenizer / name).is_file():
-                    shutil.copy2(tokenizer / name, tmp / name)
+        assets.write(tmp)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Export(out, tuple(assets.files), tuple(assets.missing(image_processor=family == "llava")))
 
 
 def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_token: int | None

@@ -6,10 +6,13 @@ one-process model, and where they came from. :func:`write_import` builds the
 model, loads the weights and writes, under a temporary name renamed at the
 end (an interrupted import leaves no half-written output)::
 
-    OUT/step_00000000/   model-only checkpoint (loads under any TP/PP/VPP)
+    OUT/step_00000000/   model-only checkpoint (loads under any TP/PP/VPP), with
+                         the tokenizer files below in its tokenizer/ (verified
+                         by its commit marker; every checkpoint of a run from
+                         it carries them)
     OUT/model.yaml       the model (and vision) sections + checkpoint.pretrained: OUT
     OUT/tokenizer/       the HF tokenizer files and chat template, and the tower's
-                         preprocessor_config.json, when present
+                         preprocessor_config.json, when present (for data.tokenizer)
 """
 
 from __future__ import annotations
@@ -24,18 +27,12 @@ from typing import Optional
 import torch
 import yaml
 
+from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.directory import HFDirectory
+from megascale_omni.hf.directory import HFDirectory, with_defaults
 
 logger = logging.getLogger(__name__)
-
-#: Tokenizer files copied along (whatever of them exist).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "preprocessor_config.json", "processor_config.json")
-#: Image preprocessing files, taken from the tower when the LLM has none.
-PREPROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 #: Our names of the parts that an import without a projector initialises fresh.
 PROJECTOR_PREFIX = "vision_projection."
@@ -76,7 +73,7 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
 
 def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
     """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
-    tc = d.config
+    tc = with_defaults(d.config, d.field)
     if tc.get("model_type") not in lm.LM_ARCHITECTURES:
         raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
                           f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
@@ -98,13 +95,14 @@ def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
     """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family."""
-    c = d.config
+    raw = dict(d.config)
     where = f"{d.path}/config.json"
-    text = dict(c.get("text_config") or {})
+    text = raw["text_config"] = dict(raw.get("text_config") or {})
     text.setdefault("model_type", "llama")
-    if "tie_word_embeddings" in c and "tie_word_embeddings" not in text:
-        text["tie_word_embeddings"] = c["tie_word_embeddings"]
-    tower = dict(c.get("vision_config") or {})
+    if "tie_word_embeddings" in raw and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    c = with_defaults(raw, d.field)
+    text, tower = dict(c["text_config"]), dict(c.get("vision_config") or {})
     tower.setdefault("model_type", "clip_vision_model")
     feature_layer = c.get("vision_feature_layer", -2)
     if not isinstance(feature_layer, int):
@@ -141,11 +139,9 @@ def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Opti
                        ) -> HFImport:
     """A causal LM + a CLIP/SigLIP tower (``CLIPVisionModel``, ``CLIPModel``,
     ``SiglipVisionModel``, ``SiglipModel``) -> ``llava`` with a fresh projector."""
-    text = llm.config
-    tc = tower.config.get("vision_config") or tower.config
-    tc = dict(tc)
-    if tower.config.get("model_type") in ("clip", "siglip"):
-        tc.setdefault("model_type", f"{tower.config['model_type']}_vision_model")
+    text = with_defaults(llm.config, llm.field)
+    full = with_defaults(tower.config, tower.field)  # CLIPModel / SiglipModel: the vision half
+    tc = dict(full.get("vision_config") or full)
     kind = vision.TOWER_TYPES.get(tc.get("model_type"))
     if feature_layer is None:
         feature_layer = -2 if kind == "clip" else -1  # LLaVA-1.5's choice for CLIP
@@ -176,6 +172,7 @@ def write_import(imp: HFImport, out: Path, seed: int, image_token_id: int = -1) 
     if out.exists():
         raise ConfigError("--out", str(out), "already exists; choose a new directory (imports never overwrite)")
     cfg = from_dict(JobConfig, {**imp.sections, "train": {"seed": seed}})
+    assets = HFAssets.from_sources(imp.tokenizer_dirs)
     tmp = out.parent / f".{out.name}.importing-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -189,9 +186,11 @@ def write_import(imp: HFImport, out: Path, seed: int, image_token_id: int = -1) 
                 raise RuntimeError(f"HF mapping incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
             model.load_state_dict(imp.state, strict=False)
             provenance = {**imp.provenance, "fresh": list(imp.fresh), "seed": seed}
-            save_model_checkpoint(model, cfg, tmp, provenance)
+            save_model_checkpoint(model, cfg, tmp, provenance, assets)
         _write_sections(tmp / "model.yaml", imp.sections, out.resolve())
-        _copy_tokenizer(imp.tokenizer_dirs, tmp / "tokenizer")
+        assets.write(tmp / ASSET_DIR)
+        if assets.enabled:
+            logger.info("copied %s from %s", ", ".join(assets.files), " + ".join(map(str, imp.tokenizer_dirs)))
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -204,28 +203,3 @@ def _write_sections(path: Path, sections: dict, out: Path) -> None:
               "# Use it as a base config: --config <your job>.yaml, then merge these sections,\n"
               "# or pass them as overrides. Changing a shape field no longer matches the weights.\n")
     path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
-
-
-def _copy_tokenizer(sources: list[Path], target: Path) -> None:
-    """The tokenizer files of the first source that has a tokenizer, and the
-    image preprocessor config of the first source that has one (an LLM +
-    tower import: the LLM's tokenizer and chat template, the tower's
-    ``preprocessor_config.json``)."""
-    copied: dict[str, Path] = {}
-    for src in sources:
-        files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
-        if any(f.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in files):
-            copied.update({f.name: f for f in files})
-            break
-    for src in sources:
-        found = [src / name for name in PREPROCESSOR_FILES if (src / name).is_file()]
-        if found:
-            for f in found:
-                copied.setdefault(f.name, f)
-            break
-    if copied:
-        target.mkdir()
-        for name, f in copied.items():
-            shutil.copy2(f, target / name)
-        logger.info("copied %s from %s to %s", ", ".join(sorted(copied)),
-                    ", ".join(sorted({str(f.parent) for f in copied.values()})), target)

@@ -35,6 +35,17 @@ def vision_section(vc: dict, feature_layer: int, field: str) -> dict:
         raise ConfigError(f"{field}: hidden_act", vc.get("hidden_act"), f"supported: {', '.join(_ACTIVATIONS)}")
     if int(vc.get("num_channels", 3)) != 3:
         raise ConfigError(f"{field}: num_channels", vc.get("num_channels"), "only RGB (3-channel) towers are mapped")
+    image_size, patch_size = vc.get("image_size"), vc.get("patch_size")
+    if not isinstance(image_size, int) or image_size <= 0:
+        raise ConfigError(f"{field}: image_size", image_size, "must be one positive int (square towers only; "
+                          "a [height, width] pair is not mapped)")
+    if not isinstance(patch_size, int) or not 0 < patch_size <= image_size:
+        raise ConfigError(f"{field}: patch_size", patch_size,
+                          f"must be an int in [1, image_size={image_size}]: the grid is image_size // patch_size "
+                          "patches a side")
+    hidden, heads = int(vc["hidden_size"]), int(vc["num_attention_heads"])
+    if hidden % heads:
+        raise ConfigError(f"{field}: hidden_size", hidden, f"must be divisible by num_attention_heads={heads}")
     layers = int(vc["num_hidden_layers"])
     if not -layers <= feature_layer <= -1:
         raise ConfigError(f"{field}: vision_feature_layer", feature_layer,
@@ -43,11 +54,11 @@ def vision_section(vc: dict, feature_layer: int, field: str) -> dict:
         model_type=kind,
         class_token=kind == "clip",
         activation=act,
-        image_size=int(vc["image_size"]),
-        patch_size=int(vc["patch_size"]),
+        image_size=image_size,
+        patch_size=patch_size,
         num_layers=layers,
-        hidden_size=int(vc["hidden_size"]),
-        num_attention_heads=int(vc["num_attention_heads"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
         ffn_hidden_size=int(vc["intermediate_size"]),
         norm_epsilon=float(vc.get("layer_norm_eps", 1e-5 if kind == "clip" else 1e-6)),
         feature_layer=feature_layer,

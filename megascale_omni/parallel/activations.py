@@ -36,7 +36,12 @@ Generalised beyond the paper: ``e`` follows ``train.precision`` (4 in fp32),
 GQA shrinks K and V, the MLP width and gating are the model's, the dropout
 terms vanish without dropout, and ``pairs`` is what attention really scores
 (causal packed segments, or the ``b * s * s`` square the planner assumes).
-Pure Python.
+The paper's attention materialises the score matrix, as the local layer
+spec does; transformer-engine's fused (flash) attention does not: it keeps
+the softmax statistics, one fp32 value per query and head (``4 a`` bytes
+per token, TP-split), and recomputes the scores in its own backward, so
+there ``selective`` saves next to nothing (megatron says as much when
+``core_attn`` is recomputed with fused attention). Pure Python.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class LayerShape:
     hidden_dropout: bool = False
     #: ``model.attention_dropout > 0``: a 1-byte mask and a dropped copy per score.
     attention_dropout: bool = False
+    #: Fused (flash) attention: no score matrix, fp32 softmax statistics per query and head.
+    fused_attention: bool = False
 
 
 def layer_activation_bytes(
@@ -80,7 +87,10 @@ def layer_activation_bytes(
     replicated = tokens * (4.0 * e * h + (2.0 * h if shape.hidden_dropout else 0.0))
     f_out = (2 if shape.gated else 1) * shape.ffn
     split = tokens * e * (2.0 * h + 2.0 * shape.kv_hidden + f_out + shape.ffn)
-    core = pairs * shape.heads * (e + (1.0 + e if shape.attention_dropout else 0.0))
+    if shape.fused_attention:
+        core = tokens * shape.heads * 4.0
+    else:
+        core = pairs * shape.heads * (e + (1.0 + e if shape.attention_dropout else 0.0))
     # SP shards the replicated part over the TP ranks too.
     replicated_share = replicated / tp if sequence_parallel else replicated
     if recompute == RECOMPUTE_FULL:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -140,6 +141,7 @@ def _transformer_layer(
     tokens: float, pairs: float, hidden: int, ffn: int, heads: int, groups: int,
     dtype_bytes: int, recompute: str, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
     cp: int = 1, sequence_parallel: bool = False, hidden_dropout: bool = False, attention_dropout: bool = False,
+    fused_attention: bool = False,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -148,8 +150,8 @@ def _transformer_layer(
     up and down matrices instead of two). ``cp``: every sequence is split
     over that many context-parallel ranks; the cost is one rank's, whose
     queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs.
-    ``recompute`` (``model.recompute``), ``sequence_parallel`` and the
-    dropouts set the activation bytes
+    ``recompute`` (``model.recompute``), ``sequence_parallel``, the
+    dropouts and ``fused_attention`` (TE) set the activation bytes
     (:func:`~megascale_omni.parallel.activations.layer_activation_bytes`)
     and the FLOPs recomputed in backward."""
     head_dim = hidden // heads
@@ -164,14 +166,24 @@ def _transformer_layer(
     if backward:
         flops += recompute_forward_flops(core_forward, forward, recompute)
     params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
-    shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout)
-    act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute) if backward else 0.0
+    shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout,
+                       fused_attention)
+    act = 0.0
+    if backward:
+        act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute)
     return ComponentCost(
         flops=flops / tp,
         params=params // tp,
         trainable_params=params // tp if trainable else 0,
         activation_bytes=act,
     )
+
+
+def fused_attention(cfg: JobConfig, cuda: bool) -> bool:
+    """Whether attention is transformer-engine's fused kernel, which keeps no
+    score matrix: ``model.layer_impl`` other than ``local`` on CUDA (``auto``
+    picks TE there when it is installed, which a GPU deployment has)."""
+    return cuda and cfg.model.layer_impl != "local"
 
 
 def padded_vocab_size(cfg: JobConfig) -> int:
@@ -233,7 +245,7 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
 
 
 def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
-                   batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
+                   batch: Optional[BatchShape] = None, cuda: bool = False) -> dict[str, ComponentCost]:
     """Token embedding, one decoder layer and the output layer + loss of the
     language model, on one of ``parallel.cp`` context-parallel ranks (``1/cp``
     of the tokens), for ``batch``'s causal segments, or (None) the planner's
@@ -266,6 +278,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
             sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+            fused_attention=fused_attention(cfg, cuda),
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
@@ -280,7 +293,8 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
     }
 
 
-def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
+def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None,
+                       cuda: bool = False) -> dict[str, ComponentCost]:
     """LLaVA's ViT (patch embedding + layers) and projector for ``batch``'s
     tower inputs, or (None) the ``micro_batch_size * vision.images_per_sequence``
     images of a micro-batch: all of them on every CP rank (images are not
@@ -294,7 +308,7 @@ def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] 
     layer = _transformer_layer(
         vtokens, images * p * p, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
         # The ViT has its own TransformerConfig: no sequence parallelism.
-        nbytes, m.recompute, not v.freeze, not v.freeze, tp,
+        nbytes, m.recompute, not v.freeze, not v.freeze, tp, fused_attention=fused_attention(cfg, cuda),
     )
     patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
     patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
@@ -331,7 +345,7 @@ def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] 
     ``seq_length`` tokens (or ``batch``)."""
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False, batch=batch),
+        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False, batch=batch, cuda=cuda),
         head=(EMBEDDING,),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,
@@ -352,7 +366,8 @@ def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[in
     head_trains = not v.freeze_projector or not v.freeze
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components={**_vision_components(cfg, nbytes, batch), **_lm_components(cfg, nbytes, head_trains, batch)},
+        components={**_vision_components(cfg, nbytes, batch, cuda),
+                    **_lm_components(cfg, nbytes, head_trains, batch, cuda)},
         head=(VISION, PROJECTOR, EMBEDDING),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,
@@ -426,6 +441,8 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         version, shape, seconds = data["version"], data["shape"], data["seconds"]
+        if not (isinstance(shape, dict) and isinstance(seconds, dict)):
+            raise TypeError("shape and seconds must be objects")
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(field_name, path, "is not a profile written by tools/profile_layers.py; re-run it") from None
     if version != PROFILE_VERSION:
@@ -443,7 +460,16 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
         key = f"{name}_per_image" if name in (VISION, PROJECTOR) else name
         if key not in seconds:
             raise ConfigError(field_name, path, f"has no time for {key!r}; re-run tools/profile_layers.py")
-        t = float(seconds[key]) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
+        measured = seconds[key]
+        # json reads NaN and Infinity; a string, NaN or a negative time would
+        # fail later with a traceback or plan nonsense.
+        if isinstance(measured, bool) or not isinstance(measured, (int, float)) or not 0 <= measured < math.inf:
+            raise ConfigError(
+                field_name, path,
+                f"seconds.{key}={measured!r} is not a measured time (finite seconds >= 0); "
+                "re-run tools/profile_layers.py or fix that entry",
+            )
+        t = float(measured) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
         comps[name] = ComponentCost(c.flops, c.params, c.trainable_params, c.activation_bytes, seconds=t)
     return dataclasses.replace(
         model, components=comps, unit="s", source=f"profile {path} ({data.get('device', 'unknown device')})"

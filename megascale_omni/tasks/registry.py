@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megascale_omni.checkpoint.layout import check_resume_path
 from megascale_omni.config import ConfigError, JobConfig, validate_job
 from megascale_omni.config.validate import require_cp_seq_length, require_divisible_by_tp, validate_paths
 
@@ -65,6 +66,14 @@ class ModelFamily:
     #: ``"module:function"`` ``cfg -> dataset directory`` building the embedded
     #: default dataset when ``data.path`` is null (the demo), or None.
     default_dataset: Optional[str] = None
+    #: ``"module:function"`` ``() -> int``: the vocabulary size of that default
+    #: dataset's tokenizer, known without building it (None: not checked up front).
+    default_vocab: Optional[str] = None
+    #: ``"module:function"`` ``(cfg, default_vocab) -> None``: the static check
+    #: of the family's input files (dataset, tokenizer, what must fit them),
+    #: raising ConfigError; run by :meth:`validate`, so omni-run refuses a bad
+    #: input before any worker starts. Reads small files only.
+    check_inputs: Optional[str] = None
 
     def parts(self) -> tuple[type, type]:
         """The (DataModule, ModelSpec) classes (imports them)."""
@@ -150,7 +159,15 @@ class ModelFamily:
                               f"model.family={self.name} evaluates with one of {['auto', *names, 'none']}")
         if self.check is not None:
             self.check(cfg)
+        if cfg.parallel.pipeline_profile:
+            # Read and matched against this model now (pure Python, no
+            # megatron), not when the workers plan their pipeline.
+            self.build_cost_model(cfg, world_size=world_size)
         validate_paths(cfg)
+        if self.check_inputs is not None:
+            _resolve(self.check_inputs)(cfg, None if self.default_vocab is None else _resolve(self.default_vocab))
+        if cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
+            check_resume_path(cfg.checkpoint.resume)
 
     def plan_pipeline(self, cfg: JobConfig, cuda: bool, world_size: int):
         """The pipeline plan of ``cfg`` under this family's cost model, or None
@@ -282,6 +299,8 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("chat", "megascale_omni.evaluation.chat:ChatEvaluator"),
             ),
             default_dataset="megascale_omni.demo.defaults:llava_shapes",
+            default_vocab="megascale_omni.demo.shapes:word_tokenizer_size",
+            check_inputs="megascale_omni.data.llava.preflight:check_inputs",
             features=frozenset(
                 {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
                  "data_workers"}
@@ -296,6 +315,7 @@ FAMILIES: dict[str, ModelFamily] = {
             model="megascale_omni.models.dit.spec:DitModelSpec",
             evaluators=(("colors", "megascale_omni.demo.dit_eval:DitColorEvaluator"),),
             default_dataset="megascale_omni.demo.defaults:dit_shapes",
+            check_inputs="megascale_omni.data.dit.preflight:check_inputs",
             features=frozenset({"explicit_partition", "context_parallel", "elastic"}),
             cost_model="megascale_omni.parallel.pipeline_cost_dit:dit_cost_model",
             check=_check_dit,

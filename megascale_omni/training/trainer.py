@@ -23,7 +23,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from megascale_omni.checkpoint.manager import Checkpointer
-from megascale_omni.checkpoint.pretrained import load_pretrained
+from megascale_omni.checkpoint.pretrained import Pretrained, load_pretrained
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
@@ -119,13 +119,13 @@ class Trainer:
         self.is_loss_rank = is_loss_rank()
         self.task = family.build_task(cfg, self.platform, self.dims)
         self._teardown.callback(self.task.close)
-        chunks, provenance = self._build_model()
+        chunks, pretrained = self._build_model()
         optimizer, scheduler = build_optimizer(
             chunks, cfg.train, cfg.parallel, self.platform.default_dtype(cfg.train.precision), self.task.lr_mult()
         )
         gather = ParamGather(chunks, chunks[0].ddp_config.overlap_param_gather, serves_peers=cfg.elastic.enabled)
         self.state = TrainState(chunks, optimizer, scheduler, self.task, cfg, self.dims, param_gather=gather)
-        self.state.provenance = provenance
+        self.state.provenance, self.state.hf_assets = pretrained.provenance, pretrained.assets
         if self.pipeline_plan is not None and self.dims.pp > 1 and rank == 0:
             logger.info(
                 "pipeline partition (%s, %s): layers per chunk %s\n%s", self.pipeline_plan.mode,
@@ -178,17 +178,17 @@ class Trainer:
         return StepRecorder(self.platform.device, world_size, flops_of, peak.tflops, self.dims.pp,
                             self.dims.num_model_chunks)
 
-    def _build_model(self) -> tuple[list, dict]:
+    def _build_model(self) -> tuple[list, Pretrained]:
         """This rank's model chunks: built by the task, initialised identically
         under any layout (then overwritten by ``checkpoint.pretrained`` when
         set), moved to ``platform.device`` and cast to the params dtype
         (``train.precision``), wrapped in megatron DDP (every rank). Also returns the
-        pretrained weights' provenance record."""
+        pretrained weights' provenance record and tokenizer files."""
         chunks = self.task.build_model()
         n = init_layout_invariant(
             chunks, seed=self.cfg.train.seed, std=self.cfg.model.init_method_std, num_layers=self.cfg.model.num_layers
         )
-        provenance = load_pretrained(chunks, self.cfg)
+        pretrained = load_pretrained(chunks, self.cfg)
         # megatron builds the weights on the host (use_cpu_initialization) and a few in fp32
         # whatever params_dtype says; train on the platform's device, every weight in params_dtype.
         cast_chunks(chunks, self.platform.device, self.platform.default_dtype(self.cfg.train.precision))
@@ -200,7 +200,7 @@ class Trainer:
         )
         parallel, cuda, dp = self.cfg.parallel, self.platform.is_cuda, self.dims.dp
         overlap, gather = overlaps_grad_reduce(parallel, cuda, dp), overlaps_param_gather(parallel, cuda, dp)
-        return wrap_ddp(chunks, chunks[0].config, parallel, overlap, gather), provenance
+        return wrap_ddp(chunks, chunks[0].config, parallel, overlap, gather), pretrained
 
     @property
     def step(self) -> int:

@@ -9,6 +9,7 @@ printed result are checked: quick numbers mean nothing.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -135,6 +136,14 @@ EXPECTED = {
           rf"[\d.]+ \| [\d.e+-]+ \|$" for cp in (1, 2)),
         r"^activation ratio vs ideal: CP=1 [\d.]+x of 1/CP, CP=2 [\d.]+x of 1/CP$",
     ],
+    "ingest_jpeg": [
+        r"^images 40 JPEG quality 90 at 8 LLaVA sizes",
+        r"^source [\d.]+ MB \(images \+ LLaVA JSON\), [\d.]+ kB per record$",
+        r"^source bytes \(new\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x$",
+        r"^PNG re-encode \(old\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x$",
+        r"^shard overhead of source bytes: \d+ bytes per sample",
+        r"^new / old: [\d.]+x images/s \(cpu\), [\d.]+x bytes on disk$",
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -156,6 +165,7 @@ TIMEOUT_S = {
     "attention_path": 300,
     "plan_startup": 240,
     "gpu_mfu": 300,
+    "ingest_jpeg": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
@@ -197,12 +207,31 @@ def _case(name: str):
     return pytest.param(name, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("name", [_case(name) for name in EXPECTED])
+#: Benchmarks whose quick run is a test of its own below (checking a number too).
+OWN_TEST = {"ingest_jpeg"}
+
+
+@pytest.mark.parametrize("name", [_case(name) for name in EXPECTED if name not in OWN_TEST])
 def test_documented_command_runs_quick(name):
-    cmd = [*documented_commands()[name], "--quick"]
+    _run_quick(name)
+
+
+def _run_quick(name: str, *extra) -> None:
+    """Run ``name``'s documented command with ``--quick`` and ``extra``; check its exit code and lines."""
+    cmd = [*documented_commands()[name], "--quick", *map(str, extra)]
     res = run(cmd, timeout=TIMEOUT_S[name])
     shown = " ".join(cmd[1:])
     assert res.returncode == 0, f"{shown} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     lines = res.stdout.splitlines()
     missing = [pattern for pattern in EXPECTED[name] if not any(re.search(pattern, line) for line in lines)]
     assert not missing, f"{shown}: no line matches {missing}\n--- stdout ---\n{res.stdout[-5000:]}"
+
+
+@pytest.mark.timeout(TIMEOUT_S["ingest_jpeg"] + 60)
+def test_ingest_jpeg_quick_stores_the_source_size(tmp_path):
+    """Source bytes take at most 1.02x the source set on disk (a size, not a
+    timing); the PNG re-encode, measured in the same run, several times it."""
+    _run_quick("ingest_jpeg", "--json", tmp_path / "r.json")
+    paths = json.loads((tmp_path / "r.json").read_text())["paths"]
+    assert 1.0 < paths["source bytes (new)"]["stored_over_source"] <= 1.02
+    assert paths["PNG re-encode (old)"]["stored_over_source"] > 2

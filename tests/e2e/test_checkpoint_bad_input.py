@@ -88,8 +88,8 @@ RUNS = {
     "test_all_broken_exits_4_with_every_problem": (_break_all, lambda root: [], 12),
     "test_incompatible_model_exits_2_listing_differences":
         (_nothing, lambda root: ["model.hidden_size=128", "model.num_layers=2"], 12),
-    "test_explicit_resume_of_a_non_checkpoint_exits_4":
-        (_nothing, lambda root: [f"checkpoint.resume={root / 'run'}"], 12),
+    "test_explicit_resume_of_a_non_checkpoint_exits_2_naming_the_field":
+        (_nothing, lambda root: [f"checkpoint.resume={root}"], 12),
     "test_resume_none_starts_fresh_and_keeps_old_checkpoints":
         (_nothing, lambda root: ["checkpoint.resume=none", "checkpoint.save_at_end=false"], 2),
 }
@@ -158,10 +158,14 @@ def test_incompatible_model_exits_2_listing_differences(outcome):
     assert "Traceback" not in res.stderr
 
 
-def test_explicit_resume_of_a_non_checkpoint_exits_4(outcome):
-    _, res = outcome
-    assert res.returncode == 4, res.stderr[-3000:]
-    assert "is not a checkpoint directory" in res.stderr
+def test_explicit_resume_of_a_non_checkpoint_exits_2_naming_the_field(outcome):
+    tiers, res = outcome
+    assert res.returncode == 2, res.stderr[-3000:]
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("config error:")]
+    assert "Traceback" not in res.stderr
+    assert line == (f"config error: checkpoint.resume='{tiers}': is not a checkpoint directory; name a "
+                    "step_NNNNNNNN directory, or use auto (the newest under checkpoint.dir) or none (start fresh)")
+    assert not (tiers / "run").exists()  # refused before anything started
 
 
 def test_resume_none_starts_fresh_and_keeps_old_checkpoints(outcome):

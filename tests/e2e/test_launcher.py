@@ -30,6 +30,17 @@ def test_config_error_exits_2_before_any_worker(tmp_path):
     assert not tmp_path.joinpath("config.yaml").exists()  # no worker ran
 
 
+def test_a_vocabulary_below_the_tokenizers_exits_2_before_any_worker(tmp_path):
+    # Known only from the data: the embedded default dataset's tokenizer, read without building the dataset.
+    res = _omni_run("pretrain_llava.py", "--config", "examples/llava/tiny_cpu.yaml", "train.steps=1",
+                    f"logging.output_dir={tmp_path}", "model.vocab_size=10")
+    assert res.returncode == 2, res.output[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == ["config error: model.vocab_size=10: is smaller than the tokenizer's 65; "
+                     "set 0 to use the tokenizer's"]
+    assert not tmp_path.joinpath("config.yaml").exists()  # no worker ran
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a host without CUDA")
 def test_cuda_required_on_a_cpu_host_exits_2_before_any_worker(tmp_path):
     res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml", "platform.device=cuda",
@@ -41,12 +52,14 @@ def test_cuda_required_on_a_cpu_host_exits_2_before_any_worker(tmp_path):
 
 
 def test_a_worker_failure_is_one_line_with_its_exit_code(tmp_path):
-    # Valid config; the workers fail at start-up: the resume path is not a checkpoint (exit 4).
+    # Valid config; the workers fail at start-up: the checkpoint to resume has no commit marker (exit 4).
+    broken = tmp_path / "elsewhere" / "step_00000005"
+    broken.mkdir(parents=True)
     res = _omni_run("-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
                     f"logging.output_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
-                    f"checkpoint.resume={tmp_path}")
+                    f"checkpoint.resume={broken}")
     assert res.returncode == 4, res.output[-3000:]
-    assert "is not a checkpoint directory" in res.stderr
+    assert f"checkpoint.resume={broken} is broken: no commit.json" in res.stderr
     assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
     # Whichever rank failed first; torchrun then terminates the other (code -15), which must not be reported.
     assert re.match(r"omni-run: [12] worker\(s\) failed; first: rank [01] exited with code 4 ",

@@ -1,11 +1,11 @@
-"""Short learning checks in the default suite: the tiny LLaVA and the tiny DiT
+"""Short learning checks (slow, `make test-all`): the tiny LLaVA and the tiny DiT
 still learn what the demos show, in a few minutes of one CPU process.
 
 The full demos (1200 steps, `make test-all`) reach 0.9 image-word accuracy
 and colour accuracy 1.0; these checks stop at 400 steps of half the global
 batch and assert a wide margin over what a model that does not learn (or
 ignores its condition) scores. Thresholds come from measurements at the
-config seed and at other seeds (numbers below and in README.md); the runs
+config seed and at other seeds (numbers below and in docs/testing.md); the runs
 are deterministic on CPU, so a failure means the training changed.
 """
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
+from megascale_omni.config import load_job_config
+from megascale_omni.parallel.memory import format_memory_table
+from megascale_omni.tasks.registry import estimate_memory_per_gpu
 from tests.launcher import REPO, run
 
 EXAMPLE = "examples/llava/pp4_vit_heavy.yaml"
@@ -17,6 +20,11 @@ def test_plan_tool_prints_uniform_beside_auto():
     assert "uniform layers" in res.stdout and "auto layers" in res.stdout
     assert "uniform: layers per chunk [4, 4, 4, 4]  max/mean 1.476" in res.stdout
     assert "auto: layers per chunk [2, 5, 5, 4]" in res.stdout
+    # The configured (auto) split's memory per GPU, as estimate_memory_per_gpu computes it.
+    cfg = load_job_config(["--config", EXAMPLE])
+    table = format_memory_table(estimate_memory_per_gpu(cfg, cuda=False))
+    assert "memory per GPU of the configured split (model.recompute=none" in res.stdout
+    assert table in res.stdout and table.count("\n") == 4
 
 
 def test_infeasible_memory_exits_2_before_any_process_group():

@@ -122,9 +122,15 @@ def test_truncation_keeps_whole_rounds_and_their_images(encoder):
     (MULTI_TURN, 1, "2 <image> markers but the sample has 1 images"),
     (MULTI_TURN, 3, "2 <image> markers but the sample has 3 images"),
     (MULTI_TURN[:3], 1, "ends with a user turn"),
-    (MULTI_TURN[1:], 1, "turn 0 is 'assistant', expected 'user'"),
-    ([MULTI_TURN[0], {"from": "gpt", "value": "see <image>"}], 2, "assistant turn contains <image>"),
-    ([{"from": "robot", "value": "hi"}], 0, "needs 'from'"),
+    (MULTI_TURN[1:], 1, r"turn\[0\] is from 'gpt' \(assistant\), expected 'user'"),
+    ([MULTI_TURN[0], {"from": "gpt", "value": "see <image>"}], 2,
+     r"turn\[1\] is from 'gpt' \(assistant\) and contains <image>"),
+    ([{"from": "robot", "value": "hi"}], 0, r"turn\[0\].from is 'robot', expected human, gpt or system"),
+    ([{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}], 0,
+     r"turn\[0\].value is an int, expected a string"),
+    ([{"value": "hi"}], 0, r"turn\[0\] has no 'from' \(human, gpt or system\) or 'role'"),
+    ([{"from": "human"}], 0, r"turn\[0\] \(human\) has no 'value'"),
+    (["hi"], 0, r"turn\[0\] is a str, expected an object"),
 ])
 def test_bad_conversations_are_rejected_with_a_reason(encoder, conv, images, reason):
     with pytest.raises(ConversationError, match=reason):

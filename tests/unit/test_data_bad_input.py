@@ -93,7 +93,7 @@ INDEX_CASES: dict[str, Callable[[Path], None]] = {
     "binary garbage": lambda p: p.write_bytes(bytes(range(256)) * 4),
     "cut in half": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
     "a JSON list": lambda p: p.write_text("[]"),
-    "other format_version": _edit(lambda d: d.update(format_version=3)),
+    "other format_version": _edit(lambda d: d.update(format_version=4)),
     "format 1 with costs": _edit(lambda d: d.update(format_version=1)),
     "cost_basis missing": _edit(lambda d: d.pop("cost_basis")),
     "cost_basis not a sha256": _edit(lambda d: d.update(cost_basis={"format": "words", "tokenizer": "x"})),
@@ -191,6 +191,14 @@ def _jpeg(size: int) -> bytes:
     return buf.getvalue()
 
 
+def _as(suffix: str, data: bytes) -> Callable[[dict], None]:
+    """Replace image 0 by member ``0.<suffix>`` holding ``data``."""
+    def apply(members: dict) -> None:
+        members.pop("0.png")
+        members[f"0.{suffix}"] = data
+    return apply
+
+
 def _flipped(data: bytes, offset: int) -> bytes:
     out = bytearray(data)
     out[offset] ^= 0x01
@@ -224,12 +232,13 @@ SAMPLE_CASES: dict[str, tuple[Callable[[dict], None], str, str]] = {
     "png cut in half": (lambda m: m.update({"0.png": m["0.png"][: len(m["0.png"]) // 2]}), "skipped", "0.png"),
     "png empty": (lambda m: m.update({"0.png": b""}), "skipped", "0.png"),
     "png random bytes": (lambda m: m.update({"0.png": bytes(range(200))}), "skipped", "0.png"),
-    "a JPEG": (lambda m: m.update({"0.png": _jpeg(32)}), "skipped", "is JPEG, expected PNG"),
-    "grayscale png": (lambda m: m.update({"0.png": _png("L", 32)}), "skipped", "mode L"),
-    "RGBA png": (lambda m: m.update({"0.png": _png("RGBA", 32)}), "skipped", "mode RGBA"),
-    "palette png": (lambda m: m.update({"0.png": _png("P", 32)}), "skipped", "mode P"),
+    "a JPEG named .png": (lambda m: m.update({"0.png": _jpeg(32)}), "skipped", "is JPEG, expected PNG"),
+    "a PNG named .jpg": (_as("jpg", _png("RGB", 32)), "skipped", "is PNG, expected JPEG"),
+    "a jpeg cut short": (_as("jpg", _jpeg(32)[:-30]), "skipped", "corrupt image member '0.jpg'"),
+    "16-bit grayscale png": (lambda m: m.update({"0.png": _png("I;16", 32)}), "skipped", "has mode I;16"),
     "png of the wrong size": (lambda m: m.update({"0.png": _png("RGB", 20)}), "skipped", "image shape"),
-    "png member missing": (lambda m: m.pop("0.png"), "skipped", "member '0.png' missing"),
+    "png member missing": (lambda m: m.pop("0.png"), "skipped", "member '0.<jpg|png|webp>' missing"),
+    "two members for one image": (lambda m: m.update({"0.jpg": _jpeg(32)}), "skipped", "image 0 has 2 members"),
     "json member missing": (lambda m: m.pop("json"), "excluded", "member 'json' missing"),
     "json binary garbage": (lambda m: m.update(json=bytes(range(256))), "excluded", "corrupt json"),
     "json cut in half": (lambda m: m.update(json=m["json"][: len(m["json"]) // 2]), "excluded", "corrupt json"),

@@ -112,7 +112,8 @@ def test_caption_and_text_only_jsonl_and_bad_lines(clean_set, tmp_path):
     reasons = [json.loads(line)["reason"] for line in (out / REJECTED_FILE).read_text().splitlines()]
     assert report.kept == 2 and reasons[0] == "image not found: nope.png"
     assert reasons[1].startswith("not JSON") and reasons[2] == "not UTF-8"
-    assert reasons[3].startswith("bad conversation: turn 0 is 'assistant'")
+    assert reasons[3] == ("bad conversation: conversations[0] is from 'gpt' (assistant), expected 'user' "
+                          "(an optional system turn, then user and assistant alternating)")
     reader = ShardedSampleReader(out)
     assert reader[0].conversation == [{"role": "user", "text": "<image>\nDescribe it."},
                                       {"role": "assistant", "text": "a red circle"}]
@@ -158,3 +159,18 @@ def test_ingest_with_a_tokenizer_writes_token_counts_to_the_index(clean_set, tmp
     refused = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json",
                                   clean_set / "train" / "llava.json", "--seq-length", "64")
     assert refused.returncode == 2 and "--tokenizer/--seq-length/--tokens-per-image" in refused.stderr
+
+
+def test_a_failed_read_leaves_no_fingerprint_and_the_fixed_rerun_runs(clean_set, tmp_path):
+    """A broken input used to stamp the output first: the rerun after the fix was
+    refused as 'holds an ingestion of other inputs'."""
+    shutil.copytree(clean_set / "train", tmp_path / "in")
+    path = tmp_path / "in" / "llava.json"
+    good = path.read_text()
+    path.write_text(good[:-20])  # cut: not valid JSON
+    inputs = IngestInputs(llava_json=[str(path)], image_root=str(tmp_path / "in"))
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        ingest(inputs, tmp_path / "out", samples_per_shard=10)
+    path.write_text(good)
+    report = ingest(inputs, tmp_path / "out", samples_per_shard=10)
+    assert (report.inputs, report.kept) == (N, N)

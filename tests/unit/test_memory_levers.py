@@ -49,6 +49,19 @@ def test_activation_formula_generalises_dropout_gqa_swiglu_and_fp32():
     assert paper(1, False, "full") * 2 == layer_activation_bytes(PAPER, S, S * S, 4, 1, False, "full")
     with pytest.raises(ValueError, match="unknown recompute 'some'"):
         paper(1, False, "some")
+    # TE's fused attention keeps fp32 softmax statistics per query and head, not the scores.
+    fused = LayerShape(hidden=H, ffn=4 * H, heads=A, kv_hidden=H, fused_attention=True)
+    assert layer_activation_bytes(fused, S, S * S, 2, 8, True, "none") == SBH * 32 / 8 + S * A * 4 / 8
+
+
+def test_cost_model_assumes_fused_attention_only_for_te_on_cuda():
+    """``cuda=True`` means bf16 and (layer_impl auto) TE's fused attention: the LM layer keeps
+    no score matrix; the local spec on a GPU still does."""
+    cfg = config("train.precision=bf16")
+    m, b, s = cfg.model, cfg.train.micro_batch_size, cfg.model.seq_length
+    gpu, local = lm_cost_model(cfg, True), lm_cost_model(config("train.precision=bf16", "model.layer_impl=local"), True)
+    scores, stats = b * s * s * m.num_attention_heads * 2, b * s * m.num_attention_heads * 4
+    assert local.activation_bytes(LM_LAYER) - gpu.activation_bytes(LM_LAYER) == pytest.approx(scores - stats)
 
 
 def config(*overrides: str, path: str = "examples/gpt/tiny.yaml"):

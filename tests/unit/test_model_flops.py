@@ -123,6 +123,14 @@ def test_packed_llava_by_hand():
     assert step_model_flops(linear, llava_cost_model, LLAVA) == _llava_by_hand(3, 2, 3, 3, projector=64 * 128)
 
 
+def test_llava_flops_use_the_floor_grid():
+    # 35 px in 8 px patches: HF's conv reads a 4 x 4 grid (32 px) and ignores 3 pixel rows/columns, so
+    # the count equals the 32 px one exactly (16 tokens per image, the same patch matmuls).
+    cfg = _cfg("examples/llava/tiny_cpu.yaml", "vision.image_size=35")
+    assert cfg.vision.tokens_per_image == 16
+    assert step_model_flops(cfg, llava_cost_model, LLAVA) == _llava_by_hand(3, 2, 3, 3)
+
+
 def test_llava_stage1_by_hand():
     # Stage 1: LM and ViT frozen, the projector trains: the ViT runs forward only, the projector adds
     # its weight gradient, the LM passes the input gradient back to it.

@@ -36,7 +36,7 @@ DIST_OF_IMPORT = {
 # and never at a module's top level (a core install would fail to import that module).
 OPTIONAL_EXTRAS = {
     "safetensors": {"hf"},
-    "transformers": {"chat", "latents"},
+    "transformers": {"chat", "latents", "hf"},
     "diffusers": {"latents"},
     "matplotlib": {"report"},
     "transformer-engine": {"gpu"},

@@ -48,7 +48,7 @@ def shapes(tmp_path_factory):
 
 def test_shapes_index_carries_costs_and_plans_alone(shapes, tmp_path, caplog):
     doc = json.loads((shapes / "train" / INDEX_FILENAME).read_text())
-    assert doc["format_version"] == 2 and doc["cost_basis"]["format"] == "words"
+    assert doc["format_version"] == 3 and doc["cost_basis"]["format"] == "words"
     assert all(s["cost"]["tokens"] > 0 and s["cost"]["images"] in ([], [[32, 32]], [[32, 32], [32, 32]])
                for s in doc["samples"])
     encoder = LlavaEncoder(load_shapes_tokenizer(shapes), P)

@@ -69,7 +69,7 @@ def test_random_access_matches_generator(split_dir, samples):
 
 def test_index_manifest(split_dir, samples):
     doc = json.loads((split_dir / INDEX_FILENAME).read_text())
-    assert doc["format_version"] == 2 and doc["num_samples"] == NUM
+    assert doc["format_version"] == 3 and doc["num_samples"] == NUM
     # Costs: each image's (height, width) from its PNG header; no token counts without a coster.
     assert doc["cost_basis"] is None
     assert [s["cost"] for s in doc["samples"][:3]] == [
@@ -250,7 +250,7 @@ def test_missing_json_field_and_member_and_corrupt_json(tmp_path, samples):
         reader[0]
     assert info.value.sample_id == good.id
     assert reader[1].equals(good)
-    with pytest.raises(BadSampleError, match="member '1.png' missing"):
+    with pytest.raises(BadSampleError, match=r"member '1.<jpg\|png\|webp>' missing"):
         reader[2]
     with pytest.raises(BadSampleError, match="corrupt json"):
         reader[3]

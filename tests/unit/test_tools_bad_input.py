@@ -55,6 +55,23 @@ def test_ckpt_verify_never_says_ok_for_a_bad_marker(tmp_path, capsys, case, comm
     assert "BROKEN" in out and problem in out and ": OK" not in out
 
 
+@pytest.mark.parametrize("content,problem", [
+    (b'{"files": {"__0_0.distcp": {"si', "is not valid JSON (Unterminated string at line 1 column 29; truncated or overwritten?)"),
+    (b"\x00\xff garbage", "is not UTF-8 text"),
+    (b"[1, 2]", "must hold a JSON object, not a list"),
+    (b'{"files": ["__0_0.distcp"]}', 'has no "files" object'),
+])
+@pytest.mark.parametrize("target", ["step", "root"])
+def test_ckpt_verify_names_an_unreadable_marker_and_exits_4(tmp_path, capsys, content, problem, target):
+    tool = _tool("ckpt")
+    d = _ckpt_dir(tmp_path, 5, {})
+    (d / layout.COMMIT_FILE).write_bytes(content)
+    assert tool.main(["verify", str(d if target == "step" else tmp_path)]) == tool.EXIT_CHECKPOINT == 4
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert line.startswith(f"ckpt: {d / layout.COMMIT_FILE}: {problem}") and ": OK" not in out
+
+
 def test_ckpt_list_shows_hand_edited_markers(tmp_path, capsys):
     tool = _tool("ckpt")
     _ckpt_dir(tmp_path, 5, {"files": {"__0_0.distcp": GOOD_FILE}, "layout": {"tp": 2}, "committed_unix": "noon",
@@ -90,6 +107,23 @@ def test_sample_dit_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, arg
     assert _exit_code(lambda: tool.main(argv)) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"config error: {field}=")
+
+
+@pytest.mark.parametrize("out,hint", [
+    ("afile/g.png", "is a file, not a directory"),
+    ("afile/deeper/g.png", "is a file, not a directory"),
+    ("adir", "is a directory; give a file path such as"),
+    ("g.notanimage", "needs an image file extension PIL can write"),
+])
+def test_sample_dit_checks_out_before_loading_anything(tmp_path, capsys, out, hint):
+    tool = _tool("sample_dit")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    # The checkpoint does not exist either: --out is refused first, before any loading or sampling.
+    argv = ["--checkpoint", str(tmp_path / "none"), "--prompt", "a red circle", "--out", str(tmp_path / out)]
+    assert _exit_code(lambda: tool.main(argv)) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"config error: --out='{tmp_path / out}': ") and hint in line
 
 
 def test_plan_pipeline_refuses_a_negative_world_size(monkeypatch, capsys):

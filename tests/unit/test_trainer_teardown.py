@@ -23,12 +23,15 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_failed_resume_destroys_the_process_groups_it_started(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
+    # A step directory passes validation; its missing commit marker fails the resume after start-up began.
+    broken = tmp_path / "elsewhere" / "step_00000005"
+    broken.mkdir(parents=True)
     cfg, family = parse_for_family("gpt", [
         "--config", "examples/gpt/tiny.yaml", f"logging.output_dir={tmp_path}",
-        f"checkpoint.dir={tmp_path}/ckpt", f"checkpoint.resume={tmp_path}", "logging.tensorboard=false",
+        f"checkpoint.dir={tmp_path}/ckpt", f"checkpoint.resume={broken}", "logging.tensorboard=false",
     ], world_size=1)
     try:
-        with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
+        with pytest.raises(CheckpointError, match="is broken: no commit.json"):
             Trainer(cfg, family)
         assert not dist.is_initialized()
         assert not mpu.model_parallel_is_initialized()

@@ -22,6 +22,7 @@ from megascale_omni.data.balance import imbalance
 from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.dataset_root import DefaultDataset, load_tokenizer, resolve_dataset_root
 from megascale_omni.data.dit.batches import CaptionEncoder, DitBatcher
+from megascale_omni.data.dit.preflight import HOW_TO_MAKE
 from megascale_omni.data.dit.buckets import BucketPlan, BucketTable, bucket_report, split_packages
 from megascale_omni.data.dit.reader import DitSampleReader, load_dataset_description
 from megascale_omni.data.identity import dataset_source, tokenizer_source, train_split_source
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_dit_dataset(cfg: JobConfig, default_dataset: Optional[DefaultDataset]) -> tuple[Path, dict]:
     """Dataset root and its description (every rank); builds the embedded default on first use."""
-    root = resolve_dataset_root(cfg, default_dataset, "tools/make_dit_latents.py")
+    root = resolve_dataset_root(cfg, default_dataset, HOW_TO_MAKE)
     desc = load_dataset_description(root)
     dit = cfg.dit
     if int(desc.get("in_channels", 3)) != dit.in_channels:

@@ -11,27 +11,41 @@ Inputs (any mix, read in this order; every record gets a global position):
   caption`` (``caption_prompt`` is appended to the user turn when given);
 - ``text``: JSONL, one ``{"conversations": [...]}`` per line, no images.
 
-Image paths are relative to ``image_root``. A record is kept only if every
-check passes; otherwise it is *rejected* with a reason and never silently
-fixed: unreadable or non-UTF-8 JSON, an empty or mis-ordered conversation,
-``<image>`` markers that do not match the images, a missing or undecodable
-image, an ``<image>`` outside the user turns and, with a tokenizer, a
+Image paths are relative to ``image_root``. Images are stored as the
+source file's bytes (JPEG, PNG or WebP: never re-encoded, so a JPEG set
+takes its own size on disk), after PIL checked them once here: ``verify``
+plus a full decode, which catches a truncated JPEG that ``verify`` passes.
+A record is kept only if every check passes; otherwise it is *rejected*
+with a reason and never silently fixed: unreadable or non-UTF-8 JSON, an
+empty or mis-ordered conversation or a turn of the wrong type (the reason
+names the turn, its role and field), ``<image>`` markers that do not match
+the images, a missing, directory or undecodable image or one of another
+format, an ``<image>`` outside the user turns and, with a tokenizer, a
 sample longer than ``seq_length``.
 
+Val split (:class:`ValSplit`): records of ``--val-json`` files, and a
+``fraction`` of the other records chosen by a hash of (seed, record key)
+(:func:`in_val`; the key is the record's ``id``, else its canonical JSON),
+so the choice depends on neither the order nor the other records, go to a
+second split directory ingested the same way.
+
 Work is split into *chunks* of ``samples_per_shard`` consecutive input
-records; each chunk becomes one shard (its kept samples, ids = input
-positions) written atomically by a worker process, with a marker file
-recording what it kept and rejected. A rerun with the same inputs skips the
-chunks whose marker exists (resumable), then indexes the shards
-(``index.json``, with each sample's image sizes and, given a coster, its
-token count: :mod:`megascale_omni.data.costs`), and writes ``rejected.jsonl`` (position, source, id,
-reason per rejected record) and ``ingest_report.json`` (counts by reason).
+records of a split; each chunk becomes one shard (its kept samples, ids =
+positions in the split) written atomically by a worker process, with a
+marker file recording what it kept and rejected. The inputs' fingerprint
+(resolved paths, sizes, mtimes, settings) is stamped into the split only
+after every input was read, so a failed read leaves nothing that refuses
+the corrected rerun. A rerun with the same inputs skips the chunks whose
+marker exists (resumable), then indexes the shards (``index.json``, with
+each sample's image sizes and, given a coster, its token count:
+:mod:`megascale_omni.data.costs`), and writes ``rejected.jsonl`` (position,
+source, id, reason per rejected record) and ``ingest_report.json`` (counts
+by reason).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import logging
@@ -41,15 +55,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
-import webdataset
 from PIL import Image
 
 from megascale_omni.config import ConfigError
-from megascale_omni.data.conversation import ChatEncoder, ConversationError, normalize_turns
-from megascale_omni.data.costs import Coster
+from megascale_omni.data.conversation import ChatEncoder, ConversationError, normalize_turns, type_phrase
+from megascale_omni.data.costs import IMAGE_FORMATS, IMAGE_SUFFIXES, Coster
+from megascale_omni.data.integrity import decode_image_rgb
+from megascale_omni.data.llava.ingest_inputs import (  # noqa: F401 - IngestInputs, ValSplit: this module's API
+    IngestInputs,
+    ValSplit,
+    in_val,
+    llava_records,
+    read_records,
+    record_key,
+)
 from megascale_omni.data.sample import (
     IMAGE_PLACEHOLDER,
     KIND_MULTI_IMAGE,
@@ -58,7 +80,7 @@ from megascale_omni.data.sample import (
     Sample,
     SampleValidationError,
 )
-from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name
+from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name, tar_writer
 from megascale_omni.utils.files import atomic_open, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -80,27 +102,6 @@ class LengthCheck:
     image_token: str = IMAGE_PLACEHOLDER
 
 
-@dataclass(frozen=True)
-class IngestInputs:
-    """What to ingest (paths as given; see the module docstring)."""
-
-    llava_json: Sequence[str] = ()
-    captions: Sequence[str] = ()
-    text: Sequence[str] = ()
-    image_root: str = "."
-    caption_prompt: str = ""
-
-    def fingerprint(self, samples_per_shard: int, length: Optional[LengthCheck]) -> str:
-        """Changes when an input file or a setting changes (resuming then refuses)."""
-        parts: list[Any] = [samples_per_shard, os.path.abspath(self.image_root), self.caption_prompt,
-                            None if length is None else vars(length)]
-        for kind in ("llava_json", "captions", "text"):
-            for path in getattr(self, kind):
-                st = os.stat(path)
-                parts.append([kind, os.path.abspath(path), st.st_size, st.st_mtime_ns])
-        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
 @dataclass
 class IngestReport:
     """Counts of one ingestion (all chunks, resumed ones included)."""
@@ -111,64 +112,15 @@ class IngestReport:
     reasons: Counter = field(default_factory=Counter)
     shards: int = 0
     chunks_resumed: int = 0
+    #: The val split's report (None: no val split was made).
+    val: Optional["IngestReport"] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"inputs": self.inputs, "kept": self.kept, "rejected": self.rejected, "shards": self.shards,
-                "chunks_resumed": self.chunks_resumed, "rejected_by_reason": dict(sorted(self.reasons.items()))}
-
-
-def read_records(inputs: IngestInputs) -> Iterator[tuple[str, Any]]:
-    """``(source, record)`` of every input record in order; ``record`` is a
-    dict, or a string naming why the line could not be read (rejected later
-    with that reason). Raises ConfigError for a missing or unreadable file."""
-    for path in inputs.llava_json:
-        data = _read_json(path)
-        if not isinstance(data, list):
-            raise ConfigError("--llava-json", path, "must hold a JSON array of samples (LLaVA format)")
-        for i, record in enumerate(data):
-            yield f"{path}[{i}]", record
-    for kind, paths in (("caption", inputs.captions), ("text", inputs.text)):
-        for path in paths:
-            for lineno, line in enumerate(_read_bytes(path).splitlines(), 1):
-                if not line.strip():
-                    continue
-                source = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError:
-                    yield source, "not UTF-8"
-                    continue
-                except json.JSONDecodeError as e:
-                    yield source, f"not JSON ({e.msg})"
-                    continue
-                if isinstance(record, dict) and kind == "caption":
-                    record = _caption_record(record, inputs.caption_prompt)
-                yield source, record
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ConfigError("input", path, f"cannot be read: {e.strerror or e}") from None
-
-
-def _read_json(path: str) -> Any:
-    # surrogateescape keeps a stray non-UTF-8 byte inside one sample from
-    # losing the whole file: that sample is rejected, the others are kept.
-    text = _read_bytes(path).decode("utf-8", errors="surrogateescape")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError("--llava-json", path, f"is not valid JSON (line {e.lineno}: {e.msg})") from None
-
-
-def _caption_record(record: dict, prompt: str) -> dict:
-    caption, image = record.get("caption"), record.get("image")
-    user = f"{IMAGE_PLACEHOLDER}\n{prompt}".rstrip() if prompt else IMAGE_PLACEHOLDER
-    return {"id": record.get("id"), "image": image,
-            "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": caption}]}
+        doc = {"inputs": self.inputs, "kept": self.kept, "rejected": self.rejected, "shards": self.shards,
+               "chunks_resumed": self.chunks_resumed, "rejected_by_reason": dict(sorted(self.reasons.items()))}
+        if self.val is not None:
+            doc["val"] = self.val.to_dict()
+        return doc
 
 
 # ------------------------------------------------------------- one record
@@ -177,27 +129,31 @@ class Rejected(Exception):
 
 
 def to_sample(position: int, record: Any, image_root: str, encoder: Optional[ChatEncoder] = None,
-              seq_length: Optional[int] = None) -> Sample:
-    """The :class:`Sample` of one input record (id = ``position``). Raises
-    :class:`Rejected` with the reason when the record is bad."""
+              seq_length: Optional[int] = None) -> tuple[Sample, list[tuple[str, bytes]]]:
+    """The :class:`Sample` of one input record (id = ``position``, images
+    decoded) and its images' ``(PIL format, source bytes)``, which the shard
+    stores. Raises :class:`Rejected` with the reason when the record is bad."""
     if isinstance(record, str):
         raise Rejected(record)
     if not isinstance(record, dict):
-        raise Rejected(f"record is a {type(record).__name__}, expected an object")
+        raise Rejected(f"record is {type_phrase(record)}, expected an object")
     if _has_surrogates(record):
         raise Rejected("not UTF-8")
     conversation = record.get("conversations")
     if not conversation:
         raise Rejected("empty conversation")
+    if not isinstance(conversation, list):
+        raise Rejected(f"conversations is {type_phrase(conversation)}, expected a list of turns")
     try:
-        turns = normalize_turns(conversation)
+        turns = normalize_turns(conversation, where="conversations")
     except ConversationError as e:
         raise Rejected(f"bad conversation: {e}") from None
     paths = _image_paths(record)
     markers = sum(t["content"].count(IMAGE_PLACEHOLDER) for t in turns)
     if markers != len(paths):
         raise Rejected(f"{markers} {IMAGE_PLACEHOLDER} marker(s) for {len(paths)} image(s)")
-    images = [_load_image(image_root, p) for p in paths]
+    loaded = [_load_image(image_root, p) for p in paths]
+    images = [array for array, _, _ in loaded]
     sample = Sample(
         id=position,
         kind=KIND_TEXT_ONLY if not images else KIND_SINGLE_IMAGE if len(images) == 1 else KIND_MULTI_IMAGE,
@@ -215,7 +171,7 @@ def to_sample(position: int, record: Any, image_root: str, encoder: Optional[Cha
             raise Rejected(f"longer than seq_length {seq_length}: {e}") from None
         if encoded.truncated:
             raise Rejected(f"longer than seq_length {seq_length} (only {encoded.assistant_turns} round(s) fit)")
-    return sample
+    return sample, [(fmt, data) for _, fmt, data in loaded]
 
 
 def _has_surrogates(value: Any) -> bool:
@@ -229,12 +185,19 @@ def _has_surrogates(value: Any) -> bool:
 
 
 def _image_paths(record: dict) -> list[str]:
-    value = record.get("images", record.get("image"))
+    field_name = "images" if "images" in record else "image"
+    value = record.get(field_name)
     if value is None:
         return []
     paths = [value] if isinstance(value, str) else value
-    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise Rejected("'image'/'images' must be a path or a list of paths")
+    if not isinstance(paths, list):
+        raise Rejected(f"{field_name} is {type_phrase(value)}, expected a path or a list of paths")
+    for i, p in enumerate(paths):
+        where = field_name if isinstance(value, str) else f"{field_name}[{i}]"
+        if not isinstance(p, str):
+            raise Rejected(f"{where} is {type_phrase(p)}, expected a path")
+        if not p:
+            raise Rejected(f"{where} is empty, expected a path")
     return paths
 
 
@@ -246,20 +209,36 @@ def _spaced_markers(text: str) -> str:
     return re.sub(r"\s*<image>\s*", f" {IMAGE_PLACEHOLDER} ", text).strip()
 
 
-def _load_image(root: str, rel: str) -> np.ndarray:
+def _load_image(root: str, rel: str) -> tuple[np.ndarray, str, bytes]:
+    """Image ``rel`` decoded (np.uint8 ``[H, W, 3]``), its PIL format and its
+    bytes as read. Raises :class:`Rejected` naming the file and the reason."""
     path = os.path.join(root, rel)
+    if os.path.isdir(path):
+        raise Rejected(f"image path is a directory: {rel}")
     if not os.path.isfile(path):
         raise Rejected(f"image not found: {rel}")
     try:
         with open(path, "rb") as f:
             data = f.read()
+    except OSError as e:
+        raise Rejected(f"image cannot be read: {rel} ({e.strerror or e})") from None
+    try:
         with Image.open(io.BytesIO(data)) as img:
-            img.verify()  # structure and checksums (PNG CRCs), without decoding
-        with Image.open(io.BytesIO(data)) as img:
-            return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
+            fmt = img.format
+            if fmt in IMAGE_FORMATS:
+                img.verify()  # structure and checksums (PNG CRCs), without decoding
     # PIL reports malformed files with many exception types; any means unreadable.
     except Exception as e:  # noqa: BLE001
-        raise Rejected(f"image cannot be decoded: {rel} ({type(e).__name__})") from None
+        raise Rejected(f"image cannot be decoded: {rel} ({type(e).__name__}: {e})") from None
+    if fmt not in IMAGE_FORMATS:
+        raise Rejected(f"image format {fmt} is not stored: {rel} (convert it to JPEG, PNG or WebP)")
+    try:
+        # The full decode the reader will do: catches what verify() does not
+        # look at, e.g. a JPEG cut short.
+        array = decode_image_rgb(data, IMAGE_SUFFIXES[IMAGE_FORMATS[fmt]])
+    except ValueError as e:
+        raise Rejected(f"image cannot be decoded: {rel} ({e})") from None
+    return array, fmt, data
 
 
 # ------------------------------------------------------------- one chunk
@@ -272,27 +251,30 @@ def _encoder(tokenizer: str, image_token: str, tokens_per_image: int) -> ChatEnc
 def _write_chunk(job: tuple) -> dict:
     """Convert chunk ``number``'s records and write its shard (worker process).
     Returns the chunk marker: shard name (None if nothing was kept), kept
-    count, rejected records."""
+    count, rejected records. Samples are written as they are converted, so a
+    worker holds one sample's images at a time."""
     number, first, records, image_root, out, length = job
     encoder = _encoder(length.tokenizer, length.image_token, length.tokens_per_image) if length else None
-    kept, rejected = [], []
-    for offset, (source, record) in enumerate(records):
-        position = first + offset
-        try:
-            kept.append(to_sample(position, record, image_root, encoder, length.seq_length if length else None))
-        except Rejected as e:
-            rid = record.get("id") if isinstance(record, dict) else None
-            rejected.append({"position": position, "source": source, "id": _plain(rid), "reason": str(e)})
-    name = None
-    if kept:
-        name = shard_name(number)
-        with atomic_open(Path(out) / name, "wb") as fileobj:
-            writer = webdataset.TarWriter(fileobj, user="", group="", mode=0o444, compress=False, encoder=False,
-                                          mtime=0.0)
-            for sample in kept:
-                writer.write({"__key__": f"{sample.id:09d}", **encode_sample(sample)})
-            writer.close()
-    marker = {"chunk": number, "shard": name, "kept": len(kept), "inputs": len(records), "rejected": rejected}
+    kept, rejected = 0, []
+    name = shard_name(number)
+    with atomic_open(Path(out) / name, "wb") as fileobj:
+        writer = tar_writer(fileobj)
+        for offset, (source, record) in enumerate(records):
+            position = first + offset
+            try:
+                sample, sources = to_sample(position, record, image_root, encoder,
+                                            length.seq_length if length else None)
+            except Rejected as e:
+                rid = record.get("id") if isinstance(record, dict) else None
+                rejected.append({"position": position, "source": source, "id": _plain(rid), "reason": str(e)})
+                continue
+            writer.write({"__key__": f"{position:09d}", **encode_sample(sample, sources)})
+            kept += 1
+        writer.close()
+    if not kept:
+        (Path(out) / name).unlink()
+    marker = {"chunk": number, "shard": name if kept else None, "kept": kept, "inputs": len(records),
+              "rejected": rejected}
     atomic_write_text(Path(out) / STATE_DIR / f"chunk-{number:06d}.json", json.dumps(marker, sort_keys=True) + "\n")
     return marker
 
@@ -304,48 +286,73 @@ def _plain(value: Any) -> Any:
 
 # --------------------------------------------------------------- ingest
 def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: int = 1000, workers: int = 1,
-           length: Optional[LengthCheck] = None, coster: Optional[Coster] = None) -> IngestReport:
+           length: Optional[LengthCheck] = None, coster: Optional[Coster] = None,
+           val: Optional[ValSplit] = None) -> IngestReport:
     """Ingest ``inputs`` into the split directory ``out_dir`` (see the module
     docstring): parallel over ``workers`` processes, resumable, with a
     report of every rejected record. ``coster`` (the training run's
     encoder, e.g. :func:`chat_coster`) counts each sample's tokens into the
-    index so training plans from it without reading the samples. Raises
-    ConfigError for unusable arguments (missing inputs, an output holding
-    another ingestion)."""
+    index so training plans from it without reading the samples. ``val``:
+    also make the val split (its report is the returned one's ``val``).
+    Raises ConfigError for unusable arguments (missing or unreadable inputs,
+    an output holding another ingestion), before any shard is written."""
     if samples_per_shard <= 0:
         raise ConfigError("--samples-per-shard", samples_per_shard, "must be > 0")
     if workers <= 0:
         raise ConfigError("--workers", workers, "must be > 0")
     if not os.path.isdir(inputs.image_root):
         raise ConfigError("--image-root", inputs.image_root, "no such directory")
-    out = Path(out_dir)
-    state = out / STATE_DIR
-    state.mkdir(parents=True, exist_ok=True)
-    fingerprint = inputs.fingerprint(samples_per_shard, length)
-    stamp = state / "inputs.sha256"
-    if stamp.exists() and stamp.read_text().strip() != fingerprint:
-        raise ConfigError("--out", str(out), "holds an ingestion of other inputs or settings; use an empty --out")
-    stamp.write_text(fingerprint + "\n")
+    splits = {"train": Path(out_dir)}
+    if val is not None:
+        if not 0 <= val.fraction < 1:
+            raise ConfigError("--val-fraction", val.fraction, "must be >= 0 and < 1 (e.g. 0.01)")
+        if not (val.fraction or val.llava_json):
+            raise ConfigError("--val-fraction/--val-json", None, "give a fraction > 0 or a val JSON file")
+        splits["val"] = Path(val.out)
+        if os.path.realpath(splits["val"]) == os.path.realpath(splits["train"]):
+            raise ConfigError("--val-out", val.out, "must differ from --out (default: val beside --out)")
+    settings = [samples_per_shard, None if length is None else vars(length),
+                None if val is None else val.settings()]
+    stamps = {}
+    for split, out in splits.items():
+        stamps[split] = (out / STATE_DIR / "inputs.sha256", inputs.fingerprint(*settings, split))
+        stamp, fingerprint = stamps[split]
+        if stamp.exists() and stamp.read_text().strip() != fingerprint:
+            raise ConfigError("--out" if split == "train" else "--val-out", str(out),
+                              "holds an ingestion of other inputs or settings; use an empty directory")
+    records = {"train": list(read_records(inputs)), "val": []}
+    if val is not None:
+        records["val"] = list(llava_records(val.llava_json, "--val-json"))
+        if val.fraction:
+            chosen = [in_val(record_key(*item), val.fraction, val.seed) for item in records["train"]]
+            records["val"] += [item for item, v in zip(records["train"], chosen) if v]
+            records["train"] = [item for item, v in zip(records["train"], chosen) if not v]
+    # Every input was read: only now stamp the outputs (a failed read must not
+    # refuse the corrected rerun), and before any chunk is written (a rerun
+    # with other inputs must not resume these chunks).
+    for stamp, fingerprint in stamps.values():
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(stamp, fingerprint + "\n")
+    reports = {split: _ingest_split(records[split], out, inputs.image_root, samples_per_shard, workers, length,
+                                    coster) for split, out in splits.items()}
+    reports["train"].val = reports.get("val")
+    return reports["train"]
 
+
+def _ingest_split(items: list[tuple[str, Any]], out: Path, image_root: str, samples_per_shard: int, workers: int,
+                  length: Optional[LengthCheck], coster: Optional[Coster]) -> IngestReport:
+    """Write, index and report one split's records (see :func:`ingest`)."""
+    state = out / STATE_DIR
     report = IngestReport()
     markers: dict[int, dict] = {}
-    jobs = []
-    chunk: list = []
-    for position, item in enumerate(read_records(inputs)):
-        chunk.append(item)
-        if len(chunk) == samples_per_shard:
-            jobs.append((len(jobs), position + 1 - len(chunk), chunk))
-            chunk = []
-    if chunk:
-        jobs.append((len(jobs), sum(len(j[2]) for j in jobs), chunk))
     todo = []
-    for number, first, records in jobs:
+    for number, first in enumerate(range(0, len(items), samples_per_shard)):
         done = state / f"chunk-{number:06d}.json"
         if done.exists():
             markers[number] = json.loads(done.read_text(encoding="utf-8"))
             report.chunks_resumed += 1
         else:
-            todo.append((number, first, records, inputs.image_root, str(out), length))
+            todo.append((number, first, items[first:first + samples_per_shard], image_root, str(out), length))
     if workers == 1 or len(todo) <= 1:
         results = map(_write_chunk, todo)
     else:
@@ -354,7 +361,7 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
     try:
         for marker in results:
             markers[marker["chunk"]] = marker
-            logger.info("chunk %d: kept %d of %d", marker["chunk"], marker["kept"], marker["inputs"])
+            logger.info("%s chunk %d: kept %d of %d", out, marker["chunk"], marker["kept"], marker["inputs"])
     finally:
         if workers > 1 and len(todo) > 1:
             pool.close()
@@ -376,10 +383,12 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
 
 def _reason_kind(reason: str) -> str:
     """The reason without its per-record details (file names, counts), for the summary."""
-    for prefix in ("image not found", "image cannot be decoded", "longer than seq_length", "bad conversation",
-                   "not JSON"):
+    for prefix in ("image not found", "image path is a directory", "image cannot be read", "image cannot be decoded",
+                   "longer than seq_length", "bad conversation", "not JSON"):
         if reason.startswith(prefix):
             return prefix
+    if reason.startswith("image format "):
+        return "image format not stored"
     if "marker(s) for" in reason:
         return "<image> markers do not match the images"
     return reason

@@ -31,7 +31,8 @@ from megascale_omni.data.identity import tokenizer_source, train_split_source
 from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
-from megascale_omni.data.llava.plan_scan import PlanScanner
+from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
+from megascale_omni.data.llava.preflight import HOW_TO_MAKE, blend_train_split, check_vocab_size, tokenizer_dir
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
 from megascale_omni.data.module import DataModule
@@ -44,23 +45,12 @@ from megascale_omni.platform import Platform
 
 logger = logging.getLogger(__name__)
 
-HOW_TO_MAKE = "`python tools/make_shapes_dataset.py --out <dir>` or tools/ingest_llava.py"
-
-
-def _tokenizer_dir(cfg: JobConfig, root: Path) -> Path:
-    """The directory of ``data.tokenizer`` (a file's parent), else the dataset's."""
-    if not cfg.data.tokenizer:
-        return root
-    path = Path(cfg.data.tokenizer)
-    return path if path.is_dir() else path.parent
-
-
 def build_encoder(cfg: JobConfig, root: Path) -> LlavaEncoder | ChatLlavaEncoder:
     """The conversation encoder of ``data.format`` (every rank); its ``tok``
     gives the vocabulary size, pad and image token ids."""
     if cfg.data.format == "words":
         return LlavaEncoder(load_tokenizer(cfg, root), cfg.vision.tokens_per_image)
-    path = _tokenizer_dir(cfg, root)
+    path = tokenizer_dir(cfg, root)
     try:
         return ChatLlavaEncoder.from_pretrained(path, cfg.data.image_token, cfg.vision.tokens_per_image,
                                                 cfg.model.seq_length)
@@ -77,8 +67,8 @@ def build_image_preprocessor(cfg: JobConfig, root: Path) -> Optional[ImagePrepro
     if d.image_mode == "exact":
         return None
     source = d.image_processor
-    if source is None and (_tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME).is_file():
-        source = str(_tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME)
+    if source is None and (tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME).is_file():
+        source = str(tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME)
     try:
         pre = ImagePreprocessor.from_config(d.image_mode, cfg.vision.image_size, source)
     except (OSError, ValueError) as err:
@@ -94,12 +84,7 @@ def _train_reader(cfg: JobConfig, root: Path):
         return ShardedSampleReader(root / "train")
     readers = []
     for i, source in enumerate(cfg.data.blend):
-        split = Path(source.path) / "train"
-        if not (split / "index.json").is_file():
-            raise ConfigError(f"data.blend[{i}].path", source.path,
-                              "has no train/index.json; give a dataset directory written by tools/ingest_llava.py "
-                              "or tools/make_shapes_dataset.py")
-        readers.append(ShardedSampleReader(split))
+        readers.append(ShardedSampleReader(blend_train_split(i, source.path)))
     return ConcatReader(readers)
 
 
@@ -132,13 +117,8 @@ class ConversationData(DataModule):
         self.encoder = build_encoder(cfg, root)
         self.tokenizer = self.encoder.tok
         self.preprocess = build_image_preprocessor(cfg, root)
-        vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        if vocab < self.tokenizer.vocab_size:
-            raise ConfigError(
-                "model.vocab_size", vocab,
-                f"is smaller than the tokenizer's {self.tokenizer.vocab_size}; set 0 to use the tokenizer's",
-            )
-        self.vocab_size = cfg.model.padded_vocab_size(vocab)
+        check_vocab_size(cfg, self.tokenizer.vocab_size)  # validation could not read every tokenizer
+        self.vocab_size = cfg.model.padded_vocab_size(cfg.model.vocab_size or self.tokenizer.vocab_size)
         #: Samples are padded to a multiple of this many tokens (2*cp under CP).
         self.multiple = sequence_multiple(cfg)
         self.bad_samples = BadSampleAccount(cfg, dims, platform.device)
@@ -149,6 +129,9 @@ class ConversationData(DataModule):
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
+        for reader in (self.train_reader, self.val_reader):
+            if reader is not None and cfg.data.image_mode == "exact":
+                check_exact_sizes(reader, cfg.vision.image_size, cfg.data.max_bad_sample_fraction)
         if self.val_reader is not None:
             self.scanner.check_index(self.val_reader)  # scanned at the first evaluation: fail at start instead
         scan = self.scanner.scan(self.train_reader)

@@ -12,6 +12,13 @@ ways give the same lengths, so a plan does not depend on which was used.
 
 anyres: a sample's view count comes from the index's image sizes in both
 ways; a format-1 index has none, which is fatal (re-ingest or re-index).
+
+exact (the default ``data.image_mode``): images must already be
+``vision.image_size`` square. :func:`check_exact_sizes` refuses a split at
+start, from the index's image sizes, when more of its samples have other
+sizes than ``data.max_bad_sample_fraction`` allows (a LLaVA set of photos
+would otherwise be skipped sample by sample until the bad-sample limit
+stops the run), naming the image modes that preprocess them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from megascale_omni.config import ConfigError
 from megascale_omni.data.balance import sample_cost
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.llava.batches import padded_length, plan_sample
@@ -32,6 +40,28 @@ logger = logging.getLogger(__name__)
 #: Fix offered when an index lacks what the run needs.
 REINDEX_FIX = ("re-ingest with tools/ingest_llava.py (or rebuild with tools/make_shapes_dataset.py), or "
                "re-index the split with megascale_omni.data.shard_writer.index_shards(<split dir>, coster=<encoder>)")
+
+
+def check_exact_sizes(reader, image_size: int, limit: float) -> None:
+    """Raise ConfigError naming ``data.image_mode`` when more than ``limit``
+    of ``reader``'s samples (a split or a blend) have an image whose size
+    in the index is not ``image_size`` square (every rank, at start; reads
+    only the index: samples without sizes are checked when read)."""
+    wrong, example = 0, None
+    for i in range(len(reader)):
+        src, j = reader.resolve(i)
+        cost = src.index.samples[j].cost
+        bad = [hw for hw in (cost.image_hw if cost is not None else ()) if hw != (image_size, image_size)]
+        if bad:
+            wrong += 1
+            example = example or (src.root, src.index.samples[j].id, bad[0])
+    if wrong and wrong / len(reader) > limit:
+        root, sample_id, (h, w) = example
+        raise ConfigError("data.image_mode", "exact",
+                          f"needs every image {image_size}x{image_size} (vision.image_size), but {wrong} of "
+                          f"{len(reader)} samples have other sizes (e.g. {root} sample {sample_id}: {h}x{w}, "
+                          "height x width); set data.image_mode=pad_square (LLaVA-1.5), resize_crop or anyres "
+                          "to preprocess them")
 
 
 @dataclass
@@ -108,7 +138,7 @@ class PlanScanner:
         if image_hw is None:
             loc = reader.index.samples[idx]
             raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name,
-                                 "an image member is not a PNG (no size in index.json)")
+                                 "an image member has no readable header (no size in index.json)")
         return [self.num_views(hw) for hw in image_hw]
 
     def _plan_one(self, reader, i: int, use_index: dict) -> tuple[int, int, tuple[int, ...], bool]:
