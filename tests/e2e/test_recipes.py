@@ -42,6 +42,28 @@ PEAK_GIB = {
 }
 
 
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory):
+    """A directory laid out as the README's commands leave a job's inputs:
+    each recipe's ``data.path`` with a ``train/`` split and its tokenizer
+    directory (empty stand-ins: validation reads paths, not contents), and
+    ``examples/`` of this checkout. The tests validate the shipped files
+    from there, unmodified."""
+    root = tmp_path_factory.mktemp("job")
+    for name in (STAGE1, STAGE2, ANYRES, DIT):
+        data = load_yaml(RECIPES / name)["data"]
+        (root / data["path"] / "train").mkdir(parents=True, exist_ok=True)
+        if data.get("tokenizer"):
+            (root / data["tokenizer"]).mkdir(parents=True, exist_ok=True)
+    (root / "examples").symlink_to(REPO / "examples")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _in_job_dir(job_dir, monkeypatch):
+    monkeypatch.chdir(job_dir)
+
+
 def recipe(name: str, world: int, *overrides: str):
     """``(cfg, family)`` of a shipped recipe, validated for ``world`` ranks
     exactly as ``pretrain_*.py`` validates it."""
@@ -135,12 +157,12 @@ def test_stage2_on_too_little_memory_is_refused_with_the_fix(overrides, words):
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-def test_entry_point_refuses_stage2_without_distributed_optimizer(tmp_path):
+def test_entry_point_refuses_stage2_without_distributed_optimizer(tmp_path, job_dir):
     """The same refusal through ``pretrain_llava.py``: before any process
     group (WORLD_SIZE=8, one process), exit 2, one line, no traceback."""
-    proc = spawn([sys.executable, "pretrain_llava.py", "--config", str(RECIPES / STAGE2),
+    proc = spawn([sys.executable, str(REPO / "pretrain_llava.py"), "--config", str(RECIPES / STAGE2),
                   "parallel.use_distributed_optimizer=false", f"logging.output_dir={tmp_path}"],
-                 timeout=120, env={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"})
+                 timeout=120, env={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"}, cwd=job_dir)
     res = finish(proc, 120)
     lines = [line for line in res.stderr.splitlines() if line.startswith("config error:")]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
