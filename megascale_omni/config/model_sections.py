@@ -143,8 +143,11 @@ class VisionConfig:
     #: side, as HF's stride-``patch_size`` conv computes it: with 384 / 14
     #: (SigLIP-so400m) a 27 x 27 grid whose last 6 pixel rows/columns are unused.
     patch_size: int = checked(8, gt=0)
+    #: Transformer layers of the tower (as published; see ``feature_layer`` for how many are built).
     num_layers: int = checked(2, gt=0)
+    #: Width of the tower.
     hidden_size: int = checked(64, gt=0)
+    #: Attention heads of the tower.
     num_attention_heads: int = checked(4, gt=0)
     #: ViT MLP width; ``None`` = 4 * hidden_size.
     ffn_hidden_size: Optional[int] = checked(None, gt=0)
@@ -257,7 +260,9 @@ class DitConfig:
     #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
     #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    #: Mean of the normal whose sigmoid is the sampled time (``logit_normal`` only).
     logit_mean: float = 0.0
+    #: Standard deviation of that normal (``logit_normal`` only).
     logit_std: float = checked(1.0, gt=0)
     #: Probability of training a sample with the empty caption (enables CFG).
     caption_dropout: float = checked(0.1, ge=0, lt=1)
