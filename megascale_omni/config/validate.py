@@ -17,7 +17,12 @@ from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import ControlConfig, JobConfig
 
 #: ``sizeof(sockaddr_un.sun_path) - 1`` on Linux: longest Unix socket path, bytes.
-MAX_UNIX_SOCKET_PATH = 107
+UNIX_SUN_PATH_BYTES = 107
+#: The control server binds ``<path>.<pid>.tmp`` first and renames it into
+#: place (control/server.py); a Linux pid has at most 7 digits (pid_max 2**22).
+BIND_SUFFIX_BYTES = len(".4194304.tmp")
+#: Longest ``control.socket_path`` accepted, bytes: the temporary name must fit too.
+MAX_UNIX_SOCKET_PATH = UNIX_SUN_PATH_BYTES - BIND_SUFFIX_BYTES
 #: Shortest accepted control token, characters.
 MIN_TOKEN_CHARS = 16
 
