@@ -157,15 +157,23 @@ def test_stage2_on_too_little_memory_is_refused_with_the_fix(overrides, words):
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-def test_entry_point_refuses_stage2_without_distributed_optimizer(tmp_path, job_dir):
-    """The same refusal through ``pretrain_llava.py``: before any process
-    group (WORLD_SIZE=8, one process), exit 2, one line, no traceback."""
-    proc = spawn([sys.executable, str(REPO / "pretrain_llava.py"), "--config", str(RECIPES / STAGE2),
-                  "parallel.use_distributed_optimizer=false", f"logging.output_dir={tmp_path}"],
-                 timeout=120, env={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"}, cwd=job_dir)
+@pytest.mark.parametrize("launcher", ["entry", "omni-run"])
+def test_entry_point_refuses_stage2_without_distributed_optimizer(tmp_path, job_dir, launcher):
+    """The same refusal through ``pretrain_llava.py`` (before any process
+    group; WORLD_SIZE=8, one process) and through ``omni-run`` for 8 workers
+    (before any worker starts): exit 2, one line, no traceback."""
+    job = [str(REPO / "pretrain_llava.py"), "--config", str(RECIPES / STAGE2),
+           "parallel.use_distributed_optimizer=false", f"logging.output_dir={tmp_path}"]
+    if launcher == "entry":
+        proc = spawn([sys.executable, *job], timeout=120, env={"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"},
+                     cwd=job_dir)
+    else:
+        proc = spawn([sys.executable, "-m", "megascale_omni.launch", "--standalone", "--nproc-per-node", "8", *job],
+                     timeout=120, cwd=job_dir)
     res = finish(proc, 120)
     lines = [line for line in res.stderr.splitlines() if line.startswith("config error:")]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "worker" not in res.stderr, res.stderr[-3000:]
     assert len(lines) == 1 and "parallel.pipeline_memory_gib=80.0" in lines[0]
     assert "set parallel.use_distributed_optimizer=true" in lines[0]
 
