@@ -41,7 +41,8 @@ def main() -> None:
     cfg = load_job_config(rest, description=__doc__)
     world = args.world_size or cfg.parallel.model_parallel_size
     family = family_of(cfg)
-    family.validate(cfg, world)
+    # The plan needs the model and layout, not this host's data or directories.
+    family.validate(cfg, world, host_inputs=False)
     cost_model = family.cost_model_fn(cfg)
     if args.device is None:
         import torch

@@ -128,9 +128,13 @@ class ModelFamily:
         evaluator = self.evaluator_class(cfg, data)(cfg, platform, dims, data, model)
         return Task(data, model, evaluator)
 
-    def validate(self, cfg: JobConfig, world_size: int) -> None:
+    def validate(self, cfg: JobConfig, world_size: int, host_inputs: bool = True) -> None:
         """Every check ``cfg`` must pass to run this family on ``world_size``
-        ranks (every rank, before any process group). Raises ConfigError."""
+        ranks (every rank, before any process group). Raises ConfigError.
+
+        ``host_inputs=False`` leaves out what only the host that runs the job
+        can answer (data, tokenizer and resume paths, writable directories):
+        for planning a job on another machine (tools/plan_pipeline.py)."""
         if cfg.model.family != self.name:
             raise ConfigError(
                 "model.family", cfg.model.family,
@@ -163,6 +167,8 @@ class ModelFamily:
             # Read and matched against this model now (pure Python, no
             # megatron), not when the workers plan their pipeline.
             self.build_cost_model(cfg, world_size=world_size)
+        if not host_inputs:
+            return
         validate_paths(cfg)
         if self.check_inputs is not None:
             _resolve(self.check_inputs)(cfg, None if self.default_vocab is None else _resolve(self.default_vocab))
