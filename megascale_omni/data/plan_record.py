@@ -19,7 +19,8 @@ The settings (:func:`plan_settings`, ``{"section.field": value}``):
   ``tokenizer``, each blend member's ``path``): those are compared by the
   content they select, the task's data identity (:mod:`.identity`), so a
   dataset mounted elsewhere still resumes;
-- ``data.pad_to_multiple_of`` as resolved (``0`` is the default, 8);
+- LLaVA's ``data.pad_to_multiple_of`` as resolved (``0`` is the default,
+  8; the other families do not pad samples);
 - ``model.seq_length`` (row capacity), ``train.seed`` (sample order),
   ``train.global_batch_size`` (rows or samples per step);
 - in a DiT run, ``dit.patch_size``, ``dit.buckets`` and ``dit.token_budget``
@@ -59,7 +60,10 @@ def _settings(plain: Mapping[str, Any], pad_multiple: int) -> dict[str, Any]:
     data = plain["data"]
     out = {f"data.{k}": v for k, v in data.items() if k not in READING_FIELDS + CONTENT_FIELDS}
     out["data.blend"] = [{k: v for k, v in source.items() if k != "path"} for source in data["blend"]]
-    out["data.pad_to_multiple_of"] = pad_multiple
+    if plain["model"].get("family") == "llava":  # the one family that pads its samples
+        out["data.pad_to_multiple_of"] = pad_multiple
+    else:
+        out.pop("data.pad_to_multiple_of", None)
     fields = OTHER_FIELDS + (tuple(("dit", f) for f in DIT_FIELDS) if plain["model"].get("family") == "dit" else ())
     for section, name in fields:
         if name in plain.get(section, {}):

@@ -94,6 +94,10 @@ def test_a_checkpoint_without_the_record_is_read_with_the_padding_rule_of_then(c
     with caplog.at_level(logging.WARNING):
         check_resumed_plan(old_cp2, _cfg("data.pad_to_multiple_of=4"), IDENTITY)
     assert "records no data digests" in caplog.text
+    # GPT and DiT do not pad samples: a CP2 checkpoint of then resumes under today's default.
+    gpt = from_dict(JobConfig, apply_overrides(load_yaml("examples/gpt/tiny.yaml"), ["parallel.cp=2"]))
+    check_resumed_plan(_common(gpt, layout={"tp": 1, "pp": 1, "cp": 2, "dp": 1}, record=False), gpt, IDENTITY)
+    assert "data.pad_to_multiple_of" not in plan_settings(gpt)
     # A config that predates a field: the field is not compared.
     common = _common(_cfg(), record=False)
     del common["config"]["data"]["image_processor"]
