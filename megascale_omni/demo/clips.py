@@ -8,6 +8,7 @@ can tell which frames a sampler kept after lossy coding: the mean of frame
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -32,10 +33,11 @@ def frame_pixels(i: int, frames: int, height: int, width: int, seed: int = 0) ->
 
 
 def write_clip(path: str | Path, frames: int, height: int = 32, width: int = 48, fps: int = 10,
-               seed: int = 0) -> Path:
-    """Write ``frames`` frames of :func:`frame_pixels` to ``path`` with the
-    codec of its suffix (:data:`CODECS`); ``frames=0`` writes a video stream
-    with no frames. Returns ``path``."""
+               seed: int = 0, pixels: Callable[..., np.ndarray] = frame_pixels) -> Path:
+    """Write ``frames`` frames ``pixels(i, frames, height, width, seed)``
+    (default :func:`frame_pixels`) to ``path`` with the codec of its suffix
+    (:data:`CODECS`); ``frames=0`` writes a video stream with no frames.
+    Returns ``path``."""
     av = import_av()
 
     path = Path(path)
@@ -44,7 +46,7 @@ def write_clip(path: str | Path, frames: int, height: int = 32, width: int = 48,
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         container.start_encoding()  # the header, also when no frame follows
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(frame_pixels(i, frames, height, width, seed), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(pixels(i, frames, height, width, seed), format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return path
