@@ -58,6 +58,8 @@ def ingested(tmp_path_factory):
         write_clip(media / f"clip{suffix}", FRAMES, H, W)
     write_clip(media / "empty_stream.avi", 0, H, W)
     write_clip(media / "short.mp4", 3, H, W)
+    whole = (media / "clip.mkv").read_bytes()
+    (media / "cut.mkv").write_bytes(whole[: len(whole) // 2])  # header intact, the stream cut mid-way
     _frame_folder(media / "png_frames", ".png")
     _frame_folder(media / "jpg_frames", ".jpg")
     (media / "no_frames").mkdir()
@@ -75,6 +77,7 @@ def ingested(tmp_path_factory):
         {"id": "mixed", "image": "still.png", "video": "short.mp4",
          "conversations": _conv("look at this <image> and <video> what happens")},
         {"id": "text", "conversations": _conv("what happens")},
+        {"id": "cut", "video": "cut.mkv", "conversations": _conv(q)},
         # rejected, one of each reason
         {"id": "r-zero", "video": "zero.mp4", "conversations": _conv(q)},
         {"id": "r-audio", "video": "audio.mka", "conversations": _conv(q)},
@@ -128,7 +131,7 @@ def test_frame_choice_equals_transformers_llava_onevision():
 
 def test_ingest_counts_every_rejection_by_reason(ingested):
     out, _, report = ingested
-    assert (report.inputs, report.kept, report.rejected) == (15, 7, 8)
+    assert (report.inputs, report.kept, report.rejected) == (16, 8, 8)
     assert report.reasons == {
         "video is empty (0 bytes)": 1, "video has no video stream": 1, "video cannot be opened as a video": 1,
         "video has no frames": 1, "video is a folder without JPEG or PNG frames": 1, "video not found": 1,
@@ -148,7 +151,10 @@ def test_index_records_frames_and_size_and_the_reader_returns_the_chosen_frames(
     index = json.loads((out / INDEX_FILENAME).read_text())
     assert index["format_version"] == 4  # sets with videos only; format-3 code refuses them by number
     costs = [s["cost"] for s in index["samples"]]
-    assert [c.get("videos") for c in costs] == [[[KEEP, H, W]]] * 5 + [[[3, H, W]], None]
+    # A clip cut mid-stream keeps the frames that decode, and the choice is made on those.
+    cut_frames = ShardedSampleReader(out)[7].videos[0].shape[0]
+    assert 1 <= cut_frames <= KEEP
+    assert [c.get("videos") for c in costs] == [[[KEEP, H, W]]] * 5 + [[[3, H, W]], None, [[cut_frames, H, W]]]
     assert costs[5]["images"] == [[H, W]]
     reader = ShardedSampleReader(out)
     chosen = (np.arange(KEEP) * FRAMES // KEEP).tolist()  # [0, 2, 4, 7, 9]
@@ -205,10 +211,11 @@ def test_plan_costs_videos_from_the_index_alone(ingested):
     batcher = _batcher(out, video_frames=4)
     for frames in (0, 4):
         scan = PlanScanner(batcher.encoder, 4, 256, 1, video_frames=frames).scan(reader)
-        assert scan.video_samples == 6 and scan.bad == 0
+        assert scan.video_samples == 7 and scan.bad == 0
         text = [batcher.encoder.length_from_metadata(reader.read_metadata(i), [1] * reader[i].num_images)
-                for i in range(7)]
-        per_video = [min(KEEP, frames or KEEP)] * 5 + [min(3, frames or 3), 0]
+                for i in range(8)]
+        stored = [KEEP] * 5 + [3, 0, reader[7].videos[0].shape[0]]
+        per_video = [min(f, frames or f) for f in stored]
         assert scan.lengths.tolist() == [t + 4 * f for t, f in zip(text, per_video)]
 
 
@@ -220,3 +227,37 @@ def test_rerun_with_other_video_settings_is_refused(ingested, tmp_path):
     with pytest.raises(ConfigError, match="holds an ingestion of other inputs or settings"):
         ingest(IngestInputs(llava_json=[str(records)], image_root=str(media)), copy, samples_per_shard=4,
                video=VideoSampling(frames=KEEP + 1))
+
+
+def test_a_run_with_video_samples_stops_before_building_the_model():
+    from types import SimpleNamespace
+
+    from megascale_omni.config import JobConfig, from_dict
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}, "data": {"path": "/sets/video"}})
+    platform = SimpleNamespace(default_dtype=lambda precision: torch.float32)
+    spec = LlavaModelSpec(cfg, platform, None, SimpleNamespace(video_samples=3))
+    with pytest.raises(ConfigError) as err:
+        spec.build_model()
+    assert str(err.value).startswith("config error: data.path='/sets/video': has 3 training samples with <video>: "
+                                     "the llava model does not consume video yet (issue 32")
+
+
+def test_ingest_tool_video_flags(ingested, tmp_path):
+    from tests.launcher import run_tool_in_process
+
+    _, media, _ = ingested
+    records = tmp_path / "r.json"
+    records.write_text(json.dumps([{"id": "a", "video": "clip.webm", "conversations": _conv("<video> what")}]))
+    out = tmp_path / "train"
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", out, "--image-root", media, "--llava-json", records,
+                            "--workers", 1, "--video-frames", 4, "--video-fps", 5)
+    assert r.returncode == 0, r.output
+    # 12 frames at 10 fps = 1.2 s; 5 frames a second -> int(6.0) = 6, capped at 4: frames 0, 3, 6, 9
+    video = ShardedSampleReader(out)[0].videos[0]
+    means = video.reshape(len(video), -1).mean(axis=1)
+    assert len(video) == 4 and np.abs(means - [level(j, FRAMES) for j in (0, 3, 6, 9)]).max() < 3, means
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json", records,
+                            "--video-frames", 0)
+    assert r.returncode == 2 and r.stderr.strip() == ("config error: --video-frames=0: must be an int > 0 "
+                                                      "(e.g. 8, 32)"), r.output
