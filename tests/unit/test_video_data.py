@@ -50,7 +50,7 @@ def _frame_folder(path: Path, suffix: str, frames: int = FRAMES) -> Path:
 
 @pytest.fixture(scope="module")
 def ingested(tmp_path_factory):
-    """One ingestion of every kind of record; returns (split dir, media root)."""
+    """One ingestion of every kind of record; returns (split dir, media root, report)."""
     root = tmp_path_factory.mktemp("video")
     media = root / "media"
     media.mkdir()
