@@ -76,7 +76,7 @@ class VideoSampling:
 
     def __post_init__(self):
         if self.policy not in ("uniform", "fps"):
-            raise ConfigError("--video-sampling", self.policy, "must be uniform or fps")
+            raise ConfigError("VideoSampling.policy", self.policy, "must be uniform or fps")
         if not isinstance(self.frames, int) or self.frames <= 0:
             raise ConfigError("--video-frames", self.frames, "must be an int > 0 (e.g. 8, 32)")
         if not self.fps > 0:

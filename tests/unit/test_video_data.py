@@ -261,3 +261,7 @@ def test_ingest_tool_video_flags(ingested, tmp_path):
                             "--video-frames", 0)
     assert r.returncode == 2 and r.stderr.strip() == ("config error: --video-frames=0: must be an int > 0 "
                                                       "(e.g. 8, 32)"), r.output
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json", records,
+                            "--video-fps", 0)
+    assert r.returncode == 2 and r.stderr.strip() == "config error: --video-fps=0.0: must be > 0 (e.g. 1.0)", r.output
+    assert not (tmp_path / "x").exists()
