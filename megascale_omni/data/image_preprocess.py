@@ -41,6 +41,9 @@ from PIL import Image
 logger = logging.getLogger(__name__)
 
 PREPROCESSOR_FILENAME = "preprocessor_config.json"
+#: What transformers 5 saves for a whole processor (``LlavaProcessor``): the
+#: image processor's settings sit under its ``image_processor`` key.
+PROCESSOR_FILENAME = "processor_config.json"
 IMAGE_MODES = ("exact", "resize_crop", "pad_square", "anyres")
 
 #: LLaVA-NeXT's candidate resolutions for a 336-pixel tower, ``(height, width)``.
@@ -113,16 +116,34 @@ class PreprocessorSpec:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "PreprocessorSpec":
-        """From a ``preprocessor_config.json`` file or a directory holding one.
+        """From a ``preprocessor_config.json`` or ``processor_config.json``
+        file, or a directory holding one (:func:`find_preprocessor_config`).
         Raises FileNotFoundError (naming the path) or ValueError (bad JSON)."""
         path = Path(path)
         if path.is_dir():
-            path = path / PREPROCESSOR_FILENAME
+            path = find_preprocessor_config(path) or path / PREPROCESSOR_FILENAME
         try:
             conf = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(conf, dict) and isinstance(conf.get("image_processor"), dict):
+            conf = conf["image_processor"]
         return cls.from_dict(conf)
+
+
+def find_preprocessor_config(directory: str | os.PathLike) -> Optional[Path]:
+    """The image processor's settings in ``directory`` (a tokenizer or model
+    directory): its ``preprocessor_config.json``, else a ``processor_config.json``
+    that holds an ``image_processor``; None when it has neither."""
+    directory = Path(directory)
+    if (directory / PREPROCESSOR_FILENAME).is_file():
+        return directory / PREPROCESSOR_FILENAME
+    processor = directory / PROCESSOR_FILENAME
+    try:
+        has_image_processor = "image_processor" in json.loads(processor.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return processor if has_image_processor else None
 
 
 def select_grid(image_hw: tuple[int, int], candidates: Sequence[tuple[int, int]]) -> tuple[int, int]:

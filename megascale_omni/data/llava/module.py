@@ -28,7 +28,7 @@ from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
 from megascale_omni.data.dataset_root import DefaultDataset, load_tokenizer, resolve_dataset_root
 from megascale_omni.data.identity import tokenizer_source, train_split_source
-from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
+from megascale_omni.data.image_preprocess import ImagePreprocessor, find_preprocessor_config
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
@@ -67,8 +67,8 @@ def build_image_preprocessor(cfg: JobConfig, root: Path) -> Optional[ImagePrepro
     if d.image_mode == "exact":
         return None
     source = d.image_processor
-    if source is None and (tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME).is_file():
-        source = str(tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME)
+    if source is None and (found := find_preprocessor_config(tokenizer_dir(cfg, root))) is not None:
+        source = str(found)
     try:
         pre = ImagePreprocessor.from_config(d.image_mode, cfg.vision.image_size, source)
     except (OSError, ValueError) as err:
