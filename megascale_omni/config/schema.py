@@ -242,6 +242,12 @@ class DataConfig:
     #: one when present (``tools/hf_import.py`` copies it there), else a plain
     #: resize to ``vision.image_size`` with mean = std = 0.5.
     image_processor: Optional[str] = None
+    #: LLaVA: frames read per ``<video>`` of a sample, uniformly spread over
+    #: the frames ingestion stored (``tools/ingest_llava.py --video-frames``
+    #: chose those, docs/video.md); ``0``: every stored frame. Each frame is
+    #: one tower input preprocessed by ``image_mode`` (anyres: its overview).
+    #: The llava model refuses video samples until it consumes them (issue 32).
+    video_frames: int = checked(8, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
     #: their ``train/`` splits, in the step-indexed plan (docs/data.md). The

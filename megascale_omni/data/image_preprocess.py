@@ -163,6 +163,12 @@ def select_grid(image_hw: tuple[int, int], candidates: Sequence[tuple[int, int]]
     return best
 
 
+def _check_rgb(image: np.ndarray) -> None:
+    if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3):
+        raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', type(image))} "
+                         f"{getattr(image, 'shape', '')}")
+
+
 class ImagePreprocessor:
     """uint8 RGB ``[H, W, 3]`` array -> float32 ``[n, 3, S, S]`` views (see module docstring).
 
@@ -198,9 +204,7 @@ class ImagePreprocessor:
     def __call__(self, image: np.ndarray) -> torch.Tensor:
         """``image``: np.uint8 ``[H, W, 3]``. Returns float32 ``[n, 3, S, S]``.
         Raises ValueError for a wrongly shaped image (``exact`` mode: not ``S x S``)."""
-        if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3):
-            raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', type(image))} "
-                             f"{getattr(image, 'shape', '')}")
+        _check_rgb(image)
         if self.mode == "exact":
             if image.shape[:2] != (self.image_size, self.image_size):
                 raise ValueError(f"image shape {image.shape} != ({self.image_size}, {self.image_size}, 3); "
@@ -214,6 +218,15 @@ class ImagePreprocessor:
                 image = pad_to_square(image, tuple(int(255 * m) for m in self.spec.image_mean))
             views = [self._resize_crop(image)]
         return torch.from_numpy(np.stack([self._normalise(v) for v in views]))
+
+    def frame(self, frame: np.ndarray) -> torch.Tensor:
+        """One video frame (uint8 ``[H, W, 3]``) -> float32 ``[1, 3, S, S]``:
+        as :meth:`__call__`, except that ``anyres`` keeps only the overview
+        (LLaVA-OneVision gives each frame one base-resolution view)."""
+        if self.mode != "anyres":
+            return self(frame)
+        _check_rgb(frame)
+        return torch.from_numpy(self._normalise(self._resize_to(frame, (self.image_size, self.image_size)))[None])
 
     # ------------------------------------------------------------- helpers
     def _resize_to(self, image: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
