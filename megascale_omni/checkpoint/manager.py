@@ -145,7 +145,8 @@ class Checkpointer:
         return Path(path)
 
     def _choose(self, state: TrainState) -> tuple[Optional[str], Optional[Exception]]:
-        """Rank 0: the newest checkpoint that verifies and matches the model."""
+        """Rank 0: the newest checkpoint that verifies and matches the model
+        and the sample plan (:meth:`TrainState.check_resume`)."""
         if self.cfg.resume != "auto":
             info = _info_for(Path(self.cfg.resume))
             problems = layout.verify(info, self.cfg.verify_checksums)
@@ -170,6 +171,10 @@ class Checkpointer:
                 "the model differs from this checkpoint (" + "; ".join(diffs) + "): restore those settings, "
                 "point checkpoint.dir elsewhere, or start fresh with checkpoint.resume=none",
             )
+        try:
+            state.check_resume(common)  # the same sample plan for the remaining steps
+        except ConfigError as e:
+            return None, e
         return str(info.path), None
 
     def _load(self, state: TrainState, path: Path) -> None:

@@ -16,7 +16,9 @@ with the same keys::
 
 in memory only, ``"peer"`` (layout, shared config, data digests and
 gradient buckets, checked by a joiner before it applies anything), and, in a checkpoint only, ``"rng"`` (a ShardedObject over (pp, tp)),
-``"config"`` (the job config as a plain dict) and ``"layout"``; beside
+``"config"`` (the job config as a plain dict), ``"layout"`` and
+``"data_plan"`` (what decides each step's samples, with the data digests:
+:mod:`megascale_omni.data.plan_record`, checked on resume); beside
 the tensors, a checkpoint holds :attr:`TrainState.hf_assets` as files. The data
 position is the step: every sample plan is step-indexed. Every method is
 called on every rank.
@@ -37,6 +39,8 @@ from megascale_omni.checkpoint.state import (
     rng_object,
 )
 from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.data.plan_record import CHECKPOINT_KEY as PLAN_KEY
+from megascale_omni.data.plan_record import check_resumed_plan, plan_record
 from megascale_omni.elastic.peer_state import (
     check_peer_state,
     grad_buckets,
@@ -161,9 +165,18 @@ class TrainState:
             state["rng"] = rng_object()
         state["config"] = to_dict(self.cfg)
         state["layout"] = self.layout()
+        state[PLAN_KEY] = plan_record(self.cfg, self.task.data_identity())
         if self.provenance:
             state["pretrained"] = self.provenance
         return state
+
+    def check_resume(self, common: dict[str, Any]) -> None:
+        """Raise ConfigError (one line, naming the field) if this run would
+        plan the remaining steps otherwise than the run that wrote a
+        checkpoint (its common state): another setting that decides the
+        samples, or other data (:func:`~megascale_omni.data.plan_record.check_resumed_plan`;
+        reads only, any rank)."""
+        check_resumed_plan(common, self.cfg, self.task.data_identity())
 
     def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""

@@ -194,7 +194,9 @@ class ElasticConfig:
     quorum_timeout_s: float = checked(120.0, gt=0)
     #: Seconds for each cross-replica collective and peer state transfer before the step is abandoned.
     timeout_s: float = checked(60.0, gt=0)
-    #: Directory for the sample ledger (JSONL per replica and inner DP rank); empty disables it.
+    #: Directory for the sample ledger (JSONL per replica and inner DP rank):
+    #: which samples each committed step consumed. Also written without
+    #: ``enabled`` (one fixed group, across resumes). Empty disables it.
     ledger_dir: str = ""
     #: Start as a warm standby: build everything, serve the control socket, but
     #: stay out of the quorum until ``omni-ctl join`` (or exit 0 on ``drain``).

@@ -262,9 +262,11 @@ class DataConfig:
     #: rounded up to a multiple of ``num_workers``.
     prefetch_steps: int = checked(2, gt=0)
     #: LLaVA: pad every sample (with loss-free padding at its end) to a
-    #: multiple of this many tokens before packing. ``0``: ``2 * parallel.cp``
-    #: (what context parallelism needs), 1 without CP. Set it explicitly to
-    #: compare a CP run with a CP1 run on identical packs.
+    #: multiple of this many tokens before packing; context parallelism needs
+    #: a multiple of ``2 * parallel.cp``. ``0``: 8 at every layout (serves
+    #: cp 1, 2 and 4), so a run packs the same rows, and each step holds the
+    #: same samples, whatever its layout; cp 8 and more need an explicit
+    #: value. Part of the sample plan: a resume must keep it (docs/checkpoints.md).
     pad_to_multiple_of: int = checked(0, ge=0)
 
     def __post_init__(self) -> None:

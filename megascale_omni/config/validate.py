@@ -8,6 +8,7 @@ fails in milliseconds with the same message on every rank.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import tempfile
@@ -132,9 +133,31 @@ def _validate_pipeline_partition(cfg: JobConfig) -> None:
             )
 
 
+#: What ``data.pad_to_multiple_of: 0`` pads every LLaVA sample to, whatever
+#: the layout: it serves ``parallel.cp`` 1, 2 and 4 (each sample is cut into
+#: ``2 * cp`` chunks), so the packed rows, hence the samples of every step,
+#: are the same at each of them and across a resume from one to another.
+#: Measured cost on the shapes demo: docs/data.md.
+DEFAULT_PAD_MULTIPLE = 8
+
+
 def sequence_multiple(cfg: JobConfig) -> int:
-    """What every LLaVA sample is padded to before packing (``data.pad_to_multiple_of``, resolved)."""
-    return cfg.data.pad_to_multiple_of or (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
+    """What every LLaVA sample is padded to before packing: ``data.pad_to_multiple_of``,
+    or :data:`DEFAULT_PAD_MULTIPLE` for 0 (never the layout). Raises
+    ConfigError naming ``data.pad_to_multiple_of`` when the default cannot
+    serve ``parallel.cp`` (an explicit value is checked with the layout)."""
+    if cfg.data.pad_to_multiple_of:
+        return cfg.data.pad_to_multiple_of
+    chunks = 2 * cfg.parallel.cp
+    if DEFAULT_PAD_MULTIPLE % chunks:
+        need = math.lcm(DEFAULT_PAD_MULTIPLE, chunks)
+        raise ConfigError(
+            "data.pad_to_multiple_of", 0,
+            f"the default pads samples to {DEFAULT_PAD_MULTIPLE} tokens, which serves parallel.cp 1, 2 and 4 but "
+            f"not parallel.cp={cfg.parallel.cp} (each sample is cut into 2*cp={chunks} chunks); set "
+            f"data.pad_to_multiple_of={need}, and keep it for every layout and resume of this run",
+        )
+    return DEFAULT_PAD_MULTIPLE
 
 
 def _validate_context_parallel(cfg: JobConfig) -> None:
@@ -145,7 +168,7 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
         raise ConfigError(
             "data.pad_to_multiple_of", cfg.data.pad_to_multiple_of,
             f"must be a multiple of 2*parallel.cp={chunks} (each sample is cut into 2*cp chunks); "
-            "use 0 for that default",
+            f"use {math.lcm(cfg.data.pad_to_multiple_of, chunks)}",
         )
     if model.attention_dropout and model.layer_impl != "transformer_engine":
         raise ConfigError(
@@ -157,18 +180,23 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
 
 def require_cp_seq_length(cfg: JobConfig) -> None:
     """Language-model families (packed THD batches) under CP: packed rows must
-    split into ``2 * cp`` chunks, and the CP communication must take THD."""
-    model, multiple = cfg.model, sequence_multiple(cfg)
-    if cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "allgather":
+    split into ``2 * cp`` chunks (each sample is padded to a multiple of
+    ``2 * cp`` already, :func:`sequence_multiple`, so the row's padding tail
+    is one too), and the CP communication must take THD."""
+    par, model = cfg.parallel, cfg.model
+    if par.cp == 1:
+        return
+    if par.cp_comm_type == "allgather":
         raise ConfigError(
             "parallel.cp_comm_type", "allgather",
             "transformer-engine's all_gather CP refuses packed (THD) sequences; use p2p, a2a or a2a+p2p",
         )
-    if model.seq_length % multiple:
+    chunks = 2 * par.cp
+    if model.seq_length % chunks:
         raise ConfigError(
             "model.seq_length", model.seq_length,
-            f"must be a multiple of {multiple} (2*parallel.cp, or data.pad_to_multiple_of) "
-            f"under context parallelism; use {max(model.seq_length // multiple, 1) * multiple}",
+            f"must be a multiple of {chunks} (2*parallel.cp) under context parallelism (each packed row is cut "
+            f"into 2*cp chunks); use {max(model.seq_length // chunks, 1) * chunks}",
         )
 
 

@@ -1,5 +1,7 @@
 """Content identity of a job's training data, compared before a replica group
-joins an elastic job (:func:`megascale_omni.elastic.peer_state.check_peer_state`).
+joins an elastic job (:func:`megascale_omni.elastic.peer_state.check_peer_state`)
+and when a run resumes from a checkpoint, which records it
+(:mod:`megascale_omni.data.plan_record`).
 
 Exactly-once holds job-wide only when every replica group plans the same
 samples for a step, and the plan is a function of the data itself besides
@@ -57,21 +59,24 @@ def short(digest: Optional[str]) -> str:
     return digest[:SHORT] if digest else "none"
 
 
-def check_data_identity(own: Mapping[str, dict], peer: Mapping[str, dict]) -> None:
+def check_data_identity(own: Mapping[str, dict], other: Mapping[str, dict], against: str = "the running job",
+                        why: str = "every replica group must train on the same samples",
+                        alternative: str = "") -> None:
     """Raise ConfigError (one line, naming the field) unless every source of
-    ``own`` has the same digest in ``peer`` (reads only; any thread)."""
+    ``own`` has the same digest in ``other``, the identity of ``against``
+    (a joiner's running job, or a checkpoint's run: ``why`` it matters,
+    ``alternative`` to the fix); reads only, any thread."""
     for key, mine in own.items():
-        theirs = peer.get(key) or {}
+        theirs = other.get(key) or {}
         if theirs.get("digest") == mine["digest"]:
             continue
         field = mine["field"]
-        fix = ("point data.tokenizer at the running job's tokenizer" if field == "data.tokenizer"
-               else f"point {field} at the running job's copy of the dataset")
+        fix = (f"point data.tokenizer at {against}'s tokenizer" if field == "data.tokenizer"
+               else f"point {field} at {against}'s copy of the dataset")
         raise ConfigError(
             field, mine["value"],
-            f"{mine['what']} differs from the running job's (digest {short(mine['digest'])} here, "
-            f"{short(theirs.get('digest'))} in the running job): every replica group must train on the same "
-            f"samples; {fix}",
+            f"{mine['what']} differs from {against}'s (digest {short(mine['digest'])} here, "
+            f"{short(theirs.get('digest'))} in {against}): {why}; {fix}{alternative}",
         )
 
 

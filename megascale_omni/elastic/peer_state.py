@@ -24,6 +24,7 @@ from megatron.core.optimizer import DistributedOptimizer
 from megascale_omni.checkpoint.state import restore_adam_step
 from megascale_omni.config import ConfigError, JobConfig, to_dict
 from megascale_omni.data.identity import check_data_identity
+from megascale_omni.data.plan_record import plan_settings
 from megascale_omni.elastic import adapter
 
 
@@ -84,32 +85,22 @@ def load_peer_optimizer_state(optimizer: Any, states: list[dict]) -> None:
     restore_adam_step(optimizer)
 
 
-#: data.* fields replica groups may set differently: how fast the data is
-#: read, and the one a scheduler may change at run time; not what it is.
-_PER_GROUP_DATA_FIELDS = ("num_workers", "prefetch_steps", "max_bad_sample_fraction")
-#: data.* paths compared by the content they select (the task's data
-#: identity), not as strings: nodes may mount one dataset at different paths.
-_CONTENT_DATA_FIELDS = ("path", "tokenizer")
-
-
 def replica_config(cfg: JobConfig) -> dict[str, Any]:
     """The config fields every replica group of an elastic job must share,
     as ``{"section.field": value}``: the model (``model.*``, ``vision.*``,
-    ``dit.*``), the data and what decides each step's samples (``data.*``
-    but :data:`_PER_GROUP_DATA_FIELDS`; ``train.seed``,
-    ``train.global_batch_size``, ``train.micro_batch_size``) and
-    ``train.precision``. Dataset and tokenizer paths (``data.path``,
-    ``data.tokenizer``, each ``data.blend`` member's ``path``) are left out:
+    ``dit.*``), every setting that decides each step's samples
+    (:func:`~megascale_omni.data.plan_record.plan_settings`: ``data.*`` but
+    how fast it is read and the bad-sample limit, which groups may set
+    differently, ``train.seed``, ``train.global_batch_size``), and
+    ``train.micro_batch_size`` (groups receive whole micro-batches) and
+    ``train.precision``. Dataset and tokenizer paths are left out:
     :func:`check_peer_state` compares the digests of their content instead
     (:mod:`megascale_omni.data.identity`); ``data.blend`` keeps its members'
     weights."""
     plain = to_dict(cfg)
     fields = {f"{section}.{k}": v for section in ("model", "vision", "dit") for k, v in plain[section].items()}
-    skipped = _PER_GROUP_DATA_FIELDS + _CONTENT_DATA_FIELDS
-    fields.update((f"data.{k}", v) for k, v in plain["data"].items() if k not in skipped)
-    fields["data.blend"] = [{k: v for k, v in source.items() if k != "path"} for source in plain["data"]["blend"]]
-    fields.update((f"train.{k}", plain["train"][k])
-                  for k in ("seed", "global_batch_size", "micro_batch_size", "precision"))
+    fields.update(plan_settings(cfg))
+    fields.update((f"train.{k}", plain["train"][k]) for k in ("micro_batch_size", "precision"))
     return fields
 
 

@@ -53,17 +53,36 @@ class StepShare:
     dp_size: int
 
 
+def _ledger_writer(directory: str, replica_id: str, dp_rank: int) -> Optional[SampleLedger]:
+    """The ledger of DP rank ``dp_rank`` when ``directory`` is set and this rank
+    writes it (every rank calls; None elsewhere): one writer per DP rank, its
+    first-stage process of TP rank 0 and CP rank 0 (the TP and CP ranks of a
+    DP rank compute the same samples)."""
+    writes = (
+        bool(directory)
+        and mpu.is_pipeline_first_stage(ignore_virtual=True)
+        and mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_context_parallel_rank() == 0
+    )
+    return SampleLedger(directory, replica_id, dp_rank) if writes else None
+
+
 class StaticMembership:
-    """A fixed replica group: every step belongs to it alone (every rank)."""
+    """A fixed replica group: every step belongs to it alone (every rank).
+
+    With ``elastic.ledger_dir`` it writes the sample ledger too (quorum 0,
+    participant 0 of 1, replica ``elastic.replica_id`` or ``job``), after each
+    step: what each step of a run consumed, across resumes at any layout."""
 
     enabled = False
     #: No cross-replica dimension: gradients are reduced by megatron's DDP only.
     cross_replica = None
 
-    def __init__(self, state: TrainState, dp_rank: int):
+    def __init__(self, state: TrainState, dp_rank: int, ledger_dir: str = "", replica_id: str = ""):
         self.state = state
         self.dp_rank = dp_rank
         self.account = state.task.bad_samples
+        self.ledger = _ledger_writer(ledger_dir, replica_id or "job", dp_rank)
 
     def enter(self, control: Any) -> bool:
         """Ready to train at once."""
@@ -82,9 +101,14 @@ class StaticMembership:
 
     def end_step(self, share: StepShare, committed: bool) -> None:
         """A fixed group always commits: the step's bad-sample counts, reduced
-        while it computed, are added to the totals (every rank)."""
+        while it computed, are added to the totals; the ledger records the
+        step's samples (every rank)."""
         if self.account is not None:
             self.account.settle()
+        if self.ledger is not None:
+            samples = self.state.task.sample_ids(share.step, share.dp_rank, share.dp_size)
+            self.ledger.attempt(share.step, 0, 0, 1, share.dp_rank, share.dp_size, samples)
+            self.ledger.commit(share.step, 0, committed)
 
     def annotate(self, record: dict, share: StepShare) -> None:
         """No replica fields in the step record."""
@@ -96,7 +120,10 @@ class StaticMembership:
         return None
 
     def leave(self) -> None:
-        """Nothing to leave."""
+        """Nothing to leave; the ledger is closed."""
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
 
 class ElasticMembership:
@@ -152,15 +179,7 @@ class ElasticMembership:
         self.sums.attach(self.state.chunks)
         for chunk in self.state.chunks:
             chunk.config.finalize_model_grads_func = self._finalize_model_grads
-        # One writer per inner DP rank: its TP ranks and CP ranks compute the same samples.
-        writes_ledger = (
-            bool(self.cfg.ledger_dir)
-            and mpu.is_pipeline_first_stage(ignore_virtual=True)
-            and mpu.get_tensor_model_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0
-        )
-        if writes_ledger:
-            self.ledger = SampleLedger(self.cfg.ledger_dir, self.cfg.replica_id, self.dp_rank)
+        self.ledger = _ledger_writer(self.cfg.ledger_dir, self.cfg.replica_id, self.dp_rank)
         if self.state.step:
             # Resumed from a checkpoint: torchft counts committed steps from
             # there, so replica groups that loaded the same step need no heal.
@@ -323,4 +342,6 @@ class ElasticMembership:
 
 def build_membership(state: TrainState, cfg: ElasticConfig, dp_rank: int):
     """The membership service of this job (every rank)."""
-    return ElasticMembership(state, cfg, dp_rank) if cfg.enabled else StaticMembership(state, dp_rank)
+    if cfg.enabled:
+        return ElasticMembership(state, cfg, dp_rank)
+    return StaticMembership(state, dp_rank, cfg.ledger_dir, cfg.replica_id)

@@ -19,7 +19,7 @@ its end (:func:`pad_segments`); ``PackedSeqParams`` then carries the real
 boundaries in ``cu_seqlens_q`` and the padded ones in
 ``cu_seqlens_q_padded``, transformer-engine's convention. The LLaVA data path
 avoids padding here by padding each sample to a multiple of ``2 * cp`` when
-it is packed (``data.pad_to_multiple_of``), so its segments are already
+it is packed (``data.pad_to_multiple_of``, 8 by default), so its segments are already
 divisible.
 
 Everything here is pure tensor code (no process group); it runs on every

@@ -23,7 +23,12 @@ from typing import Callable, Optional
 
 from megascale_omni.checkpoint.layout import check_resume_path
 from megascale_omni.config import ConfigError, JobConfig, validate_job
-from megascale_omni.config.validate import require_cp_seq_length, require_divisible_by_tp, validate_paths
+from megascale_omni.config.validate import (
+    require_cp_seq_length,
+    require_divisible_by_tp,
+    sequence_multiple,
+    validate_paths,
+)
 
 #: Features a family may support; a config that uses one its family lacks exits 2.
 FEATURES = {
@@ -225,6 +230,7 @@ def _check_gpt(cfg: JobConfig) -> None:
 def _check_llava(cfg: JobConfig) -> None:
     vision, par = cfg.vision, cfg.parallel
     require_cp_seq_length(cfg)
+    sequence_multiple(cfg)  # the default padding serves parallel.cp up to 4
     require_divisible_by_tp("vision.num_attention_heads", vision.num_attention_heads, par.tp)
     require_divisible_by_tp("vision.ffn_hidden_size", vision.ffn_size, par.tp)
     if cfg.model.freeze and vision.freeze and vision.freeze_projector:

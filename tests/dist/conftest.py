@@ -34,3 +34,28 @@ def gpt_baseline(tmp_path_factory) -> list[dict]:
     # The run must actually optimise something, or equality proves nothing.
     assert all(r["grad_norm"] > 0 for r in records)
     return records
+
+
+#: The tiny LLaVA run that LLaVA layouts and resumes are compared with.
+LLAVA_CONFIG = "examples/llava/tiny_cpu.yaml"
+LLAVA_STEPS = 20
+
+
+def llava_args(llava_dataset, *extra: str) -> list[str]:
+    """The LLaVA comparison runs' arguments: :data:`LLAVA_CONFIG` with default
+    settings on ``llava_dataset`` for :data:`LLAVA_STEPS` steps, evaluation at the end only."""
+    return ["--config", LLAVA_CONFIG, f"data.path={llava_dataset}", f"train.steps={LLAVA_STEPS}",
+            "train.eval_interval=0", *extra]
+
+
+@pytest.fixture(scope="session")
+def llava_baseline(tmp_path_factory, llava_dataset) -> tuple[list[dict], dict[int, list[int]]]:
+    """Per-step records of the tiny LLaVA (:func:`llava_args`) on one process,
+    and the samples of each step from its ledger (0-based steps), run once per session."""
+    from megascale_omni.elastic.ledger import consumed_samples, read_ledger
+
+    out = tmp_path_factory.mktemp("llava-base")
+    records = train_and_read("pretrain_llava.py", 1, llava_args(llava_dataset, f"elastic.ledger_dir={out / 'ledger'}"),
+                             out, LLAVA_STEPS, timeout=400)
+    assert records[-1]["loss"] < records[0]["loss"]  # it trains
+    return records, consumed_samples(read_ledger(out / "ledger"))

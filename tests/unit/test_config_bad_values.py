@@ -181,7 +181,8 @@ def test_overlap_param_gather_resolves_and_leaves_the_gather_to_the_forward():
 CP_BAD = [
     (["parallel.cp=2", "model.seq_length=30"], "model.seq_length", "multiple of 4"),
     (["parallel.cp=2", "data.pad_to_multiple_of=6"], "data.pad_to_multiple_of", "multiple of 2*parallel.cp=4"),
-    (["parallel.cp=2", "data.pad_to_multiple_of=8", "model.seq_length=36"], "model.seq_length", "multiple of 8"),
+    # Samples padded to 8 in rows of 36: the padding tail (36 - 8k) still splits into 4 chunks; 34 does not.
+    (["parallel.cp=2", "data.pad_to_multiple_of=8", "model.seq_length=34"], "model.seq_length", "multiple of 4"),
     (["parallel.cp=2", "model.attention_dropout=0.1"], "model.attention_dropout", "no attention dropout"),
     (["data.pad_to_multiple_of=-1"], "data.pad_to_multiple_of", ">= 0"),
 ]
@@ -193,6 +194,28 @@ def test_context_parallel_settings_are_checked_before_start(overrides, field, hi
         cfg = from_dict(JobConfig, apply_overrides(load_yaml(BASE), overrides))
         get_family(cfg.model.family).validate(cfg, world_size=2)
     assert e.value.field == field and hint in e.value.hint, str(e.value)
+
+
+def test_default_sample_padding_serves_cp_up_to_4_and_larger_cp_must_choose_one():
+    """``data.pad_to_multiple_of: 0`` is 8 at every layout (the plan must not
+    follow the layout); LLaVA at cp=8 needs 16 and is told to set it."""
+    from megascale_omni.config.validate import DEFAULT_PAD_MULTIPLE, sequence_multiple
+
+    llava = "examples/llava/tiny_cpu.yaml"
+    for cp in (1, 2, 4):
+        cfg = from_dict(JobConfig, apply_overrides(load_yaml(llava), [f"parallel.cp={cp}"]))
+        assert sequence_multiple(cfg) == DEFAULT_PAD_MULTIPLE == 8
+        get_family("llava").validate(cfg, world_size=cp)
+    cfg = from_dict(JobConfig, apply_overrides(load_yaml(llava), ["parallel.cp=8"]))
+    with pytest.raises(ConfigError) as e:
+        get_family("llava").validate(cfg, world_size=8)
+    assert e.value.field == "data.pad_to_multiple_of" and "set data.pad_to_multiple_of=16" in e.value.hint
+    assert "\n" not in str(e.value)
+    cfg = from_dict(JobConfig, apply_overrides(load_yaml(llava), ["parallel.cp=8", "data.pad_to_multiple_of=16"]))
+    get_family("llava").validate(cfg, world_size=8)
+    assert sequence_multiple(cfg) == 16
+    # GPT rows are not padded: its cp=8 needs no padding setting.
+    get_family("gpt").validate(from_dict(JobConfig, apply_overrides(load_yaml(BASE), ["parallel.cp=8"])), world_size=8)
 
 
 def test_every_numeric_field_of_every_section_declares_its_range():
