@@ -33,6 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
 from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
+from megascale_omni.models.moe import moe_block_spec
 from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, vit_layer_spec
 
 
@@ -172,8 +173,10 @@ class LlavaChunk(MegatronModule):
                 projector_type="mlp" if v.projector_type == "mlp" else "affine",
                 input_size=v.hidden_size,
             )
+        lm_spec = (moe_block_spec(impl, cfg.model.normalization, lm_config, vp_stage) if lm_config.num_moe_experts
+                   else gpt_layer_spec(impl, cfg.model.normalization))
         self.language_model = build_gpt_model(
-            cfg.model, lm_config, gpt_layer_spec(impl, cfg.model.normalization),
+            cfg.model, lm_config, lm_spec,
             vocab_size=vocab_size,
             max_sequence_length=cfg.model.seq_length,
             pre_process=pre_process,
@@ -257,7 +260,7 @@ class LlavaChunk(MegatronModule):
 
 def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, image_token_id: int) -> list[LlavaChunk]:
     """This rank's LLaVA chunks (every rank), with freezing applied."""
-    lm_config = transformer_config(cfg.model, cfg.parallel, dtype)
+    lm_config = transformer_config(cfg.model, cfg.parallel, dtype, cfg.moe)
     vpp = cfg.parallel.vpp or 1
     chunks = []
     for v in range(vpp):

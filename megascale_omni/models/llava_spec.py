@@ -21,7 +21,8 @@ class LlavaModelSpec(ModelSpec):
         return thd_pipeline_shape(self.data.seq_length, self.cfg.train.micro_batch_size)
 
     def build_model(self):
-        return build_llava_chunks(self.cfg, self.dtype, self.data.vocab_size, self.data.tokenizer.image_token_id)
+        return self.watch_routers(
+            build_llava_chunks(self.cfg, self.dtype, self.data.vocab_size, self.data.tokenizer.image_token_id))
 
     def lr_mult(self) -> dict[str, float]:
         """``vision.lr_mult`` on the ViT's parameters (the projector keeps ``train.lr``)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Optional
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -55,8 +56,12 @@ def te_cp_comm_type(cp_comm_type: str) -> str:
         ) from None
 
 
-def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
+def gpt_layer_spec(impl: str, normalization: str, num_experts: Optional[int] = None,
+                   moe_grouped_gemm: bool = False) -> ModuleSpec:
     """Transformer-layer spec for the language model (``impl`` already resolved).
+    With ``num_experts`` its MLP is megatron's ``MoELayer`` (docs/moe.md):
+    ``SequentialMLP`` experts with the local spec, ``TEGroupedMLP`` with
+    transformer-engine and ``moe_grouped_gemm``.
 
     Both specs keep megatron's ``causal`` self-attention; with THD batches
     megatron's ``TEDotProductAttention`` runs it as ``padding_causal`` over
@@ -69,8 +74,9 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, num_experts=num_experts)
     # A fresh spec per call: replacing the submodule touches nothing shared.
     spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
