@@ -178,7 +178,15 @@ class Checkpointer:
         saved_layout = common.get("layout", {})
         now = state.layout()
         # Layouts saved before expert parallelism existed had none (ep 1).
-        same_mp = all(saved_layout.get(k, 1 if k == "ep" else None) == now[k] for k in ("tp", "pp", "ep"))
+        saved_ep = saved_layout.get("ep", 1)
+        same_mp = all(saved_layout.get(k, saved_ep if k == "ep" else None) == now[k] for k in ("tp", "pp", "ep"))
+        if saved_ep != now["ep"] and state.cfg.parallel.use_distributed_optimizer:
+            # Its expert state is flattened per EP rank's buffer (megatron's dp_reshardable format).
+            raise ConfigError(
+                "parallel.ep", now["ep"],
+                f"{path} holds distributed-optimizer state of expert buffers laid out for ep={saved_ep}; resume "
+                f"with parallel.ep={saved_ep} (the regular optimizer's checkpoints load under any ep)",
+            )
         template = state.sharded_state_dict(is_loading=True, include_rng=same_mp)
         # Model and task tensors (e.g. EMA weights) must exist with the same
         # global shapes; optimizer keys follow the model's.

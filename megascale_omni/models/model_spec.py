@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from megascale_omni.config import JobConfig
-from megascale_omni.models.moe import RouterStats
+from megascale_omni.models.moe import RouterStats, group_expert_params
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
 
@@ -64,10 +64,14 @@ class ModelSpec(ABC):
         return {}
 
     def watch_routers(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        """Count what the MoE routers of ``chunks`` do (nothing for a dense
-        model; every rank, once, from :meth:`build_model`); returns ``chunks``."""
+        """For MoE models (nothing for a dense one; every rank, once, from
+        :meth:`build_model`): count what the routers of ``chunks`` do, and
+        group the expert weights as every EP size does
+        (:func:`~megascale_omni.models.moe.group_expert_params`). Returns ``chunks``."""
         self.router_stats = RouterStats(chunks, self.cfg.model.num_layers, self.cfg.moe.num_experts,
                                         tp=self.dims.tp, enabled=self.cfg.moe.enabled)
+        if self.cfg.moe.enabled:
+            group_expert_params(chunks)
         return chunks
 
     def step_stats(self) -> dict:

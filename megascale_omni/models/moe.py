@@ -93,6 +93,25 @@ def moe_block_spec(impl: str, normalization: str, config, vp_stage: Optional[int
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
 
 
+def group_expert_params(chunks) -> None:
+    """Tag every routed-expert weight of ``chunks`` expert-parallel (every
+    rank, before megatron DDP and the optimizer see them).
+
+    megatron tags them (``allreduce = False``) only when ``ep > 1``; at EP1
+    they join the dense parameters, one optimizer instead of a chained
+    dense + expert pair. Tagging them at every EP size gives every layout the
+    same optimizer structure, so a checkpoint reshards across EP sizes
+    (docs/moe.md). At EP1 the expert-DP group is the DP group: the same
+    reduction, in a separate buffer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for param in module.experts.parameters():
+                    param.allreduce = False
+
+
 class RouterStats:
     """What the routers did in one training step, for the step record
     (every rank builds one; :meth:`read` is a collective of every rank).
