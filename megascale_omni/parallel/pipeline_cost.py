@@ -137,9 +137,9 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 
 def _transformer_layer(
-    tokens: float, pairs: float, hidden: int, ffn: int, heads: int, groups: int,
+    tokens: float, pairs: float, hidden: int, ffn: float, heads: int, groups: int,
     dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
-    cp: int = 1,
+    cp: int = 1, stored_ffn: Optional[float] = None, router: float = 0.0,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -147,16 +147,22 @@ def _transformer_layer(
     through it (something before it trains). ``gated``: a SwiGLU MLP (gate,
     up and down matrices instead of two). ``cp``: every sequence is split
     over that many context-parallel ranks; the cost is one rank's, whose
-    queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs."""
+    queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs.
+    MoE layers (:func:`mlp_widths`): ``ffn`` is the MLP width a token passes
+    through (its top-k experts and the shared ones), ``stored_ffn`` the
+    width held per rank (None: ``ffn``), ``router`` the experts scored per token."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
-    matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
+    mlp = (3 if gated else 2) * hidden
+    matmul_params = qkv + hidden * hidden + mlp * ffn + hidden * router
     tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
     forward = 2.0 * tokens * matmul_params + 4.0 * pairs * hidden
     backward = trainable or grad_flows
     passes = _passes(trainable, grad_flows) + (1.0 if recompute and backward else 0.0)
-    params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
+    stored = ffn if stored_ffn is None else stored_ffn
+    params = int(matmul_params + mlp * (stored - ffn) + (hidden + 2 * groups * head_dim) + hidden + stored + hidden
+                 + 4 * hidden)
     if not backward:
         act_elems = 0.0
     elif recompute:
@@ -172,6 +178,26 @@ def _transformer_layer(
         trainable_params=params // tp if trainable else 0,
         activation_bytes=act_elems * dtype_bytes / tp,
     )
+
+
+def mlp_widths(cfg: JobConfig) -> tuple[float, float, float]:
+    """``(active, stored, router)`` MLP widths of the average language-model
+    layer: the FFN width one token passes through, the width one TP rank of
+    ``tp`` holds times ``tp`` (the layer cost divides by ``tp``), and the
+    experts its router scores. Dense: ``(ffn, ffn, 0)``. MoE layers
+    (``moe.layer_freq``) activate ``topk`` experts plus the shared ones and
+    hold ``num_experts / ep`` experts of ``expert_tp``-split width; dense
+    layers in between count as dense."""
+    m, moe, par = cfg.model, cfg.moe, cfg.parallel
+    if not moe.enabled:
+        return float(m.ffn_size), float(m.ffn_size), 0.0
+    share = sum(moe.layer_pattern(m.num_layers)) / m.num_layers
+    expert = moe.ffn_hidden_size or m.ffn_size
+    shared = moe.shared_expert_ffn_hidden_size
+    active = moe.topk * expert + shared
+    stored = moe.num_experts // par.ep * expert * par.tp / par.expert_tp_size + shared
+    dense = (1 - share) * m.ffn_size
+    return dense + share * active, dense + share * stored, share * moe.num_experts
 
 
 def padded_vocab_size(cfg: JobConfig) -> int:
@@ -239,6 +265,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
                          else (float(batch.tokens), causal_pairs(batch.segments)))
     tokens = all_tokens / cp  # this CP rank's
     vocab = padded_vocab_size(cfg)
+    active_ffn, stored_ffn, router = mlp_widths(cfg)
     lm_trainable = not m.freeze
     emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
     out_params = vocab * h // tp + 2 * h
@@ -250,10 +277,11 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             activation_bytes=tokens * h * nbytes,
         ),
         LM_LAYER: _transformer_layer(
-            all_tokens, pairs, h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
+            all_tokens, pairs, h, active_ffn, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
+            stored_ffn=stored_ffn, router=router,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)

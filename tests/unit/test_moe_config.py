@@ -121,3 +121,27 @@ def test_layer_pattern_is_cut_per_pipeline_chunk():
     with mock.patch("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", return_value=0), \
             mock.patch("megatron.core.transformer.transformer_block.get_num_layers_to_build", return_value=3):
         assert moe.chunk_layer_pattern(config, None) == [True, False, True]
+
+
+def test_model_flops_count_the_active_experts():
+    """The step record's model FLOPs: a token passes through its top-k experts
+    (and the shared ones), and its router scores every expert; the experts it
+    skips cost nothing. By hand against the dense model of the active width."""
+    from megascale_omni.metrics.flops import step_model_flops
+    from megascale_omni.parallel.batch_shape import BatchShape
+    from megascale_omni.parallel.pipeline_cost import lm_cost_model, mlp_widths
+
+    batch = BatchShape(segments=(20, 12, 32))
+    tokens = 64
+    moe = _cfg(["moe.ffn_hidden_size=96", "moe.shared_expert_ffn_hidden_size=32", "moe.layer_freq=[1,0,1,1]"])
+    dense = _cfg(["moe.num_experts=0"])
+    assert mlp_widths(moe) == (0.25 * 256 + 0.75 * (2 * 96 + 32), 0.25 * 256 + 0.75 * (4 * 96 + 32), 0.75 * 4)
+    # Per MoE layer and token: the MLP of the active width instead of the dense 256, plus the router's
+    # 64 x 4 matmul; forward + 2 backward passes, 2 FLOPs per multiply-add, 3 of 4 layers MoE.
+    per_moe_layer = 3 * 2 * tokens * (2 * 64 * (2 * 96 + 32 - 256) + 64 * 4)
+    assert step_model_flops(moe, lm_cost_model, batch) == step_model_flops(dense, lm_cost_model, batch) + 3 * per_moe_layer
+    # The count is the model's, whatever the expert layout.
+    for overrides in (["parallel.ep=2"], ["parallel.ep=4"]):
+        assert step_model_flops(_cfg(["moe.ffn_hidden_size=96", "moe.shared_expert_ffn_hidden_size=32",
+                                      "moe.layer_freq=[1,0,1,1]", *overrides]), lm_cost_model, batch) == \
+            step_model_flops(moe, lm_cost_model, batch)
