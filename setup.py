@@ -43,14 +43,17 @@ REPORT = ["matplotlib>=3.8,<4"]
 # parallel.cp_comm_type=a2a+p2p only: megatron-core builds hierarchical CP groups with einops
 # (transformer-engine depends on it too, so GPU hosts with TE have it).
 CP = ["einops>=0.8,<1"]
+# Video samples at ingest (tools/ingest_llava.py: clip decoding, data/video.py) and the clip tests/benchmark.
+VIDEO = ["av>=14,<19"]
 EXTRAS = {
     "hf": HF,
     "chat": CHAT,
     "latents": LATENTS,
     "report": REPORT,
     "cp": CP,
+    "video": VIDEO,
     # The test extra includes every optional feature so CI exercises them end to end.
-    "test": ["pytest>=8.3,<10", "pytest-timeout>=2.3,<3", *HF, *LATENTS, *REPORT, *CP],
+    "test": ["pytest>=8.3,<10", "pytest-timeout>=2.3,<3", *HF, *LATENTS, *REPORT, *CP, *VIDEO],
     # CUDA hosts only; never imported by a CPU run (model.layer_impl: auto picks TE when installed).
     # transformer-engine: megatron-core 0.16.1 declares >=2.9,<2.12; flash-attn 2.8.x is the newest
     # flash-attn 2 that TE 2.11 accepts (its max_version 2.8.3). Both build against the local CUDA torch.

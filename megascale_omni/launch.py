@@ -89,6 +89,12 @@ def check_job(args) -> None:
         return
     cfg, _ = parse_for_family(family, args.training_script_args, world_size=world)
     check_device(cfg.platform.device)
+    # The pipeline plan and its memory check (parallel.pipeline_memory_gib):
+    # each worker repeats it, but only after megatron's import; refuse here first.
+    import torch
+
+    cuda = cfg.platform.device != "cpu" and torch.cuda.is_available()
+    get_family(family).plan_pipeline(cfg, cuda=cuda, world_size=world)
 
 
 def prepare(args, argv: Sequence[str]) -> None:

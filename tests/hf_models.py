@@ -89,6 +89,27 @@ def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOC
     return _save(model, path)
 
 
+def llava_relative(path: Path, kind: str, seed: int = 0):
+    """A tiny ``LlavaNextForConditionalGeneration`` (``kind="next"``: CLIP +
+    Llama) or ``LlavaOnevisionForConditionalGeneration`` (``"onevision"``:
+    SigLIP + Qwen2, image token 5, video token 6): LLaVA's relatives, whose
+    weights include everything LLaVA's do plus an ``image_newline``."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    pinpoints = [[32, 32], [32, 64], [64, 32]]
+    if kind == "next":
+        config = T.LlavaNextConfig(vision_config=vision_config("clip"), text_config=text_config("llama"),
+                                   image_token_index=5, image_grid_pinpoints=pinpoints, image_seq_length=16)
+        model = T.LlavaNextForConditionalGeneration(config)
+    else:
+        config = T.LlavaOnevisionConfig(vision_config=vision_config("siglip"), text_config=text_config("qwen2"),
+                                        image_token_index=5, video_token_index=6, image_grid_pinpoints=pinpoints)
+        model = T.LlavaOnevisionForConditionalGeneration(config)
+    _perturb_norms(model, seed)
+    return _save(model, path)
+
+
 class ModelSource:
     """:class:`megascale_omni.hf.directory.HFDirectory`'s read interface over
     an in-memory ``transformers`` model (e.g. one built on ``meta``), so the
@@ -103,6 +124,9 @@ class ModelSource:
         self.architecture = type(model).__name__
         self.tensors = dict(model.state_dict())
         self.read: set[str] = set()
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
 
     def find_prefix(self, suffix: str, exclude=()):
         from megascale_omni.hf.directory import find_prefix

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from megascale_omni.utils.processes import kill_process_tree as kill_group  # the tests' name for it
 
@@ -272,6 +272,29 @@ def assert_same_training(
     for key in counters:
         assert [r[key] for r in records] == [r[key] for r in baseline], key
     return max(loss), max(grad)
+
+
+def gloo_rank(rank: int, port: int, world: int, out_dir: str, body: Callable[[], dict]) -> None:
+    """The body of a :func:`run_spawned_ranks` worker on a CPU platform:
+    joins the ``world``-rank gloo group on ``port`` (60 s timeout), runs
+    ``body()`` and writes its result, or ``{"error": traceback}``, to
+    ``rank{rank}.json``. ``body`` tears down what it sets up."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    from megascale_omni.platform import init_platform
+
+    try:
+        init_platform("cpu")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = body()
+    except Exception:  # reported to the test, which fails with it
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def run_spawned_ranks(worker, world: int, out_dir: Path, timeout: float) -> list[dict]:

@@ -9,8 +9,8 @@
 --checkpoint: a checkpoint root (newest intact checkpoint) or a step_NNNNNNNN directory of a
 gpt or llava model, saved under any layout (resharded to one process), or a tools/hf_import.py
 output. Each <image> in --prompt takes the next --image (resized to vision.image_size and
-normalised as in training, or with the tower's preprocessor_config.json mean/std when the
-tokenizer directory has one). The tokenizer: --tokenizer, else the one the checkpoint carries
+normalised as in training, or with the tower's mean/std when the tokenizer directory has a
+preprocessor_config.json or a processor_config.json). The tokenizer: --tokenizer, else the one the checkpoint carries
 (step_NNNNNNNN/tokenizer/: every checkpoint of a run from an import), else the import's tokenizer/,
 else the training run's (data.tokenizer or <data.path>/tokenizer.json). Prints the generated text;
 --ids also prints the token ids. Exit codes: 2 bad arguments, 4 broken checkpoint.
@@ -90,15 +90,18 @@ def encode_prompt(tok, text: str, image_token: int, tokens_per_image: int) -> tu
     return ids, len(pieces) - 1
 
 
-def load_images(paths, image_size: int, preprocessor: Path):
+def load_images(paths, image_size: int, tokenizer_dir: Path):
     import numpy as np
     import torch
     from PIL import Image, UnidentifiedImageError
 
+    from megascale_omni.data.image_preprocess import PreprocessorSpec, find_preprocessor_config
+
     mean = std = None
-    if preprocessor.is_file():
-        conf = json.loads(preprocessor.read_text())
-        mean, std = conf.get("image_mean"), conf.get("image_std")
+    found = find_preprocessor_config(tokenizer_dir)
+    if found is not None:
+        spec = PreprocessorSpec.from_file(found)
+        mean, std = spec.image_mean, spec.image_std
     out = []
     for p in paths:
         try:
@@ -144,7 +147,7 @@ def main(argv=None) -> None:
     if len(prompt) + args.max_new_tokens > cfg.model.seq_length and cfg.model.position_embedding_type != "rope":
         raise ConfigError("--max-new-tokens", args.max_new_tokens,
                           f"prompt ({len(prompt)} tokens) + new tokens exceed model.seq_length={cfg.model.seq_length}")
-    images = load_images(args.image, cfg.vision.image_size, tok_path.parent / "preprocessor_config.json") \
+    images = load_images(args.image, cfg.vision.image_size, tok_path.parent) \
         if args.image else None
     eos = _eos_id(ckpt, tok)
     from megatron.core import dist_checkpointing

@@ -16,7 +16,10 @@ and tokenizer/ (the HF tokenizer files, chat template and image processor config
 inside step_00000000/ travels into every checkpoint of a run from OUT, so tools/hf_export.py
 writes them back). Train from it with `checkpoint.pretrained=OUT` and the sections of model.yaml.
 
-Exit codes: 2 bad arguments, unsupported architecture or option; 4 a broken
+Anything else (LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, ...), or
+a directory with a tensor the mapping does not place, is refused: never imported half.
+
+Exit codes: 2 bad arguments, unsupported architecture or option, a tensor left unmapped; 4 a broken
 directory (missing shard or tensor, unreadable file, weights that do not
 match config.json). OUT is written under a temporary name and renamed at the end.
 """

@@ -4,14 +4,17 @@
     python tools/ingest_llava.py --out data/my_set/train --image-root /data/images \\
         --llava-json llava_v1_5_mix665k.json [--captions blip_laion.jsonl] [--text sharegpt.jsonl] \\
         [--workers 8] [--samples-per-shard 1000] [--val-fraction 0.01 [--val-seed 0]] [--val-json val.json] \\
-        [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576]]
+        [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576]] \\
+        [--video-frames 8 [--video-fps 1.0]]
 
 Writes WebDataset shards + ``index.json`` into ``--out`` (a split
 directory: point ``data.path`` at its parent, which holds ``train/`` and
 optionally ``val/``), ``rejected.jsonl`` (every rejected record with its
 position, source line and reason) and ``ingest_report.json`` (counts).
 Images are stored as their source bytes (JPEG, PNG, WebP), checked by a
-full decode here. ``--val-fraction`` (records chosen by a hash of their id
+full decode here. Records with ``"video"``/``"videos"`` (a clip or a frame
+folder per ``<video>`` marker) keep ``--video-frames`` frames of each
+(docs/video.md). ``--val-fraction`` (records chosen by a hash of their id
 and ``--val-seed``) and ``--val-json`` (every record) make the val split in
 ``--val-out`` (default: ``val`` beside ``--out``).
 Rerunning the same command resumes: finished shards are kept. With
@@ -44,6 +47,7 @@ from megascale_omni.data.llava.ingest import (  # noqa: E402
     ingest,
     words_coster,
 )
+from megascale_omni.data.video import VideoSampling  # noqa: E402
 from megascale_omni.entry import run_cli  # noqa: E402
 
 
@@ -68,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="with --tokenizer: reject samples longer than this")
     p.add_argument("--tokens-per-image", type=int, default=0, help="with --tokenizer: placeholder tokens per image")
     p.add_argument("--image-token", default="<image>", help="with --tokenizer: the image placeholder token")
+    p.add_argument("--video-frames", type=int, default=8,
+                   help="frames kept per video: uniformly spread as transformers' LLaVA-OneVision does, "
+                        "or with --video-fps their maximum")
+    p.add_argument("--video-fps", type=float, default=None,
+                   help="keep this many frames per second of each clip (at most --video-frames)")
     return p.parse_args(argv)
 
 
@@ -107,8 +116,10 @@ def main(argv=None) -> None:
         length = LengthCheck(args.tokenizer, args.seq_length, args.tokens_per_image, args.image_token)
     if args.tokenizer:
         coster = _coster(args)
+    video = VideoSampling("uniform" if args.video_fps is None else "fps", args.video_frames,
+                          1.0 if args.video_fps is None else args.video_fps)
     inputs = IngestInputs(args.llava_json, args.captions, args.text, args.image_root, args.caption_prompt)
-    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length, coster, val)
+    report = ingest(inputs, args.out, args.samples_per_shard, args.workers, length, coster, val, video)
     print(json.dumps(report.to_dict(), indent=2))
     for out, rep in ((args.out, report), (val and val.out, report.val)):
         if rep is not None:

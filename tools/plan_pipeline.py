@@ -1,7 +1,9 @@
 """Print the pipeline partition of a config: uniform beside auto (and the
 configured explicit split, if any), per pp rank: layers, predicted time per
-micro-batch and memory, with the imbalance (slowest rank / mean). Under
-context parallelism (parallel.cp) times and memory are one CP rank's.
+micro-batch and memory, with the imbalance (slowest rank / mean); then the
+configured split's memory per GPU in parts (weights, gradients, optimizer
+state, activations; docs/memory.md). Under context parallelism
+(parallel.cp) times and memory are one CP rank's.
 
     python tools/plan_pipeline.py --config examples/llava/pp4_vit_heavy.yaml [section.field=value ...]
         [--world-size N] [--device cpu|cuda]
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=None, help="processes of the job (default: tp*pp*cp, DP=1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="what train.precision: auto means")
     args, rest = p.parse_known_args()
+    from megascale_omni.parallel.memory import estimate_memory_per_gpu, format_memory_table
     from megascale_omni.parallel.pipeline_plan import format_plan_table, plan_for, plan_pipeline
 
     if args.world_size is not None and args.world_size < 1:
@@ -38,7 +41,8 @@ def main() -> None:
     cfg = load_job_config(rest, description=__doc__)
     world = args.world_size or cfg.parallel.model_parallel_size
     family = family_of(cfg)
-    family.validate(cfg, world)
+    # The plan needs the model and layout, not this host's data or directories.
+    family.validate(cfg, world, host_inputs=False)
     cost_model = family.cost_model_fn(cfg)
     if args.device is None:
         import torch
@@ -64,6 +68,9 @@ def main() -> None:
     print(format_plan_table(plans))
     for plan in plans:
         print(f"{plan.mode:>9}: layers per chunk {list(plan.counts)}  max/mean {plan.imbalance:.3f}")
+    print(f"memory per GPU of the configured split (model.recompute={cfg.model.recompute}, "
+          f"sequence_parallel={par.sequence_parallel}, use_distributed_optimizer={par.use_distributed_optimizer}):")
+    print(format_memory_table(estimate_memory_per_gpu(cfg, cost_model, cuda=cuda, world_size=world)))
 
 
 if __name__ == "__main__":

@@ -100,9 +100,11 @@ def restore_adam_step(optimizer) -> None:
 #: Fields a run may also change when it only starts from a checkpoint's
 #: weights (``checkpoint.pretrained``): sequence length and RoPE scaling
 #: (context extension), memory settings, the vocabulary as written (its
-#: padded size is checked with the tensors).
+#: padded size is checked with the tensors), and the ViT's learning-rate
+#: factor (the optimizer starts fresh, so its parameter groups may differ).
 PRETRAINED_FREE_FIELDS = RESUMABLE_MODEL_FIELDS | frozenset(
-    {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor"}
+    {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor",
+     "lr_mult"}
 )
 
 

@@ -8,7 +8,7 @@ does the cheap, local checks (cross-section checks: :mod:`.validate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megascale_omni.config.constraints import check_fields, checked
 from megascale_omni.config.errors import ConfigError
@@ -74,13 +74,22 @@ class ModelConfig:
     layer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     #: Freeze the language model (LLaVA stage-1 "train the projector only").
     freeze: bool = False
-    #: Full activation recomputation of every LM and ViT layer (megatron
-    #: ``recompute_granularity=full``): keeps only each layer's input between
-    #: forward and backward, at the price of a second forward in backward.
-    recompute: bool = False
+    #: Activation recomputation of every LM and ViT layer (docs/memory.md).
+    #: ``none``: keep every activation. ``selective``: recompute the attention
+    #: core (scores, softmax, attention over V) in backward (megatron
+    #: ``recompute_granularity=selective``, ``recompute_modules=[core_attn]``);
+    #: drops the activation term that grows with the sequence, for a few
+    #: percent more FLOPs. ``full``: keep only each layer's input and rerun
+    #: the layer's forward in backward (``recompute_granularity=full``,
+    #: ``recompute_method=uniform``, ``recompute_num_layers=1``). The
+    #: booleans of older configs still work: ``true`` is ``full``, ``false``
+    #: is ``none``.
+    recompute: Union[bool, Literal["none", "selective", "full"]] = "none"
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
+        if isinstance(self.recompute, bool):  # configs written before selective recompute existed
+            self.recompute = "full" if self.recompute else "none"
         if self.family == "gpt" and self.vocab_size == 0:
             raise ConfigError("model.vocab_size", 0, "must be > 0 for the gpt family (it has no tokenizer to take it from)")
         if self.hidden_size % self.num_attention_heads:
@@ -134,8 +143,11 @@ class VisionConfig:
     #: side, as HF's stride-``patch_size`` conv computes it: with 384 / 14
     #: (SigLIP-so400m) a 27 x 27 grid whose last 6 pixel rows/columns are unused.
     patch_size: int = checked(8, gt=0)
+    #: Transformer layers of the tower (as published; see ``feature_layer`` for how many are built).
     num_layers: int = checked(2, gt=0)
+    #: Width of the tower.
     hidden_size: int = checked(64, gt=0)
+    #: Attention heads of the tower.
     num_attention_heads: int = checked(4, gt=0)
     #: ViT MLP width; ``None`` = 4 * hidden_size.
     ffn_hidden_size: Optional[int] = checked(None, gt=0)
@@ -248,7 +260,9 @@ class DitConfig:
     #: Training timestep distribution: ``logit_normal`` (sigmoid of a normal,
     #: concentrates on mid-noise levels) or ``uniform`` on (0, 1).
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    #: Mean of the normal whose sigmoid is the sampled time (``logit_normal`` only).
     logit_mean: float = 0.0
+    #: Standard deviation of that normal (``logit_normal`` only).
     logit_std: float = checked(1.0, gt=0)
     #: Probability of training a sample with the empty caption (enables CFG).
     caption_dropout: float = checked(0.1, ge=0, lt=1)

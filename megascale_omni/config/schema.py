@@ -88,7 +88,11 @@ class ParallelConfig:
     #: Buckets exist only with ``overlap_grad_reduce``: without it every
     #: buffer is one bucket.
     ddp_bucket_size: Optional[int] = checked(None, gt=0)
-    #: Megatron sequence parallelism (requires tp > 1).
+    #: Megatron sequence parallelism: the residual stream between the TP
+    #: matmuls (norms, dropout, residual adds) is split along the sequence
+    #: over the TP ranks, dividing those activations by tp (docs/memory.md).
+    #: Needs tp > 1 and ``model.seq_length`` divisible by tp * cp; GPT and
+    #: LLaVA, on CPU (local spec) and GPU.
     sequence_parallel: bool = False
     #: Transformer layers (LM layers, DiT blocks) per pipeline stage.
     #: ``uniform``: megatron's even split (``num_layers`` divisible by
@@ -174,8 +178,11 @@ class TrainConfig:
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     #: Decoupled weight decay.
     weight_decay: float = checked(0.01, ge=0)
+    #: Adam's first-moment decay.
     adam_beta1: float = checked(0.9, ge=0, lt=1)
+    #: Adam's second-moment decay (Hugging Face Trainer's default is 0.999).
     adam_beta2: float = checked(0.95, ge=0, lt=1)
+    #: Adam's epsilon, added to the root of the second moment.
     adam_eps: float = checked(1.0e-8, gt=0)
     #: Global gradient-norm clip; 0 disables.
     clip_grad: float = checked(1.0, ge=0)
@@ -223,6 +230,7 @@ class DataConfig:
     tokenizer: Optional[str] = None
     #: Size of the embedded shapes dataset generated when ``path`` is null.
     default_num_train: int = checked(20000, gt=0)
+    #: Size of the embedded shapes dataset's val split.
     default_num_val: int = checked(500, gt=0)
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.
     max_bad_sample_fraction: float = checked(0.01, ge=0, le=1)
@@ -248,6 +256,12 @@ class DataConfig:
     #: one when present (``tools/hf_import.py`` copies it there), else a plain
     #: resize to ``vision.image_size`` with mean = std = 0.5.
     image_processor: Optional[str] = None
+    #: LLaVA: frames read per ``<video>`` of a sample, uniformly spread over
+    #: the frames ingestion stored (``tools/ingest_llava.py --video-frames``
+    #: chose those, docs/video.md); ``0``: every stored frame. Each frame is
+    #: one tower input preprocessed by ``image_mode`` (anyres: its overview).
+    #: The llava model refuses video samples until it consumes them (issue 32).
+    video_frames: int = checked(8, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
     #: their ``train/`` splits, in the step-indexed plan (docs/data.md). The

@@ -17,7 +17,12 @@ from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import ControlConfig, JobConfig
 
 #: ``sizeof(sockaddr_un.sun_path) - 1`` on Linux: longest Unix socket path, bytes.
-MAX_UNIX_SOCKET_PATH = 107
+UNIX_SUN_PATH_BYTES = 107
+#: The control server binds ``<path>.<pid>.tmp`` first and renames it into
+#: place (control/server.py); a Linux pid has at most 7 digits (pid_max 2**22).
+BIND_SUFFIX_BYTES = len(".4194304.tmp")
+#: Longest ``control.socket_path`` accepted, bytes: the temporary name must fit too.
+MAX_UNIX_SOCKET_PATH = UNIX_SUN_PATH_BYTES - BIND_SUFFIX_BYTES
 #: Shortest accepted control token, characters.
 MIN_TOKEN_CHARS = 16
 
@@ -49,9 +54,14 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         require_divisible_by_tp(name, value, par.tp)
     _validate_pipeline_partition(cfg)
     _validate_experts(cfg, world_size)
-    if par.sequence_parallel and model.seq_length % par.tp:
+    if par.sequence_parallel and model.seq_length % (par.tp * par.cp):
+        # Each CP rank's share of a row (seq_length / cp tokens) is split over the TP ranks.
+        multiple = par.tp * par.cp
+        what = f"parallel.tp={par.tp}" if par.cp == 1 else f"parallel.tp*parallel.cp={multiple}"
         raise ConfigError(
-            "model.seq_length", model.seq_length, f"must be divisible by parallel.tp={par.tp} with sequence_parallel"
+            "model.seq_length", model.seq_length,
+            f"must be divisible by {what} with sequence_parallel (every TP rank keeps 1/tp of its tokens); "
+            f"use {max(model.seq_length // multiple, 1) * multiple}",
         )
     if par.cp > 1:
         _validate_context_parallel(cfg)
@@ -335,8 +345,3 @@ def validate_platform(cfg: JobConfig, cuda: bool) -> None:
     if cfg.logging.memory_fraction_cap:
         raise ConfigError("logging.memory_fraction_cap", cfg.logging.memory_fraction_cap,
                           "caps the CUDA caching allocator; there is none on CPU: set 0")
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel", True,
-            "needs transformer-engine layer norms (CUDA); megatron's torch LayerNorm rejects it on CPU",
-        )

@@ -15,6 +15,12 @@ the sample) or ``{"tokens": int | null, "images": [[height, width], ...]}``:
   before). The encoded length for the model is ``tokens + tokens_per_image
   * views``, ``views`` = 1 per image (``num_views`` per image for anyres).
 
+A sample with videos (index format 4) also has ``"videos": [[frames,
+height, width], ...]``: per video, its stored frames (members
+``v<j>.<f>.<jpg|png|webp>``) and their pixel size, from the first frame's
+header. A video costs ``min(frames, data.video_frames) * tokens_per_frame``
+(:func:`video_tokens`) without decoding anything.
+
 A ``cost`` is ``null`` when an image member's header is not readable as
 the format its suffix names (the sample is bad and is reported when read).
 
@@ -31,7 +37,7 @@ import io
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from PIL import Image
 
@@ -46,6 +52,8 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: Bytes of a PNG needed for its size: signature, IHDR length and type, width, height.
 PNG_HEADER_BYTES = 24
 _IMAGE_MEMBER = re.compile(r"(\d+)\.(" + "|".join(IMAGE_SUFFIXES) + ")")
+#: A video frame's member: ``v<video>.<frame>.<suffix>``.
+_VIDEO_MEMBER = re.compile(r"v(\d+)\.(\d+)\.(" + "|".join(IMAGE_SUFFIXES) + ")")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -64,19 +72,34 @@ class Coster(Protocol):
 @dataclass(frozen=True)
 class SampleCost:
     """One index entry's ``cost`` (see module docstring). ``image_hw``:
-    ``(height, width)`` pixels per image; ``tokens``: None = unknown."""
+    ``(height, width)`` pixels per image; ``tokens``: None = unknown;
+    ``video_fhw``: ``(frames, height, width)`` per video."""
 
     tokens: Optional[int]
     image_hw: tuple[tuple[int, int], ...]
+    video_fhw: tuple[tuple[int, int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "images": [list(hw) for hw in self.image_hw]}
+        doc = {"tokens": self.tokens, "images": [list(hw) for hw in self.image_hw]}
+        if self.video_fhw:
+            doc["videos"] = [list(fhw) for fhw in self.video_fhw]
+        return doc
 
     @classmethod
     def from_json(cls, doc: Optional[Mapping[str, Any]]) -> Optional["SampleCost"]:
         if doc is None:
             return None
-        return cls(doc["tokens"], tuple((int(h), int(w)) for h, w in doc["images"]))
+        return cls(doc["tokens"], tuple((int(h), int(w)) for h, w in doc["images"]),
+                   tuple((int(f), int(h), int(w)) for f, h, w in doc.get("videos", ())))
+
+
+def video_tokens(cost: Optional[SampleCost], video_frames: int, tokens_per_frame: int) -> int:
+    """Tower tokens of a sample's videos: per video ``min(frames,
+    video_frames)`` frames (all of them when ``video_frames`` is 0) times
+    ``tokens_per_frame``. 0 without videos or cost."""
+    if cost is None:
+        return 0
+    return tokens_per_frame * sum(min(f, video_frames) if video_frames else f for f, _, _ in cost.video_fhw)
 
 
 def fingerprint(*parts: str) -> str:
@@ -119,18 +142,37 @@ def is_image_member(suffix: str) -> bool:
     return _IMAGE_MEMBER.fullmatch(suffix) is not None
 
 
+def is_video_member(suffix: str) -> bool:
+    """Whether member suffix ``suffix`` is a video frame's (``v<j>.<f>.png|jpg|webp``)."""
+    return _VIDEO_MEMBER.fullmatch(suffix) is not None
+
+
+def video_members(members: Mapping[str, Any]) -> list[list[str]]:
+    """The frame member suffixes of a sample's videos: one list per video (by
+    video number), each in frame order. Numbers are not checked to be
+    contiguous here (the reader does)."""
+    found: dict[int, list[tuple[int, str]]] = {}
+    for s in members:
+        if m := _VIDEO_MEMBER.fullmatch(s):
+            found.setdefault(int(m.group(1)), []).append((int(m.group(2)), s))
+    return [[s for _, s in sorted(found[j])] for j in sorted(found)]
+
+
 def image_members(members: Mapping[str, Any]) -> list[str]:
     """The image member suffixes (``<i>.png|jpg|webp``) of a sample, by image number."""
     found = sorted((int(m.group(1)), s) for s in members if (m := _IMAGE_MEMBER.fullmatch(s)))
     return [s for _, s in found]
 
 
-def sample_cost(meta: Any, images: list[tuple[str, bytes]], coster: Optional[Coster]) -> Optional[SampleCost]:
+def sample_cost(meta: Any, images: list[tuple[str, bytes]], coster: Optional[Coster],
+                videos: Sequence[tuple[int, str, bytes]] = ()) -> Optional[SampleCost]:
     """The cost entry of one sample from its parsed JSON member (None if
-    unreadable) and its image members' ``(suffix, first bytes)`` in image
-    order (:func:`image_size` says how many bytes)."""
+    unreadable), its image members' ``(suffix, first bytes)`` in image
+    order (:func:`image_size` says how many bytes) and, per video, ``(frames,
+    first frame's suffix, its first bytes)``."""
     sizes = [image_size(suffix, data) for suffix, data in images]
-    if any(s is None for s in sizes):
+    video_hw = [image_size(suffix, data) for _, suffix, data in videos]
+    if any(s is None for s in sizes + video_hw):
         return None
     tokens = None
     if coster is not None and isinstance(meta, dict) and meta.get("num_images") == len(sizes):
@@ -138,7 +180,7 @@ def sample_cost(meta: Any, images: list[tuple[str, bytes]], coster: Optional[Cos
             tokens = int(coster.text_tokens(meta))
         except (ValueError, KeyError, TypeError):
             tokens = None  # read and excluded at plan time, with its reason
-    return SampleCost(tokens, tuple(sizes))
+    return SampleCost(tokens, tuple(sizes), tuple((f, *hw) for (f, _, _), hw in zip(videos, video_hw)))
 
 
 def validate_cost_fields(doc: Mapping[str, Any], bad) -> None:
@@ -157,8 +199,8 @@ def validate_cost_fields(doc: Mapping[str, Any], bad) -> None:
         if cost is None:
             continue
         where = f"samples[{i}].cost"
-        if not isinstance(cost, dict) or set(cost) != {"tokens", "images"}:
-            raise bad(f"{where} must be null or an object with exactly tokens, images")
+        if not isinstance(cost, dict) or set(cost) - {"videos"} != {"tokens", "images"}:
+            raise bad(f"{where} must be null or an object with exactly tokens, images (and videos)")
         tokens, images = cost["tokens"], cost["images"]
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
             raise bad(f"{where}.tokens {tokens!r:.40} is not null or a non-negative int")
@@ -172,3 +214,12 @@ def validate_cost_fields(doc: Mapping[str, Any], bad) -> None:
         num_members = len(image_members(s["members"]))
         if len(images) != num_members:
             raise bad(f"{where}.images lists {len(images)} sizes for {num_members} image members")
+        videos = cost.get("videos", [])
+        if not isinstance(videos, list) or not all(
+            isinstance(fhw, list) and len(fhw) == 3 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                           for x in fhw) for fhw in videos
+        ):
+            raise bad(f"{where}.videos {videos!r:.60} must be a list of [frames, height, width] positive ints")
+        frames = [len(v) for v in video_members(s["members"])]
+        if [f for f, _, _ in videos] != frames:
+            raise bad(f"{where}.videos lists frames {[f for f, _, _ in videos]} but the members hold {frames}")

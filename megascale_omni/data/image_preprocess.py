@@ -41,6 +41,9 @@ from PIL import Image
 logger = logging.getLogger(__name__)
 
 PREPROCESSOR_FILENAME = "preprocessor_config.json"
+#: What transformers 5 saves for a whole processor (``LlavaProcessor``): the
+#: image processor's settings sit under its ``image_processor`` key.
+PROCESSOR_FILENAME = "processor_config.json"
 IMAGE_MODES = ("exact", "resize_crop", "pad_square", "anyres")
 
 #: LLaVA-NeXT's candidate resolutions for a 336-pixel tower, ``(height, width)``.
@@ -113,16 +116,34 @@ class PreprocessorSpec:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "PreprocessorSpec":
-        """From a ``preprocessor_config.json`` file or a directory holding one.
+        """From a ``preprocessor_config.json`` or ``processor_config.json``
+        file, or a directory holding one (:func:`find_preprocessor_config`).
         Raises FileNotFoundError (naming the path) or ValueError (bad JSON)."""
         path = Path(path)
         if path.is_dir():
-            path = path / PREPROCESSOR_FILENAME
+            path = find_preprocessor_config(path) or path / PREPROCESSOR_FILENAME
         try:
             conf = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if isinstance(conf, dict) and isinstance(conf.get("image_processor"), dict):
+            conf = conf["image_processor"]
         return cls.from_dict(conf)
+
+
+def find_preprocessor_config(directory: str | os.PathLike) -> Optional[Path]:
+    """The image processor's settings in ``directory`` (a tokenizer or model
+    directory): its ``preprocessor_config.json``, else a ``processor_config.json``
+    that holds an ``image_processor``; None when it has neither."""
+    directory = Path(directory)
+    if (directory / PREPROCESSOR_FILENAME).is_file():
+        return directory / PREPROCESSOR_FILENAME
+    processor = directory / PROCESSOR_FILENAME
+    try:
+        has_image_processor = "image_processor" in json.loads(processor.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return processor if has_image_processor else None
 
 
 def select_grid(image_hw: tuple[int, int], candidates: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -140,6 +161,12 @@ def select_grid(image_hw: tuple[int, int], candidates: Sequence[tuple[int, int]]
     if best is None:
         raise ValueError("anyres needs at least one candidate resolution")
     return best
+
+
+def _check_rgb(image: np.ndarray) -> None:
+    if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3):
+        raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', type(image))} "
+                         f"{getattr(image, 'shape', '')}")
 
 
 class ImagePreprocessor:
@@ -177,9 +204,7 @@ class ImagePreprocessor:
     def __call__(self, image: np.ndarray) -> torch.Tensor:
         """``image``: np.uint8 ``[H, W, 3]``. Returns float32 ``[n, 3, S, S]``.
         Raises ValueError for a wrongly shaped image (``exact`` mode: not ``S x S``)."""
-        if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3):
-            raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', type(image))} "
-                             f"{getattr(image, 'shape', '')}")
+        _check_rgb(image)
         if self.mode == "exact":
             if image.shape[:2] != (self.image_size, self.image_size):
                 raise ValueError(f"image shape {image.shape} != ({self.image_size}, {self.image_size}, 3); "
@@ -193,6 +218,15 @@ class ImagePreprocessor:
                 image = pad_to_square(image, tuple(int(255 * m) for m in self.spec.image_mean))
             views = [self._resize_crop(image)]
         return torch.from_numpy(np.stack([self._normalise(v) for v in views]))
+
+    def frame(self, frame: np.ndarray) -> torch.Tensor:
+        """One video frame (uint8 ``[H, W, 3]``) -> float32 ``[1, 3, S, S]``:
+        as :meth:`__call__`, except that ``anyres`` keeps only the overview
+        (LLaVA-OneVision gives each frame one base-resolution view)."""
+        if self.mode != "anyres":
+            return self(frame)
+        _check_rgb(frame)
+        return torch.from_numpy(self._normalise(self._resize_to(frame, (self.image_size, self.image_size)))[None])
 
     # ------------------------------------------------------------- helpers
     def _resize_to(self, image: np.ndarray, hw: tuple[int, int]) -> np.ndarray:

@@ -14,6 +14,11 @@ Contract
   template in the ``chat`` data format; the word-level encoder ignores it).
 * The user turns together contain the literal word :data:`IMAGE_PLACEHOLDER`
   exactly ``len(images)`` times; the i-th occurrence stands for ``images[i]``.
+* ``videos``: list of ``np.uint8`` arrays ``[F, H, W, 3]`` (``F >= 1``
+  frames), the i-th standing for the i-th :data:`VIDEO_PLACEHOLDER` word of
+  the user turns (count equal to ``len(videos)``). A sample with videos has
+  ``kind`` :data:`KIND_VIDEO` and a JSON member with ``num_videos``
+  (absent: 0, as in every set written before videos).
 * ``image_dependent_words``: the answer words (whitespace-split words of the
   assistant turns, in order) whose correctness depends on the images. They form
   an ordered subsequence of the answer words; see
@@ -28,11 +33,14 @@ from typing import Any
 import numpy as np
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 
 KIND_TEXT_ONLY = "text_only"
 KIND_SINGLE_IMAGE = "single_image"
 KIND_MULTI_IMAGE = "multi_image"
 SAMPLE_KINDS = (KIND_TEXT_ONLY, KIND_SINGLE_IMAGE, KIND_MULTI_IMAGE)
+#: A sample with one or more videos (and any images); not drawn by the shapes demo.
+KIND_VIDEO = "video"
 
 _ROLES = ("user", "assistant")
 #: Fields of a sample's JSON member (:meth:`Sample.metadata`).
@@ -52,11 +60,17 @@ class Sample:
     images: list[np.ndarray]
     conversation: list[dict[str, str]]
     image_dependent_words: list[str] = field(default_factory=list)
+    #: ``[F, H, W, 3]`` uint8 per ``<video>`` marker, in order.
+    videos: list[np.ndarray] = field(default_factory=list)
 
     # ------------------------------------------------------------------ views
     @property
     def num_images(self) -> int:
         return len(self.images)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.videos)
 
     @property
     def user_text(self) -> str:
@@ -90,7 +104,7 @@ class Sample:
     # ------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check the contract in the module docstring; raise SampleValidationError."""
-        if self.kind not in SAMPLE_KINDS:
+        if self.kind not in (*SAMPLE_KINDS, KIND_VIDEO):
             raise SampleValidationError(f"sample {self.id}: unknown kind {self.kind!r}")
         if not self.conversation:
             raise SampleValidationError(f"sample {self.id}: empty conversation")
@@ -125,23 +139,44 @@ class Sample:
             )
         if IMAGE_PLACEHOLDER in self.answer_text.split():
             raise SampleValidationError(f"sample {self.id}: assistant text contains {IMAGE_PLACEHOLDER}")
+        for i, video in enumerate(self.videos):
+            if not (isinstance(video, np.ndarray) and video.dtype == np.uint8 and video.ndim == 4
+                    and video.shape[0] >= 1 and video.shape[3] == 3):
+                raise SampleValidationError(
+                    f"sample {self.id}: video {i} must be np.uint8 [F >= 1, H, W, 3], got "
+                    f"{getattr(video, 'dtype', type(video))} {getattr(video, 'shape', '')}"
+                )
+        n_video = self.user_text.split().count(VIDEO_PLACEHOLDER)
+        if n_video != self.num_videos:
+            raise SampleValidationError(f"sample {self.id}: user text has {n_video} {VIDEO_PLACEHOLDER} "
+                                        f"placeholders but the sample has {self.num_videos} videos")
+        if VIDEO_PLACEHOLDER in self.answer_text.split():
+            raise SampleValidationError(f"sample {self.id}: assistant text contains {VIDEO_PLACEHOLDER}")
+        if (self.kind == KIND_VIDEO) != bool(self.videos):
+            raise SampleValidationError(f"sample {self.id}: kind {self.kind!r} with {self.num_videos} videos "
+                                        f"(kind {KIND_VIDEO!r} iff the sample has videos)")
         self.image_dependent_positions()  # raises if not a subsequence
 
     # ---------------------------------------------------------- serialisation
     def metadata(self) -> dict[str, Any]:
-        """JSON-serialisable fields (everything except pixels)."""
-        return {
+        """JSON-serialisable fields (everything except pixels); ``num_videos``
+        only when there are videos (samples without stay byte-identical)."""
+        meta = {
             "id": int(self.id),
             "kind": self.kind,
             "conversation": [dict(t) for t in self.conversation],
             "image_dependent_words": list(self.image_dependent_words),
             "num_images": self.num_images,
         }
+        if self.videos:
+            meta["num_videos"] = self.num_videos
+        return meta
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form: :meth:`metadata` plus ``"images"`` (list of arrays)."""
         out = self.metadata()
         out["images"] = list(self.images)
+        out["videos"] = list(self.videos)
         return out
 
     @classmethod
@@ -154,10 +189,15 @@ class Sample:
             images=list(d.get("images", [])),
             conversation=[dict(t) for t in d["conversation"]],
             image_dependent_words=list(d["image_dependent_words"]),
+            videos=list(d.get("videos", [])),
         )
         if "num_images" in d and int(d["num_images"]) != sample.num_images:
             raise SampleValidationError(
                 f"sample {sample.id}: num_images={d['num_images']} but {sample.num_images} images given"
+            )
+        if int(d.get("num_videos", 0)) != sample.num_videos:
+            raise SampleValidationError(
+                f"sample {sample.id}: num_videos={d.get('num_videos', 0)} but {sample.num_videos} videos given"
             )
         sample.validate()
         return sample
@@ -168,6 +208,7 @@ class Sample:
         return (
             self.metadata() == other.metadata()
             and all(np.array_equal(a, b) for a, b in zip(self.images, other.images))
+            and all(np.array_equal(a, b) for a, b in zip(self.videos, other.videos))
         )
 
 
@@ -203,5 +244,9 @@ def validate_metadata(meta: Any) -> None:
     if placeholders != meta["num_images"]:
         raise SampleValidationError(f"sample {meta['id']}: num_images={meta['num_images']} but the user text has "
                                     f"{placeholders} {IMAGE_PLACEHOLDER} placeholders")
+    num_videos = meta.get("num_videos", 0)
+    if not isinstance(num_videos, int) or isinstance(num_videos, bool) or num_videos < 0:
+        raise SampleValidationError(f"json field 'num_videos'={num_videos!r:.40} is not a non-negative int")
     stand_in = np.zeros((1, 1, 3), dtype=np.uint8)
-    Sample(meta["id"], meta["kind"], [stand_in] * placeholders, [dict(t) for t in conversation], list(words)).validate()
+    Sample(meta["id"], meta["kind"], [stand_in] * placeholders, [dict(t) for t in conversation], list(words),
+           [stand_in[None]] * num_videos).validate()

@@ -31,13 +31,16 @@ from megascale_omni.data.costs import (
     Coster,
     image_members,
     is_image_member,
+    is_video_member,
     sample_cost,
+    video_members,
 )
 from megascale_omni.data.integrity import sha256_of
 from megascale_omni.data.sample import Sample
 from megascale_omni.data.shards import (
     FORMAT_VERSION,
     INDEX_FILENAME,
+    VIDEO_FORMAT_VERSION,
     SHARD_PREFIX,
     SampleLocation,
     ShardIndex,
@@ -55,16 +58,27 @@ def encode_image_png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_sample(sample: Sample, sources: Optional[Sequence[tuple[str, bytes]]] = None) -> dict[str, bytes]:
+def encode_sample(sample: Sample, sources: Optional[Sequence[tuple[str, bytes]]] = None,
+                  video_sources: Optional[Sequence[Sequence[tuple[str, bytes]]]] = None) -> dict[str, bytes]:
     """Member suffix -> bytes for one sample (format: :mod:`megascale_omni.data.shards`).
 
     ``sources``: per image, ``(PIL format name, the file's bytes)`` (a key of
     :data:`~megascale_omni.data.costs.IMAGE_FORMATS`), stored as they are in
     ``<i>.jpg|png|webp``; the caller has decoded them into ``sample.images``
     (``tools/ingest_llava.py`` does). Without: each image is PNG-encoded.
+    ``video_sources``: the same per frame of each video (``v<j>.<f>.<suffix>``);
+    without: each frame is PNG-encoded.
     """
     sample.validate()
     members = {"json": json.dumps(sample.metadata(), sort_keys=True, separators=(",", ":")).encode("utf-8")}
+    if video_sources is None:
+        video_sources = [[("PNG", encode_image_png(frame)) for frame in video] for video in sample.videos]
+    if [len(v) for v in video_sources] != [len(v) for v in sample.videos]:
+        raise ValueError(f"source frames {[len(v) for v in video_sources]} for videos of "
+                         f"{[len(v) for v in sample.videos]} frames")
+    for j, frames in enumerate(video_sources):
+        for f, (fmt, data) in enumerate(frames):
+            members[f"v{j}.{f}.{IMAGE_FORMATS[fmt]}"] = data
     if sources is None:
         for i, image in enumerate(sample.images):
             members[f"{i}.png"] = encode_image_png(image)
@@ -197,7 +211,7 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                     heads.append({})
                 loc = samples[-1]
                 loc.members[suffix] = (member.offset_data, member.size)
-                if is_image_member(suffix):
+                if is_image_member(suffix) or (is_video_member(suffix) and suffix.split(".")[1] == "0"):
                     # A PNG's size is in its first bytes; a JPEG's frame header may
                     # follow long EXIF data, so PIL gets the whole member.
                     heads[-1][suffix] = tar.extractfile(member).read(
@@ -211,10 +225,14 @@ def index_shards(out_dir: str | os.PathLike, shard_names: list[str] | None = Non
                         pass  # reported with the position as id when the sample is read
         shards.append(ShardInfo(name=name, num_samples=len(samples) - first,
                                 size=path.stat().st_size, sha256=sha256_of(path)))
-    samples = [replace(loc, cost=sample_cost(meta, [(s, head[s]) for s in image_members(loc.members)], coster))
-               for loc, meta, head in zip(samples, metas, heads)]
+    samples = [replace(loc, cost=sample_cost(
+        meta, [(s, head[s]) for s in image_members(loc.members)], coster,
+        [(len(frames), frames[0], head.get(frames[0], b"")) for frames in video_members(loc.members)]))
+        for loc, meta, head in zip(samples, metas, heads)]
     basis = coster.cost_basis() if coster is not None else None
-    index = ShardIndex(FORMAT_VERSION, len(samples), shards, samples, basis)
+    # Format 4 only when there are videos: a set without stays readable by format-3 code.
+    version = VIDEO_FORMAT_VERSION if any(video_members(s.members) for s in samples) else FORMAT_VERSION
+    index = ShardIndex(version, len(samples), shards, samples, basis)
     # Readers never see a half-written index; not fsynced: the index is rebuilt
     # by re-running the writer, and every shard's sha256 in it is checked on read.
     atomic_write_text(out / INDEX_FILENAME, index.to_json())

@@ -24,8 +24,12 @@ sample's cost (image sizes, and token counts when written with a coster;
 :mod:`megascale_omni.data.costs`), so a planner needs only the index.
 Format 3 allows image members other than PNG (``.jpg``, ``.webp``): code
 that reads only formats 1 and 2 refuses it with the format number instead
-of reporting every image as missing. Formats 1 (no costs) and 2 (PNG images
-only) are still read.
+of reporting every image as missing. Format 4 adds videos: members
+``<key>.v<j>.<f>.<jpg|png|webp>`` (frame ``f`` of video ``j``, every frame
+of a video the same size) and ``num_videos`` in the JSON member; it is
+written only for sets with videos, so code that reads formats up to 3
+refuses exactly those. Formats 1 (no costs) and 2 (PNG images only) are
+still read.
 
 This module holds the format (:class:`ShardIndex`, :func:`decode_sample`)
 and the reader; :mod:`megascale_omni.data.shard_writer` writes and indexes
@@ -44,7 +48,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from megascale_omni.data.costs import IMAGE_SUFFIXES, SampleCost
+import numpy as np
+
+from megascale_omni.data.costs import IMAGE_SUFFIXES, SampleCost, video_members
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.integrity import INDEX_FIX, decode_image_rgb, validate_index_doc, verify_shard
 from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidationError, validate_metadata
@@ -52,8 +58,10 @@ from megascale_omni.data.sample import METADATA_FIELDS, Sample, SampleValidation
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
-#: Index formats this code reads (1: no per-sample costs; 2: PNG image members only).
-READ_FORMAT_VERSIONS = (1, 2, 3)
+#: The format of a set with video members (written only then).
+VIDEO_FORMAT_VERSION = 4
+#: Index formats this code reads (1: no per-sample costs; 2: PNG image members only; 4: videos).
+READ_FORMAT_VERSIONS = (1, 2, 3, 4)
 INDEX_FILENAME = "index.json"
 SHARD_PREFIX = "shard-"
 _TAR_BLOCK = 512  # a tar member's header is the 512-byte block right before its data
@@ -219,10 +227,31 @@ def decode_sample(members: Mapping[str, bytes]) -> Sample:
             images.append(decode_image_rgb(members[name], IMAGE_SUFFIXES[name.rpartition(".")[2]]))
         except ValueError as exc:
             raise SampleDecodeError(f"corrupt image member {name!r}: {exc}") from exc
+    videos = [_decode_video(members, j, names) for j, names in enumerate(video_members(members))]
+    if len(videos) != meta.get("num_videos", 0):
+        raise SampleDecodeError(f"{len(videos)} video(s) among the members but json says "
+                                f"num_videos={meta.get('num_videos', 0)}")
     try:
-        return Sample.from_dict({**meta, "images": images})
+        return Sample.from_dict({**meta, "images": images, "videos": videos})
     except (SampleValidationError, KeyError, TypeError, ValueError) as exc:
         raise SampleDecodeError(f"invalid sample: {exc}") from exc
+
+
+def _decode_video(members: Mapping[str, bytes], j: int, names: list[str]) -> np.ndarray:
+    """Video ``j``'s frames (members ``names``, in frame order) as uint8 ``[F, H, W, 3]``."""
+    numbers = [int(n.split(".")[1]) for n in names]
+    if not names or names[0].split(".")[0] != f"v{j}" or numbers != list(range(len(names))):
+        raise SampleDecodeError(f"video {j}: frame members {names[:4]} are not v{j}.0, v{j}.1, ... in order")
+    frames = []
+    for name in names:
+        try:
+            frames.append(decode_image_rgb(members[name], IMAGE_SUFFIXES[name.rpartition(".")[2]]))
+        except ValueError as exc:
+            raise SampleDecodeError(f"corrupt video frame member {name!r}: {exc}") from exc
+        if frames[-1].shape != frames[0].shape:
+            raise SampleDecodeError(f"video {j}: frame {name!r} is {frames[-1].shape[:2]}, frame 0 "
+                                    f"{frames[0].shape[:2]}")
+    return np.stack(frames)
 
 
 # -------------------------------------------------------------------- reader

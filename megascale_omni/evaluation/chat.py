@@ -86,7 +86,7 @@ class ChatEvaluator(Evaluator):
             self._val_split = (ids, pack_samples(lengths, data.seq_length), shuffled_image_sources(ids, views))
             self._batcher = LlavaBatcher(
                 data.val_reader, data.encoder, data.seq_length, data.tokenizer.pad_id, self.cfg.vision.image_size,
-                preprocess=data.preprocess, pad_to_multiple_of=data.multiple,
+                preprocess=data.preprocess, pad_to_multiple_of=data.multiple, video_frames=self.cfg.data.video_frames,
             )
         return self._val_split
 

@@ -45,6 +45,8 @@ class HFDirectory:
             raise CheckpointError(f"{config_file}: unreadable config ({e}); re-save the model") from None
         self._where = self._locate_tensors()
         self._open: dict[Path, object] = {}
+        #: Names of the tensors :meth:`tensor` handed out (what a mapping used).
+        self.read: set[str] = set()
 
     @property
     def architecture(self) -> str:
@@ -104,9 +106,11 @@ class HFDirectory:
             handle = self._open.get(file)
             if handle is None:
                 handle = self._open[file] = safe_open(str(file), framework="pt")
-            return handle.get_tensor(name).clone()
+            tensor = handle.get_tensor(name).clone()
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({e}); the file is damaged") from None
+        self.read.add(name)
+        return tensor
 
 
 def with_defaults(config: dict, field: str) -> dict:

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 #: Our names of the parts that an import without a projector initialises fresh.
 PROJECTOR_PREFIX = "vision_projection."
 
+#: The whole multimodal architecture ``--llava`` maps (``architectures[0]``), by its ``model_type``.
+LLAVA_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration"}
+
 
 @dataclasses.dataclass
 class HFImport:
@@ -52,6 +55,44 @@ class HFImport:
     tokenizer_dirs: list[Path]
     #: Name prefixes of parts not in ``state`` that are initialised fresh.
     fresh: tuple[str, ...] = ()
+
+
+def check_architecture(d: HFDirectory, supported: dict[str, str]) -> None:
+    """Raise ConfigError unless ``d``'s ``model_type`` and ``architectures``
+    (when given) are one of ``supported`` (``model_type`` -> class). A
+    relative such as ``LlavaOnevisionForConditionalGeneration`` has weights
+    we would read but parts we would silently drop (its ``image_newline``,
+    its video token), and its export would be another model."""
+    model_type, arch = d.config.get("model_type"), d.architecture
+    if model_type not in supported or (arch and arch != supported[model_type]):
+        raise ConfigError(d.field, str(d.path), f"is a {arch or model_type!r} model (model_type "
+                          f"{model_type!r}); {d.field} maps {', '.join(supported.values())} only "
+                          f"(model_type {', '.join(map(repr, supported))}); nothing was written")
+
+
+def check_all_mapped(d: HFDirectory, unused: set[str], within: str = "") -> None:
+    """Raise ConfigError when a tensor of ``d`` (under ``within``) was
+    neither read by the mapping nor is in ``unused`` (tensors the model never
+    reads by design): an import that left it out would not be the model."""
+    left = sorted(n for n in d.names() if n.startswith(within) and n not in d.read and n not in unused)
+    if left:
+        raise ConfigError(d.field, str(d.path), f"has {len(left)} tensor(s) the import does not map (e.g. "
+                          f"{', '.join(left[:3])}), so this is not a model we map fully (a relative of "
+                          f"{d.architecture or d.config.get('model_type')!r} with more parts?); supported: " + ", ".join([*lm.LM_ARCHITECTURES.values(),
+                                                                         *LLAVA_ARCHITECTURES.values()]))
+
+
+def _lm_unused(d: HFDirectory, tied: bool) -> set[str]:
+    """Decoder tensors that carry nothing: rotary ``inv_freq`` buffers older
+    saves include, and a tied model's ``lm_head`` copy of the embedding."""
+    return {n for n in d.names() if n.endswith("rotary_emb.inv_freq") or (tied and n.endswith("lm_head.weight"))}
+
+
+def _tower_unused(d: HFDirectory, prefix: str, v) -> set[str]:
+    """Tower tensors LLaVA never reads: layers after the feature layer, the
+    post-layernorm and (SigLIP) the pooling head."""
+    after = tuple(f"{prefix}encoder.layers.{i}." for i in range(v.layers_built, v.num_layers))
+    return {n for n in d.names() if n.startswith((*after, f"{prefix}post_layernorm.", f"{prefix}head."))}
 
 
 def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
@@ -74,13 +115,15 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
 def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
     """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
     tc = with_defaults(d.config, d.field)
-    if tc.get("model_type") not in lm.LM_ARCHITECTURES:
+    if tc.get("model_type") not in lm.LM_ARCHITECTURES or (
+            d.architecture and d.architecture != lm.LM_ARCHITECTURES[tc["model_type"]]):
         raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
                           f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
     model = {"family": "gpt", **lm.model_section(tc, seq_length, f"{d.path}/config.json")}
     m = from_dict(JobConfig, {"model": model}).model
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
     state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="")
+    check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights))
     provenance = {"source": str(d.path), "architecture": d.architecture, "text_config": tc,
                   "vocab_size": m.vocab_size}
     return HFImport({"model": model}, state, provenance, [d.path])
@@ -94,7 +137,10 @@ def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int
 
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
-    """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family."""
+    """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family.
+    Any other architecture (LLaVA-NeXT, LLaVA-OneVision, ...), or a tensor
+    left unmapped, is refused with ConfigError."""
+    check_architecture(d, LLAVA_ARCHITECTURES)
     raw = dict(d.config)
     where = f"{d.path}/config.json"
     text = raw["text_config"] = dict(raw.get("text_config") or {})
@@ -130,6 +176,7 @@ def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
         raise ConfigError(d.field, str(d.path), "lacks the vision tower or projector weights of a LLaVA model")
     state.update(vision.tower_from_hf(d.tensor, v, tower_prefix, out="vision_model."))
     state.update(vision.projector_from_hf(d.tensor, projector_prefix, out=PROJECTOR_PREFIX))
+    check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights) | _tower_unused(d, tower_prefix, v))
     provenance = {"source": str(d.path), "architecture": d.architecture, "llava_config": c, "text_config": text,
                   "vision_config": tower, "image_token_id": int(image_token), "vocab_size": m.vocab_size}
     return HFImport(sections, state, provenance, [d.path])
@@ -155,6 +202,9 @@ def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Opti
     if tower_prefix is None:
         raise ConfigError(tower.field, str(tower.path), "has no vision tower weights (*embeddings.patch_embedding)")
     state.update(vision.tower_from_hf(tower.tensor, v, tower_prefix, out="vision_model."))
+    check_all_mapped(llm, _lm_unused(llm, m.share_embeddings_and_output_weights))
+    # A CLIPModel / SiglipModel's text half is not wanted; its vision half must map.
+    check_all_mapped(tower, _tower_unused(tower, tower_prefix, v), within=tower_prefix)
     provenance = {"source": f"{llm.path} + {tower.path}", "architecture": "LlavaForConditionalGeneration",
                   "text_config": text, "vision_config": tc, "vocab_size": m.vocab_size}
     return HFImport(sections, state, provenance, [llm.path, tower.path], fresh=(PROJECTOR_PREFIX,))

@@ -115,9 +115,10 @@ class StepFlops:
     """
 
     def __init__(self, cfg: JobConfig, cost_model_fn: CostModelFn, vocab_size: int = 0):
-        model = dataclasses.replace(cfg.model, recompute=False, vocab_size=vocab_size or cfg.model.vocab_size)
+        model = dataclasses.replace(cfg.model, recompute="none", vocab_size=vocab_size or cfg.model.vocab_size)
         # One unsplit model: the count does not depend on the layout (and CP's repeated ViT is not model work).
-        self.cfg = dataclasses.replace(cfg, model=model, parallel=dataclasses.replace(cfg.parallel, tp=1, cp=1))
+        unsplit = dataclasses.replace(cfg.parallel, tp=1, cp=1, sequence_parallel=False)
+        self.cfg = dataclasses.replace(cfg, model=model, parallel=unsplit)
         self.cost_model_fn = cost_model_fn
         # Fixed-shape batches (GPT's full rows) repeat every step: count them once.
         self._last: tuple[Optional[BatchShape], float] = (None, 0.0)

@@ -11,8 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megascale_omni.config import ModelConfig, MoeConfig, ParallelConfig
-from megascale_omni.models.moe import moe_block_spec, moe_config_kwargs
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, te_cp_comm_type
+from megascale_omni.models.moe import moe_config_kwargs
+from megascale_omni.models.specs import gpt_decoder_spec, resolve_layer_impl, te_cp_comm_type
 from megascale_omni.parallel.pipeline_plan import megatron_layout
 
 
@@ -41,11 +41,22 @@ def common_config_kwargs(tp: int, dtype: torch.dtype, init_method_std: float) ->
     )
 
 
-def recompute_kwargs(recompute: bool) -> dict:
-    """Full activation recomputation of every layer (``model.recompute``)."""
-    if not recompute:
+def recompute_kwargs(recompute: str) -> dict:
+    """``TransformerConfig`` recomputation settings of ``model.recompute``.
+
+    ``selective``: megatron checkpoints the core attention of every layer
+    (``recompute_modules=["core_attn"]``; ``Attention`` runs it under
+    ``tensor_parallel.checkpoint``, which works with the local spec's
+    :class:`~megascale_omni.models.attention.PackedCoreAttention` and TE's
+    attention alike). ``full``: every layer is one checkpointed unit
+    (``uniform`` method, one layer per unit)."""
+    if recompute == "none":
         return {}
-    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"unknown model.recompute {recompute!r}")
 
 
 def activation_kwargs(activation: str) -> dict:
@@ -72,10 +83,14 @@ def rope_kwargs(model: ModelConfig) -> dict:
 
 def build_gpt_model(
     model: ModelConfig, config: TransformerConfig, spec, *, vocab_size: int, max_sequence_length: int,
-    pre_process: bool, post_process: bool, vp_stage,
+    pre_process: bool, post_process: bool, vp_stage, scatter_embedding: bool = True,
 ) -> GPTModel:
     """One megatron ``GPTModel`` (a pipeline chunk) with every architecture
-    option of ``model`` applied (every rank)."""
+    option of ``model`` applied (every rank). ``spec``: the chunk's decoder
+    spec (:func:`~megascale_omni.models.specs.gpt_decoder_spec`).
+    ``scatter_embedding``: under sequence parallelism the embedding scatters
+    its output over TP; False leaves that to the caller (LLaVA splices image
+    features into the whole sequence first)."""
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -86,6 +101,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         vp_stage=vp_stage,
+        scatter_embedding_sequence_parallel=scatter_embedding,
         **rope_kwargs(model),
     )
 
@@ -160,16 +176,13 @@ def build_gpt_chunks(
     output layer on the last virtual stage of the last PP rank.
     """
     impl = resolve_layer_impl(model.layer_impl)
-    spec = gpt_layer_spec(impl, model.normalization)
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
-        if config.num_moe_experts:
-            spec = moe_block_spec(impl, model.normalization, config, vp_stage)
         chunks.append(
             build_gpt_model(
-                model, config, spec,
+                model, config, gpt_decoder_spec(impl, model.normalization, config, vp_stage),
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

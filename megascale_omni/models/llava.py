@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 from megatron.core.activations import quick_gelu
 from megatron.core.enums import ModelType
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
@@ -33,8 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megascale_omni.config import JobConfig
 from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
-from megascale_omni.models.moe import moe_block_spec
-from megascale_omni.models.specs import gpt_layer_spec, resolve_layer_impl, vit_layer_spec
+from megascale_omni.models.specs import gpt_decoder_spec, resolve_layer_impl, vit_layer_spec
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -173,15 +173,16 @@ class LlavaChunk(MegatronModule):
                 projector_type="mlp" if v.projector_type == "mlp" else "affine",
                 input_size=v.hidden_size,
             )
-        lm_spec = (moe_block_spec(impl, cfg.model.normalization, lm_config, vp_stage) if lm_config.num_moe_experts
-                   else gpt_layer_spec(impl, cfg.model.normalization))
         self.language_model = build_gpt_model(
-            cfg.model, lm_config, lm_spec,
+            cfg.model, lm_config, gpt_decoder_spec(impl, cfg.model.normalization, lm_config, vp_stage),
             vocab_size=vocab_size,
             max_sequence_length=cfg.model.seq_length,
             pre_process=pre_process,
             post_process=post_process,
             vp_stage=vp_stage,
+            # Image features replace placeholders anywhere in the sequence:
+            # embed() splices them into the whole sequence, then scatters it.
+            scatter_embedding=False,
         )
 
     # finalize_model_grads looks these up on the wrapped model to sync tied
@@ -203,7 +204,9 @@ class LlavaChunk(MegatronModule):
     ) -> torch.Tensor:
         """First stage: token embeddings with image features written over the
         placeholder positions. ``tokens``, ``position_ids``: ``[b, s]``
-        (``b = 1`` for THD). Returns ``[s, b, h]``.
+        (``b = 1`` for THD). Returns ``[s, b, h]``, or under sequence
+        parallelism this TP rank's ``[s / tp, b, h]`` slice of it (the splice
+        needs the whole sequence, so the scatter comes after it).
 
         ``image_rows`` (context parallelism): ``tokens`` are this CP rank's
         share and hold only some placeholders; entry ``i`` is the row of the
@@ -222,7 +225,7 @@ class LlavaChunk(MegatronModule):
             )
         # Under CP the ViT runs even on a rank holding no placeholder: every rank has the same graph.
         if n_images == 0:
-            return emb
+            return self._scatter(emb)
         # Images are not packed: each is one [c + p]-token sequence, attended
         # bidirectionally (the spec's no_mask), as in CLIP.
         feats = self.vision_model(images, attention_mask=None)  # [n, c + p, vh]
@@ -240,7 +243,16 @@ class LlavaChunk(MegatronModule):
             feats = feats + pos_table(position_ids)[is_image].to(feats.dtype)
         emb = emb.transpose(0, 1).clone()  # [b, s, h]
         emb[is_image] = feats.to(emb.dtype)  # boolean indexing walks (b, s) row-major
-        return emb.transpose(0, 1).contiguous()
+        return self._scatter(emb.transpose(0, 1).contiguous())
+
+    def _scatter(self, emb: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` -> this TP rank's ``[s / tp, b, h]`` under sequence
+        parallelism (backward: the all-gather), else unchanged. Every TP rank
+        holds the same ``emb`` (vocab-parallel embedding, all-reduced ViT and
+        projector outputs)."""
+        if not self.config.sequence_parallel:
+            return emb
+        return tensor_parallel.scatter_to_sequence_parallel_region(emb)
 
     def forward(
         self,

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megascale_omni.config import ModelConfig, MoeConfig, ParallelConfig
 
@@ -76,21 +75,6 @@ def chunk_layer_pattern(config, vp_stage: Optional[int]) -> list[bool]:
         return [pattern[i] for i in layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     return pattern[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
-
-
-def moe_block_spec(impl: str, normalization: str, config, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
-    """The decoder-block spec of one model chunk of an MoE model (every rank,
-    per chunk): :func:`~megascale_omni.models.specs.gpt_layer_spec` with an
-    MoE MLP where ``moe.layer_freq`` puts one, a dense MLP elsewhere, and
-    the final norm megatron gives a dense model's block."""
-    from megatron.core.transformer.transformer_block import LayerNormImpl
-
-    from megascale_omni.models.specs import gpt_layer_spec
-
-    dense = gpt_layer_spec(impl, normalization)
-    routed = gpt_layer_spec(impl, normalization, config.num_moe_experts, config.moe_grouped_gemm)
-    layers = [routed if is_moe else dense for is_moe in chunk_layer_pattern(config, vp_stage)]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
 
 
 def group_expert_params(chunks) -> None:

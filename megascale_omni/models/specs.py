@@ -83,6 +83,66 @@ def gpt_layer_spec(impl: str, normalization: str, num_experts: Optional[int] = N
     return spec
 
 
+class SequenceParallelTorchNorm:
+    """The local spec's LayerNorm/RMSNorm (``torch.nn``, as megatron's
+    ``WrappedTorchNorm`` builds it) that also runs under sequence parallelism.
+
+    ``WrappedTorchNorm`` refuses ``sequence_parallel``, although a norm needs
+    nothing from it but one tag: under SP every TP rank normalises its own
+    ``s / tp`` tokens with a replicated weight, so each rank's weight
+    gradient is a partial sum, and megatron's ``finalize_model_grads``
+    all-reduces over TP the gradients of parameters tagged
+    ``sequence_parallel`` (what apex's and TE's norms tag). Without SP the tag
+    is False and this is ``WrappedTorchNorm``'s module.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"unsupported normalization {config.normalization!r}")
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def gpt_decoder_spec(impl: str, normalization: str, config, vp_stage: Optional[int]):
+    """The decoder spec of one GPT model chunk (every rank, per chunk):
+    :func:`gpt_layer_spec`, and under the local spec a block spec whose
+    norms (both per layer and the final one) are
+    :class:`SequenceParallelTorchNorm`, so ``parallel.sequence_parallel``
+    runs on CPU. It lists this chunk's layers (``vp_stage`` of this pp rank),
+    as megatron's own block specs do. TE's layer norms handle SP themselves.
+
+    An MoE model (``config.num_moe_experts``) gets megatron's MoE MLP in the
+    layers ``moe.layer_freq`` names and the dense MLP elsewhere
+    (:func:`~megascale_omni.models.moe.chunk_layer_pattern`; docs/moe.md)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megascale_omni.models.moe import chunk_layer_pattern
+
+    def layer(num_experts: Optional[int] = None) -> ModuleSpec:
+        spec = gpt_layer_spec(impl, normalization, num_experts, config.moe_grouped_gemm)
+        if impl != "transformer_engine":
+            spec.submodules.input_layernorm = SequenceParallelTorchNorm
+            spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        return spec
+
+    if config.num_moe_experts:
+        dense, routed = layer(), layer(config.num_moe_experts)
+        layers = [routed if is_moe else dense for is_moe in chunk_layer_pattern(config, vp_stage)]
+    elif impl == "transformer_engine":
+        return layer()
+    else:
+        layers = [layer()] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    if impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
+
+
 def vit_layer_spec(impl: str) -> ModuleSpec:
     """Transformer-layer spec of the vision tower: bidirectional self-attention
     over each image's tokens (images are never packed; no mask is passed).

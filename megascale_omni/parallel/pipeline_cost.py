@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.activations import LayerShape, layer_activation_bytes, recompute_forward_flops
 from megascale_omni.parallel.batch_shape import BatchShape, causal_pairs
 
 #: Component names, in pipeline order. ``lm_layer`` is the cost of *one*
@@ -138,8 +139,9 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 def _transformer_layer(
     tokens: float, pairs: float, hidden: int, ffn: float, heads: int, groups: int,
-    dtype_bytes: int, recompute: bool, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
-    cp: int = 1, stored_ffn: Optional[float] = None, router: float = 0.0,
+    dtype_bytes: int, recompute: str, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
+    cp: int = 1, sequence_parallel: bool = False, hidden_dropout: bool = False, attention_dropout: bool = False,
+    fused_attention: bool = False, stored_ffn: Optional[float] = None, router: float = 0.0,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -148,35 +150,38 @@ def _transformer_layer(
     up and down matrices instead of two). ``cp``: every sequence is split
     over that many context-parallel ranks; the cost is one rank's, whose
     queries are ``1 / cp`` of the tokens and score ``1 / cp`` of the pairs.
-    MoE layers (:func:`mlp_widths`): ``ffn`` is the MLP width a token passes
-    through (its top-k experts and the shared ones), ``stored_ffn`` the
-    width held per rank (None: ``ffn``), ``router`` the experts scored per token."""
+    ``recompute`` (``model.recompute``), ``sequence_parallel``, the
+    dropouts and ``fused_attention`` (TE) set the activation bytes
+    (:func:`~megascale_omni.parallel.activations.layer_activation_bytes`)
+    and the FLOPs recomputed in backward. MoE layers (:func:`mlp_widths`):
+    ``ffn`` is the MLP width a token passes through (its top-k experts and
+    the shared ones), ``stored_ffn`` the width held per rank (None: ``ffn``),
+    ``router`` the experts scored per token."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
     mlp = (3 if gated else 2) * hidden
     matmul_params = qkv + hidden * hidden + mlp * ffn + hidden * router
     tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
-    forward = 2.0 * tokens * matmul_params + 4.0 * pairs * hidden
+    core_forward = 4.0 * pairs * hidden
+    forward = 2.0 * tokens * matmul_params + core_forward
     backward = trainable or grad_flows
-    passes = _passes(trainable, grad_flows) + (1.0 if recompute and backward else 0.0)
+    flops = _passes(trainable, grad_flows) * forward
+    if backward:
+        flops += recompute_forward_flops(core_forward, forward, recompute)
     stored = ffn if stored_ffn is None else stored_ffn
     params = int(matmul_params + mlp * (stored - ffn) + (hidden + 2 * groups * head_dim) + hidden + stored + hidden
                  + 4 * hidden)
-    if not backward:
-        act_elems = 0.0
-    elif recompute:
-        # Only the layer input survives; one layer's full set is rebuilt at a time.
-        act_elems = tokens * hidden
-    else:
-        # Inputs of both norms, QKV, the projection, fc1; Q, K, V; fc1 and
-        # GELU outputs; softmax probabilities (and their pre-mask scores).
-        act_elems = 8.0 * tokens * hidden + 2.0 * tokens * ffn + 2.0 * heads * pairs
+    shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout,
+                       fused_attention)
+    act = 0.0
+    if backward:
+        act = layer_activation_bytes(shape, tokens, pairs, dtype_bytes, tp, sequence_parallel, recompute)
     return ComponentCost(
-        flops=passes * forward / tp,
+        flops=flops / tp,
         params=params // tp,
         trainable_params=params // tp if trainable else 0,
-        activation_bytes=act_elems * dtype_bytes / tp,
+        activation_bytes=act,
     )
 
 
@@ -198,6 +203,13 @@ def mlp_widths(cfg: JobConfig) -> tuple[float, float, float]:
     stored = moe.num_experts // par.ep * expert * par.tp / par.expert_tp_size + shared
     dense = (1 - share) * m.ffn_size
     return dense + share * active, dense + share * stored, share * moe.num_experts
+
+
+def fused_attention(cfg: JobConfig, cuda: bool) -> bool:
+    """Whether attention is transformer-engine's fused kernel, which keeps no
+    score matrix: ``model.layer_impl`` other than ``local`` on CUDA (``auto``
+    picks TE there when it is installed, which a GPU deployment has)."""
+    return cuda and cfg.model.layer_impl != "local"
 
 
 def padded_vocab_size(cfg: JobConfig) -> int:
@@ -229,6 +241,14 @@ class MemoryConventions:
     bytes_per_frozen_param: float
     #: Micro-batches per step on one DP rank.
     num_microbatches: int
+    #: The gradient's share of ``bytes_per_trainable_param`` (megatron's main-grad buffer).
+    grad_bytes_per_param: float = 4.0
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Optimizer state per trainable parameter on this rank, bytes (after
+        the distributed optimizer's sharding)."""
+        return self.bytes_per_trainable_param - self.bytes_per_frozen_param - self.grad_bytes_per_param
 
 
 def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) -> MemoryConventions:
@@ -246,11 +266,12 @@ def memory_conventions(cfg: JobConfig, cuda: bool, world_size: Optional[int]) ->
         bytes_per_trainable_param=weights + grads + optim,
         bytes_per_frozen_param=weights,
         num_microbatches=max(train.global_batch_size // (train.micro_batch_size * dp), 1),
+        grad_bytes_per_param=grads,
     )
 
 
 def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
-                   batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
+                   batch: Optional[BatchShape] = None, cuda: bool = False) -> dict[str, ComponentCost]:
     """Token embedding, one decoder layer and the output layer + loss of the
     language model, on one of ``parallel.cp`` context-parallel ranks (``1/cp``
     of the tokens), for ``batch``'s causal segments, or (None) the planner's
@@ -264,6 +285,8 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
     all_tokens, pairs = ((float(b * s), float(b * s * s)) if batch is None
                          else (float(batch.tokens), causal_pairs(batch.segments)))
     tokens = all_tokens / cp  # this CP rank's
+    sp = cfg.parallel.sequence_parallel
+    sp_share = 1.0 / tp if sp else 1.0  # what SP keeps of a hidden-state tensor
     vocab = padded_vocab_size(cfg)
     active_ffn, stored_ffn, router = mlp_widths(cfg)
     lm_trainable = not m.freeze
@@ -274,14 +297,15 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             flops=3.0 * tokens * h / tp,  # gather + add (vocab-parallel); negligible next to matmuls
             params=emb_params,
             trainable_params=emb_params if lm_trainable else 0,
-            activation_bytes=tokens * h * nbytes,
+            activation_bytes=tokens * h * nbytes * sp_share,
         ),
         LM_LAYER: _transformer_layer(
             all_tokens, pairs, h, active_ffn, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
-            stored_ffn=stored_ffn, router=router,
+            sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
+            fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
@@ -289,13 +313,15 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             flops=(_passes(lm_trainable, lm_trainable or head_trains) * 2.0 * tokens * h * vocab + 5.0 * tokens * vocab) / tp,
             params=out_params,
             trainable_params=out_params if lm_trainable else 0,
-            # Final-norm input, output-layer input, fp32 logits and their softmax.
-            activation_bytes=2.0 * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
+            # Final-norm input (SP: sharded), output-layer input (gathered),
+            # fp32 logits and their softmax.
+            activation_bytes=(1.0 + sp_share) * tokens * h * nbytes + 2.0 * tokens * vocab / tp * 4,
         ),
     }
 
 
-def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None) -> dict[str, ComponentCost]:
+def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None,
+                       cuda: bool = False) -> dict[str, ComponentCost]:
     """LLaVA's ViT (patch embedding + layers) and projector for ``batch``'s
     tower inputs, or (None) the ``micro_batch_size * vision.images_per_sequence``
     images of a micro-batch: all of them on every CP rank (images are not
@@ -308,7 +334,8 @@ def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] 
     # Images enter with no gradient: backward reaches the ViT only if it trains.
     layer = _transformer_layer(
         vtokens, images * p * p, v.hidden_size, v.ffn_size, v.num_attention_heads, v.num_attention_heads,
-        nbytes, m.recompute, not v.freeze, not v.freeze, tp,
+        # The ViT has its own TransformerConfig: no sequence parallelism.
+        nbytes, m.recompute, not v.freeze, not v.freeze, tp, fused_attention=fused_attention(cfg, cuda),
     )
     patch_params = 3 * v.patch_size**2 * v.hidden_size + p * v.hidden_size + 2 * v.hidden_size
     patch_flops = 2.0 * vtokens * 3 * v.patch_size**2 * v.hidden_size * _passes(not v.freeze, False)
@@ -345,7 +372,7 @@ def lm_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[int] 
     ``seq_length`` tokens (or ``batch``)."""
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False, batch=batch),
+        components=_lm_components(cfg, _dtype_bytes(cfg, cuda), head_trains=False, batch=batch, cuda=cuda),
         head=(EMBEDDING,),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,
@@ -366,7 +393,8 @@ def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[in
     head_trains = not v.freeze_projector or not v.freeze
     mem = memory_conventions(cfg, cuda, world_size)
     return PipelineCostModel(
-        components={**_vision_components(cfg, nbytes, batch), **_lm_components(cfg, nbytes, head_trains, batch)},
+        components={**_vision_components(cfg, nbytes, batch, cuda),
+                    **_lm_components(cfg, nbytes, head_trains, batch, cuda)},
         head=(VISION, PROJECTOR, EMBEDDING),
         tail=(OUTPUT,),
         bytes_per_trainable_param=mem.bytes_per_trainable_param,

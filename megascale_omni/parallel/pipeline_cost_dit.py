@@ -30,10 +30,11 @@ states, their cross-attention keys and values, and the condition are
 computed whole on every CP rank. The ring's key/value traffic is not
 counted (FLOPs and bytes only).
 
-Every DiT weight trains (the DiT ignores ``model.freeze`` and
-``model.recompute``); with ``dit.ema_decay > 0`` each parameter also keeps
-an EMA copy in the weights' dtype. Activation bytes follow the same rough
-accounting as :func:`~megascale_omni.parallel.pipeline_cost._transformer_layer`.
+Every DiT weight trains (the DiT ignores ``model.freeze``; it refuses
+``model.recompute`` other than ``none``); with ``dit.ema_decay > 0`` each parameter also keeps
+an EMA copy in the weights' dtype. Activation bytes follow the same
+accounting as :func:`~megascale_omni.parallel.pipeline_cost._transformer_layer`
+(:mod:`megascale_omni.parallel.activations`) without recomputation.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.parallel.activations import RECOMPUTE_NONE
 from megascale_omni.parallel.batch_shape import BatchShape
 from megascale_omni.parallel.pipeline_cost import (
     ComponentCost,
@@ -166,7 +168,7 @@ def _package_components(cfg: JobConfig, nbytes: int, package_tokens: float, n: i
     # norm weights (the adaLN norms are affine-free), plus cross-attention and
     # the modulation linear. Gradients flow through every block (the head trains).
     # Self-attention is bidirectional over each image's n tokens: n * n pairs per image.
-    base = _transformer_layer(package_tokens, images * n * n, h, ffn, heads, heads, nbytes, False, True, True, tp, cp=cp)
+    base = _transformer_layer(package_tokens, images * n * n, h, ffn, heads, heads, nbytes, RECOMPUTE_NONE, True, True, tp, cp=cp)
     passes = _passes(True, True)
     q_flops, q_params = _linear(tokens, h, h, passes, tp)
     kv_flops, kv_params = _linear(text_tokens, h, 2 * h, passes, tp)

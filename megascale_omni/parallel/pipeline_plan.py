@@ -198,13 +198,37 @@ def _memory_error(
     else:
         hint = f"no split of {cfg.model.num_layers} layers over pp={problem.pp} fits"
     # Round up so that the number quoted is itself enough.
-    hint += f"; the best split at pp={problem.pp} needs {math.ceil(need_gib * 1000) / 1000:.3f} GiB per pp rank"
+    need_text = f"{math.ceil(need_gib * 1000) / 1000:.3f}"
+    hint += f"; the best split at pp={problem.pp} needs {need_text} GiB per pp rank"
+    fixes = []
+    sharded = _distributed_optimizer_memory(cfg, cost_model, problem, cuda, world_size)
+    if sharded is not None and sharded <= cap * GIB:
+        fixes.append(f"set parallel.use_distributed_optimizer=true (Adam state sharded over the data-parallel "
+                     f"ranks: {math.ceil(sharded / GIB * 1000) / 1000:.3f} GiB)")
     fits = smallest_fitting_pp(cfg, cost_model, cuda, world_size)
     if fits is None:
-        hint += f" and no pp up to {cfg.model.num_layers // problem.vpp} fits; raise parallel.pipeline_memory_gib"
+        hint += f" and no pp up to {cfg.model.num_layers // problem.vpp} fits"
+        fixes.append("raise parallel.pipeline_memory_gib")
     else:
-        hint += f"; raise parallel.pipeline_memory_gib to that or use parallel.pp={fits} (smallest pp that fits)"
+        fixes += [f"raise parallel.pipeline_memory_gib to {need_text}", f"use parallel.pp={fits} (smallest pp that fits)"]
+    hint += "; " + " or ".join(fixes)
     return ConfigError("parallel.pipeline_memory_gib", cap, hint)
+
+
+def _distributed_optimizer_memory(
+    cfg: JobConfig, cost_model: CostModelFn, problem: StageProblem, cuda: bool, world_size: Optional[int]
+) -> Optional[float]:
+    """Bytes the best split at ``problem.pp`` needs on its fullest pp rank
+    with ``parallel.use_distributed_optimizer`` on; None when it is already
+    on or there is one data-parallel rank (nothing to shard over)."""
+    par = cfg.parallel
+    dp = (world_size or par.model_parallel_size) // par.model_parallel_size
+    if par.use_distributed_optimizer or dp < 2:
+        return None
+    trial = dataclasses.replace(cfg, parallel=dataclasses.replace(par, use_distributed_optimizer=True))
+    model = build_cost_model(trial, cost_model, cuda=cuda, world_size=world_size)
+    need = min_memory(stage_problem(model, cfg.model.num_layers, problem.pp, problem.vpp, None))
+    return None if need is None else need[0]
 
 
 def smallest_fitting_pp(

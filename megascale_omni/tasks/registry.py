@@ -129,9 +129,13 @@ class ModelFamily:
         evaluator = self.evaluator_class(cfg, data)(cfg, platform, dims, data, model)
         return Task(data, model, evaluator)
 
-    def validate(self, cfg: JobConfig, world_size: int) -> None:
+    def validate(self, cfg: JobConfig, world_size: int, host_inputs: bool = True) -> None:
         """Every check ``cfg`` must pass to run this family on ``world_size``
-        ranks (every rank, before any process group). Raises ConfigError."""
+        ranks (every rank, before any process group). Raises ConfigError.
+
+        ``host_inputs=False`` leaves out what only the host that runs the job
+        can answer (data, tokenizer and resume paths, writable directories):
+        for planning a job on another machine (tools/plan_pipeline.py)."""
         if cfg.model.family != self.name:
             raise ConfigError(
                 "model.family", cfg.model.family,
@@ -164,6 +168,8 @@ class ModelFamily:
             # Read and matched against this model now (pure Python, no
             # megatron), not when the workers plan their pipeline.
             self.build_cost_model(cfg, world_size=world_size)
+        if not host_inputs:
+            return
         validate_paths(cfg)
         if self.check_inputs is not None:
             _resolve(self.check_inputs)(cfg, None if self.default_vocab is None else _resolve(self.default_vocab))
@@ -240,6 +246,9 @@ def _check_dit(cfg: JobConfig) -> None:
     require_divisible_by_tp("dit.in_channels * dit.patch_size**2", dit.in_channels * dit.patch_size**2, par.tp)
     if dit.text_encoder == "precomputed" and dit.text_dim == 0:
         raise ConfigError("dit.text_dim", 0, "precomputed text embeddings need their width; set dit.text_dim")
+    if cfg.model.recompute != "none":
+        raise ConfigError("model.recompute", cfg.model.recompute,
+                          "the DiT blocks are not wired to megatron's recomputation; set model.recompute: none")
     if par.cp > 1:
         _check_dit_context_parallel(cfg)
 
@@ -302,14 +311,12 @@ FAMILIES: dict[str, ModelFamily] = {
             default_vocab="megascale_omni.demo.shapes:word_tokenizer_size",
             check_inputs="megascale_omni.data.llava.preflight:check_inputs",
             features=frozenset(
-                {"vpp", "explicit_partition", "context_parallel", "elastic", "data_blend", "data_workers", "moe"}
+                {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
+                 "data_workers", "moe"}
             ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
             check=_check_llava,
-            notes=(
-                ("sequence_parallel", "packed sequences are not split across TP ranks"),
-            ),
         ),
         ModelFamily(
             name="dit",
@@ -345,3 +352,17 @@ def get_family(name: str) -> ModelFamily:
 
 def family_of(cfg: JobConfig) -> ModelFamily:
     return get_family(cfg.model.family)
+
+
+def estimate_memory_per_gpu(cfg: JobConfig, cuda: bool = True, world_size: Optional[int] = None):
+    """Predicted bytes per GPU of every pipeline rank of ``cfg`` under its
+    family's cost model: a tuple of
+    :class:`~megascale_omni.parallel.memory.StageMemory` (weights, gradients,
+    optimizer state, activations; ``.total``), see
+    :func:`megascale_omni.parallel.memory.estimate_memory_per_gpu`. ``cuda``:
+    ``train.precision: auto`` means bf16; ``world_size``: GPUs of one replica
+    group (None: DP 1). Any caller, before any process group; ConfigError if
+    the family has no cost model."""
+    from megascale_omni.parallel.memory import estimate_memory_per_gpu as estimate
+
+    return estimate(cfg, family_of(cfg).cost_model_fn(cfg), cuda=cuda, world_size=world_size)

@@ -5,14 +5,9 @@ every rank's a2a group is ``{2i, 2i+1}`` and its p2p group ``{j, j+2}``
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
-
 import pytest
 
-from tests.launcher import run_spawned_ranks
+from tests.launcher import gloo_rank, run_spawned_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -24,27 +19,23 @@ WORLD = 4
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    gloo_rank(rank, port, WORLD, out_dir, _groups)
+
+
+def _groups() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     from megascale_omni.config import ParallelConfig
     from megascale_omni.parallel.state import ParallelDims, destroy_parallel, initialize_parallel
-    from megascale_omni.platform import init_platform
 
-    try:
-        init_platform("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))
-        cfg = ParallelConfig(cp=4, cp_comm_type="a2a+p2p", hierarchical_cp_sizes=[2, 2])
-        initialize_parallel(ParallelDims.from_config(cfg, WORLD), seed=0)
-        groups = mpu.get_hierarchical_context_parallel_groups()
-        result = {"groups": [sorted(dist.get_process_group_ranks(g)) for g in groups],
-                  "cp": sorted(dist.get_process_group_ranks(mpu.get_context_parallel_group()))}
-        destroy_parallel()
-    except Exception:  # reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    cfg = ParallelConfig(cp=4, cp_comm_type="a2a+p2p", hierarchical_cp_sizes=[2, 2])
+    initialize_parallel(ParallelDims.from_config(cfg, WORLD), seed=0)
+    groups = mpu.get_hierarchical_context_parallel_groups()
+    result = {"groups": [sorted(dist.get_process_group_ranks(g)) for g in groups],
+              "cp": sorted(dist.get_process_group_ranks(mpu.get_context_parallel_group()))}
+    destroy_parallel()
+    return result
 
 
 def test_a2a_p2p_builds_hierarchical_cp_groups(tmp_path):

@@ -40,6 +40,9 @@ LAYOUTS = {
     "cp2-distopt-overlap": (2, ["parallel.cp=2", "parallel.use_distributed_optimizer=true",
                                 "parallel.overlap_grad_reduce=true"]),
     "cp4": (4, ["parallel.cp=4"]),
+    # Sequence parallelism on the local spec (its norms tag their weights for
+    # the TP all-reduce of their gradients) with selective recompute.
+    "tp2-sp-selective": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.recompute=selective"]),
 }
 
 
@@ -48,10 +51,11 @@ def _train(tmp_path_factory, name: str, nproc: int, overrides: list[str]) -> lis
     return train_and_read("megascale_omni.smoke", nproc, args, tmp_path_factory.mktemp(name), STEPS, timeout=240)
 
 
-# tp2-pp2 and cp4 (4 processes) and dp2-distopt-overlap (covered by dp2-distopt-overlap-gather, which
-# overlaps the reduction too) run in make test-all; the tied-embeddings TP2xPP2 case below stays in make test.
+# tp2-pp2 and cp4 (4 processes), dp2-distopt-overlap (covered by dp2-distopt-overlap-gather, which
+# overlaps the reduction too) and tp2-sp-selective (LLaVA's fast layouts cover SP) run in make test-all;
+# the tied-embeddings TP2xPP2 case below stays in make test.
 # tests/dist/test_param_gather.py (make test-all) adds evaluation and checkpoints with the gather overlapped.
-SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap", "cp4")
+SLOW_LAYOUTS = ("tp2-pp2", "dp2-distopt-overlap", "cp4", "tp2-sp-selective")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n

@@ -10,6 +10,9 @@ correctly, and TP2 that the ViT/projector/LM shards recombine exactly;
 train the same model as those built in the training process. CP layouts
 split every packed row over the CP ranks (ring attention; each CP rank runs
 the ViT on all images and keeps the features of its placeholders).
+Sequence-parallel layouts (TP2 + SP, alone and with selective recompute and
+the distributed optimizer, PP2, CP2 or DP2) scatter the embeddings with the
+image features spliced in over the TP ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 STEPS = 20
 RTOL = 1e-6
 GRAD_RTOL = 1e-5
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2"]),
@@ -35,9 +39,18 @@ LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
     "tp2-cp2": (4, ["parallel.tp=2", "parallel.cp=2"]),
     "pp2-cp2": (4, ["parallel.pp=2", "parallel.cp=2"]),
+    # Sequence parallelism (docs/memory.md): the spliced embedding scattered
+    # over TP, norm gradients all-reduced. The 2-process case is the 7B
+    # recipes' memory levers together: SP, selective recompute, distributed optimizer.
+    "tp2-sp-selective-distopt": (2, SP + ["model.recompute=selective", "parallel.use_distributed_optimizer=true"]),
+    "tp2-sp": (2, SP),
+    "tp2-sp-pp2": (4, SP + ["parallel.pp=2"]),
+    "tp2-sp-cp2": (4, SP + ["parallel.cp=2"]),
+    "tp2-sp-dp2-distopt": (4, SP + ["parallel.use_distributed_optimizer=true"]),
 }
 
-SLOW = {'pp2-dp2', 'tp2-dp2', 'pp2-workers', 'tp2-cp2', 'pp2-cp2'}
+SLOW = {'pp2-dp2', 'tp2-dp2', 'pp2-workers', 'tp2-cp2', 'pp2-cp2', 'tp2-sp', 'tp2-sp-pp2', 'tp2-sp-cp2',
+        'tp2-sp-dp2-distopt'}
 
 
 def _train(tmp_path_factory, llava_dataset, name, nproc, overrides):

@@ -144,6 +144,16 @@ EXPECTED = {
         r"^shard overhead of source bytes: \d+ bytes per sample",
         r"^new / old: [\d.]+x images/s \(cpu\), [\d.]+x bytes on disk$",
     ],
+    "video_decode": [
+        r"^clips 2 x 30 frames at 48x64, 30 fps \(H.264 mkv / MPEG-4 mp4\), keeping 8 per clip, one process$",
+        r"^stage\s+frames/s \(cpu\)\s+frames/s \(wall\)\s+unit$",
+        r"^ingest \(count \+ take \+ JPEG\)\s+[\d.]+\s+[\d.]+\s+decoded frames/s$",
+        r"^read stored JPEG frames\s+[\d.]+\s+[\d.]+\s+kept frames/s$",
+        r"^read from the clip\s+[\d.]+\s+[\d.]+\s+kept frames/s$",
+        r"^ingest: [\d.]+ clips/s \(cpu\); decoded 57 frames a clip$",  # 30 to count + 27 up to the last kept
+        r"^read per sample: stored frames [\d.]+ ms, from the clip [\d.]+ ms \(cpu\); ratio [\d.]+x$",
+        r"^bytes: clips [\d.]+ MB, shards [\d.]+ MB, shards / clips [\d.]+x$",
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -166,6 +176,7 @@ TIMEOUT_S = {
     "plan_startup": 240,
     "gpu_mfu": 300,
     "ingest_jpeg": 240,
+    "video_decode": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",

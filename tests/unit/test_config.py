@@ -56,6 +56,12 @@ INVALID = {
     "param-gather-without-distopt": (["parallel.overlap_param_gather=true"], 2,
                                      ["parallel.overlap_param_gather=True", "use_distributed_optimizer=true"]),
     "context-parallel": (["parallel.cp=2", "model.seq_length=30"], 2, ["model.seq_length=30", "multiple of 4"]),
+    # Sequence parallelism splits each CP rank's seq_length / cp tokens over TP.
+    "sequence-parallel-length": (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=33"], 2,
+                                 ["model.seq_length=33", "divisible by parallel.tp=2", "use 32"]),
+    "sequence-parallel-cp-length": (["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true",
+                                     "model.seq_length=36"], 8,
+                                    ["model.seq_length=36", "parallel.tp*parallel.cp=8", "use 32"]),
     "vocab-multiple-vs-tp": (["parallel.tp=2", "model.make_vocab_size_divisible_by=3"], 2,
                              ["model.make_vocab_size_divisible_by=3", "parallel.tp=2"]),
     "bad-sample-fraction": (["data.max_bad_sample_fraction=1.5"], 1, ["data.max_bad_sample_fraction=1.5", "[0, 1]"]),
@@ -67,8 +73,6 @@ INVALID = {
 # the device is known, still before any process group starts.
 CPU_ONLY_INVALID = {
     "memory-cap-on-cpu": (["logging.memory_fraction_cap=0.5"], ["logging.memory_fraction_cap=0.5", "CUDA"]),
-    "sequence-parallel-on-cpu": (["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                 ["parallel.sequence_parallel=True", "CUDA"]),
 }
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import pytest
 
 from megascale_omni.config import ConfigError, JobConfig, control_socket_path, from_dict, validate_job
+from megascale_omni.config.validate import MAX_UNIX_SOCKET_PATH
 from megascale_omni.control.cli import build_parser, format_result, request_of
 from megascale_omni.control.client import parse_target
 from megascale_omni.control.commands import MUTABLE_FIELD_NAMES, Op, check_args, check_config_set, set_field
@@ -188,13 +190,19 @@ def test_control_config_validation(tmp_path, monkeypatch):
     assert control_socket_path(cfg()) == str(tmp_path / "control.sock")
     with pytest.raises(ConfigError) as e:
         validate_job(cfg(socket_path="/tmp/" + "x" * 120), 1)
-    assert e.value.field == "control.socket_path" and "107 bytes" in e.value.hint
+    assert e.value.field == "control.socket_path" and f"{MAX_UNIX_SOCKET_PATH} bytes" in e.value.hint
+    # The longest accepted path still binds: the server's temporary name fits sun_path.
+    longest = tmp_path / ("s" * (MAX_UNIX_SOCKET_PATH - len(os.fsencode(str(tmp_path))) - 1))
+    assert len(os.fsencode(str(longest))) == MAX_UNIX_SOCKET_PATH
+    validate_job(cfg(socket_path=str(longest)), 1)
+    with pytest.raises(ConfigError):
+        validate_job(cfg(socket_path=str(longest) + "s"), 1)
     # A run directory too deep for the default socket gets a short one instead of an error.
     deep = tmp_path / ("d" * 100)
     long_default = from_dict(JobConfig, {"logging": {"output_dir": str(deep)}})
     validate_job(long_default, 1)
     short = control_socket_path(long_default)
-    assert len(short) <= 107 and short.endswith(".sock") and short == control_socket_path(long_default)
+    assert len(short) <= MAX_UNIX_SOCKET_PATH and short.endswith(".sock") and short == control_socket_path(long_default)
     with pytest.raises(ConfigError) as e:
         validate_job(cfg(tcp_port=0), 1)
     assert e.value.field == "control.tcp_port" and "token" in e.value.hint

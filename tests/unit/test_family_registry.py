@@ -46,10 +46,11 @@ def test_a_config_of_another_family_is_refused_by_the_entry_point():
 UNSUPPORTED = [
     ("dit", ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2,
      ["parallel.vpp=2", "does not support vpp", "set parallel.vpp: null"]),
-    ("llava", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
-     ["parallel.sequence_parallel=True", "does not support sequence parallel"]),
+    ("dit", ["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+     ["parallel.sequence_parallel=True", "does not support sequence parallel", "adaLN"]),
     ("gpt", ["data.num_workers=1"], 1, ["data.num_workers=1", "does not support data workers"]),
     ("dit", ["data.num_workers=2"], 1, ["data.num_workers=2", "does not support data workers", "set data.num_workers: 0"]),
+    ("dit", ["model.recompute=selective"], 1, ["model.recompute='selective'", "set model.recompute: none"]),
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 from megascale_omni.data.image_preprocess import (
     ImagePreprocessor,
     PreprocessorSpec,
+    find_preprocessor_config,
     pad_to_square,
     select_grid,
 )
@@ -137,3 +138,43 @@ def test_config_file_and_tower_size_mismatch(tmp_path):
     assert pre.spec.image_mean == tuple(CLIP_MEAN) and pre.spec.crop_hw == (48, 48)
     with pytest.raises(ValueError, match="tower takes 32x32"):
         ImagePreprocessor.from_config("resize_crop", 32, tmp_path / "preprocessor_config.json")
+
+
+def test_a_processor_config_json_from_transformers_5_is_read(tmp_path):
+    """transformers 5 saves a LlavaProcessor as one processor_config.json with
+    the image processor under ``image_processor``: it is found in a tokenizer
+    directory and read as the same settings as a preprocessor_config.json."""
+    from PIL import Image
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    assert find_preprocessor_config(tok) is None
+    (tok / "processor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor"}))
+    assert find_preprocessor_config(tok) is None  # a processor without an image processor
+    (tok / "processor_config.json").write_text(json.dumps(
+        {"image_processor": _clip_conf(size=48, crop=48), "patch_size": 8, "processor_class": "LlavaProcessor"}))
+    assert find_preprocessor_config(tok) == tok / "processor_config.json"
+    spec = PreprocessorSpec.from_file(tok)
+    assert spec == PreprocessorSpec.from_dict(_clip_conf(size=48, crop=48)) and spec.image_mean == tuple(CLIP_MEAN)
+    # A preprocessor_config.json beside it wins.
+    (tok / "preprocessor_config.json").write_text(json.dumps(_siglip_conf(48)))
+    assert find_preprocessor_config(tok) == tok / "preprocessor_config.json"
+    # What transformers itself writes for a LlavaProcessor gives the same tensors as its image processor.
+    saved = tmp_path / "saved"
+    image_processor = transformers.CLIPImageProcessor(**{k: v for k, v in _clip_conf(36, 36).items()
+                                                         if k != "image_processor_type"})
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer())
+    transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                image_token="<image>").save_pretrained(str(saved))
+    pre = ImagePreprocessor.from_config("resize_crop", 36, find_preprocessor_config(saved))
+    image = _image(40, 57)
+    want = _hf(transformers.CLIPImageProcessor, _clip_conf(36, 36), image)
+    assert (pre(image)[0] - want).abs().max().item() <= TOL
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "<image>": 1, "a": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return backend

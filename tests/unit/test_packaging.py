@@ -42,6 +42,7 @@ OPTIONAL_EXTRAS = {
     "transformer-engine": {"gpu"},
     "flash-attn": {"gpu"},
     "einops": {"cp"},
+    "av": {"video"},
 }
 # Names a module may not use under Python 3.10 (added in 3.11). Syntax new in 3.12 already fails
 # to parse here; except* parses here and is checked separately.

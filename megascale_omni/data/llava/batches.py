@@ -21,7 +21,7 @@ skip the same sample; data-parallel ranks build disjoint shares of the plan.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -34,6 +34,7 @@ from megascale_omni.data.packing import Pack, collate_pack, packed_cu_seqlens
 from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample, SampleValidationError, validate_metadata
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
+from megascale_omni.data.video import subsample
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class EncodedSample:
     #: ``[H, W, 3]`` uint8 images, in placeholder order (after
     #: :class:`LlavaBatcher` preprocessing: float32 ``[n, 3, S, S]`` tensors).
     images: list
+    #: Per ``<video>``: after :class:`LlavaBatcher`, float32 ``[frames, 3, S, S]`` (one tower input per frame).
+    videos: list = field(default_factory=list)
 
 
 class LlavaEncoder:
@@ -157,7 +160,7 @@ def pad_encoded(enc: EncodedSample, multiple: int, pad_id: int) -> EncodedSample
         return enc
     return EncodedSample(
         enc.sample_id, enc.tokens + [pad_id] * extra, enc.target_mask + [0.0] * extra,
-        enc.eval_mask + [0.0] * extra, enc.images,
+        enc.eval_mask + [0.0] * extra, enc.images, enc.videos,
     )
 
 
@@ -183,6 +186,7 @@ class LlavaBatcher:
         counter: Optional[SkipCounter] = None,
         preprocess: Optional[ImagePreprocessor] = None,
         pad_to_multiple_of: int = 1,
+        video_frames: int = 0,
     ):
         self.reader = reader
         #: A :class:`LlavaEncoder` or anything with its ``encode`` (the chat format's encoder).
@@ -197,6 +201,8 @@ class LlavaBatcher:
         #: (context parallelism cuts each into ``2 * cp`` equal chunks); the
         #: plan must have packed the padded lengths (:func:`padded_length`).
         self.pad_to_multiple_of = pad_to_multiple_of
+        #: Frames read per video (``data.video_frames``; 0: every stored frame).
+        self.video_frames = video_frames
         #: Where skipped samples are counted (shared with the task's job-wide account).
         self.counter = counter if counter is not None else SkipCounter()
 
@@ -221,6 +227,7 @@ class LlavaBatcher:
                 enc = self.encoder.encode(sample)
             if self.preprocess is not None:
                 enc.images = [self._preprocess(sample_id, img) for img in enc.images]
+            enc.videos = [self._video(sample_id, video) for video in sample.videos]
         except BadSampleError as err:
             self.counter.record_skip(err)
             return None
@@ -233,6 +240,22 @@ class LlavaBatcher:
         except ValueError as err:
             raise BadSampleError(sample_id, self.reader.root, f"image preprocessing failed: {err}") from None
 
+    def _video(self, sample_id: int, video: np.ndarray) -> torch.Tensor:
+        """uint8 ``[F, H, W, 3]`` -> float32 ``[f, 3, S, S]``: ``data.video_frames``
+        of the stored frames (:func:`~megascale_omni.data.video.subsample`),
+        each preprocessed as an image (``data.image_mode``; anyres: its
+        overview only, as LLaVA-OneVision treats video frames)."""
+        frames = subsample(video, self.video_frames)
+        if self.preprocess is None:
+            if frames.shape[1:] != (self.image_size, self.image_size, 3):
+                raise BadSampleError(sample_id, self.reader.root, f"video frame shape {frames.shape[1:]} != "
+                                     f"({self.image_size}, {self.image_size}, 3); set data.image_mode")
+            return images_to_tensor(list(frames))
+        try:
+            return torch.cat([self.preprocess.frame(f) for f in frames])
+        except ValueError as err:
+            raise BadSampleError(sample_id, self.reader.root, f"video frame preprocessing failed: {err}") from None
+
     def microbatch(
         self, packs: Sequence[Pack], id_map: Sequence[int], image_sources: Optional[Mapping[int, int]] = None
     ) -> dict[str, torch.Tensor]:
@@ -243,9 +266,12 @@ class LlavaBatcher:
         ``cu_seqlens: [k + 1]`` int32 (the ``k`` samples and padding tails of
         the rows flattened row-major, :func:`packed_cu_seqlens`; the model
         attends within each only) and ``images: [n, 3, H, W]`` float32
-        (``n`` counts tower inputs: anyres tiles each count).
+        (``n`` counts tower inputs: anyres tiles each count). A micro-batch
+        with videos also has ``videos: [f, 3, H, W]`` float32 (every video's
+        frames, in sample order) and ``video_frames: [v]`` int64 (frames per
+        video); the model refuses it until it consumes video.
         """
-        rows, images = [], []
+        rows, images, videos = [], [], []
         for pack in packs:
             encoded = []
             for sid in pack.sample_ids:
@@ -262,6 +288,7 @@ class LlavaBatcher:
                 self.seq_length, self.pad_id, extra_masks={"eval_mask": [e.eval_mask for e in encoded]},
             ))
             images.extend(img for e in encoded for img in e.images)
+            videos.extend(v for e in encoded for v in e.videos)
         keys = ("tokens", "labels", "loss_mask", "eval_mask", "position_ids")
         batch = {k: torch.stack([r[k] for r in rows]) for k in keys}
         batch["cu_seqlens"] = packed_cu_seqlens(torch.stack([r["segment_ids"] for r in rows]))
@@ -269,4 +296,7 @@ class LlavaBatcher:
             batch["images"] = images_to_tensor(images)
         else:
             batch["images"] = torch.cat(images)
+        if videos:
+            batch["videos"] = torch.cat(videos)
+            batch["video_frames"] = torch.tensor([len(v) for v in videos], dtype=torch.int64)
         return batch

@@ -11,6 +11,12 @@ Inputs (any mix, read in this order; every record gets a global position):
   caption`` (``caption_prompt`` is appended to the user turn when given);
 - ``text``: JSONL, one ``{"conversations": [...]}`` per line, no images.
 
+A LLaVA-Video / LLaVA-OneVision record may also have ``"video": path`` (or
+``"videos": [...]``), a clip file or a folder of frames, each standing for
+one ``<video>`` marker of its human turns; its frames are chosen by a
+:class:`~megascale_omni.data.video.VideoSampling` and stored as image
+members (:mod:`megascale_omni.data.video` says how and why).
+
 Image paths are relative to ``image_root``. Images are stored as the
 source file's bytes (JPEG, PNG or WebP: never re-encoded, so a JPEG set
 takes its own size on disk), after PIL checked them once here: ``verify``
@@ -77,10 +83,13 @@ from megascale_omni.data.sample import (
     KIND_MULTI_IMAGE,
     KIND_SINGLE_IMAGE,
     KIND_TEXT_ONLY,
+    KIND_VIDEO,
+    VIDEO_PLACEHOLDER,
     Sample,
     SampleValidationError,
 )
 from megascale_omni.data.shard_writer import encode_sample, index_shards, shard_name, tar_writer
+from megascale_omni.data.video import VideoError, VideoSampling, load_video
 from megascale_omni.utils.files import atomic_open, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -129,10 +138,12 @@ class Rejected(Exception):
 
 
 def to_sample(position: int, record: Any, image_root: str, encoder: Optional[ChatEncoder] = None,
-              seq_length: Optional[int] = None) -> tuple[Sample, list[tuple[str, bytes]]]:
+              seq_length: Optional[int] = None, video: VideoSampling = VideoSampling()
+              ) -> tuple[Sample, list[tuple[str, bytes]], list[list[tuple[str, bytes]]]]:
     """The :class:`Sample` of one input record (id = ``position``, images
-    decoded) and its images' ``(PIL format, source bytes)``, which the shard
-    stores. Raises :class:`Rejected` with the reason when the record is bad."""
+    and the ``video`` sampling's frames decoded), its images' ``(PIL format,
+    source bytes)`` and its videos' frames' (what the shard stores). Raises
+    :class:`Rejected` with the reason when the record is bad."""
     if isinstance(record, str):
         raise Rejected(record)
     if not isinstance(record, dict):
@@ -148,17 +159,24 @@ def to_sample(position: int, record: Any, image_root: str, encoder: Optional[Cha
         turns = normalize_turns(conversation, where="conversations")
     except ConversationError as e:
         raise Rejected(f"bad conversation: {e}") from None
-    paths = _image_paths(record)
+    paths = _media_paths(record, "image")
     markers = sum(t["content"].count(IMAGE_PLACEHOLDER) for t in turns)
     if markers != len(paths):
         raise Rejected(f"{markers} {IMAGE_PLACEHOLDER} marker(s) for {len(paths)} image(s)")
+    video_paths = _media_paths(record, "video")
+    video_markers = sum(t["content"].count(VIDEO_PLACEHOLDER) for t in turns)
+    if video_markers != len(video_paths):
+        raise Rejected(f"{video_markers} {VIDEO_PLACEHOLDER} marker(s) for {len(video_paths)} video(s)")
     loaded = [_load_image(image_root, p) for p in paths]
+    videos = [_load_video(image_root, p, video) for p in video_paths]
     images = [array for array, _, _ in loaded]
+    kind = KIND_TEXT_ONLY if not images else KIND_SINGLE_IMAGE if len(images) == 1 else KIND_MULTI_IMAGE
     sample = Sample(
         id=position,
-        kind=KIND_TEXT_ONLY if not images else KIND_SINGLE_IMAGE if len(images) == 1 else KIND_MULTI_IMAGE,
+        kind=KIND_VIDEO if videos else kind,
         images=images,
         conversation=[{"role": t["role"], "text": _spaced_markers(t["content"])} for t in turns],
+        videos=[v.frames for v in videos],
     )
     try:
         sample.validate()
@@ -171,7 +189,7 @@ def to_sample(position: int, record: Any, image_root: str, encoder: Optional[Cha
             raise Rejected(f"longer than seq_length {seq_length}: {e}") from None
         if encoded.truncated:
             raise Rejected(f"longer than seq_length {seq_length} (only {encoded.assistant_turns} round(s) fit)")
-    return sample, [(fmt, data) for _, fmt, data in loaded]
+    return sample, [(fmt, data) for _, fmt, data in loaded], [v.sources for v in videos]
 
 
 def _has_surrogates(value: Any) -> bool:
@@ -184,8 +202,10 @@ def _has_surrogates(value: Any) -> bool:
     return False
 
 
-def _image_paths(record: dict) -> list[str]:
-    field_name = "images" if "images" in record else "image"
+def _media_paths(record: dict, kind: str) -> list[str]:
+    """The paths of ``kind`` (``image`` or ``video``): the record's
+    ``<kind>s`` list or its ``<kind>`` path."""
+    field_name = f"{kind}s" if f"{kind}s" in record else kind
     value = record.get(field_name)
     if value is None:
         return []
@@ -204,9 +224,25 @@ def _image_paths(record: dict) -> list[str]:
 def _spaced_markers(text: str) -> str:
     """The text with every marker a whitespace-separated word (the Sample
     contract counts markers by words); text already so is returned as is."""
-    if text.split().count(IMAGE_PLACEHOLDER) == text.count(IMAGE_PLACEHOLDER):
+    words = text.split()
+    if all(words.count(m) == text.count(m) for m in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)):
         return text
-    return re.sub(r"\s*<image>\s*", f" {IMAGE_PLACEHOLDER} ", text).strip()
+    return re.sub(r"\s*(<image>|<video>)\s*", r" \1 ", text).strip()
+
+
+def _load_video(root: str, rel: str, sampling: VideoSampling):
+    """Video ``rel`` (a clip file or a frame folder) as
+    :class:`~megascale_omni.data.video.LoadedVideo`. Raises :class:`Rejected`
+    naming the file and the reason."""
+    path = os.path.join(root, rel)
+    if not os.path.exists(path):
+        raise Rejected(f"video not found: {rel}")
+    try:
+        return load_video(path, sampling)
+    except VideoError as e:
+        raise Rejected(f"video {e.reason}: {rel}" + (f" ({e.detail})" if e.detail else "")) from None
+    except OSError as e:
+        raise Rejected(f"video cannot be read: {rel} ({e.strerror or e})") from None
 
 
 def _load_image(root: str, rel: str) -> tuple[np.ndarray, str, bytes]:
@@ -253,7 +289,7 @@ def _write_chunk(job: tuple) -> dict:
     Returns the chunk marker: shard name (None if nothing was kept), kept
     count, rejected records. Samples are written as they are converted, so a
     worker holds one sample's images at a time."""
-    number, first, records, image_root, out, length = job
+    number, first, records, image_root, out, length, video = job
     encoder = _encoder(length.tokenizer, length.image_token, length.tokens_per_image) if length else None
     kept, rejected = 0, []
     name = shard_name(number)
@@ -262,13 +298,13 @@ def _write_chunk(job: tuple) -> dict:
         for offset, (source, record) in enumerate(records):
             position = first + offset
             try:
-                sample, sources = to_sample(position, record, image_root, encoder,
-                                            length.seq_length if length else None)
+                sample, sources, video_sources = to_sample(position, record, image_root, encoder,
+                                                           length.seq_length if length else None, video)
             except Rejected as e:
                 rid = record.get("id") if isinstance(record, dict) else None
                 rejected.append({"position": position, "source": source, "id": _plain(rid), "reason": str(e)})
                 continue
-            writer.write({"__key__": f"{position:09d}", **encode_sample(sample, sources)})
+            writer.write({"__key__": f"{position:09d}", **encode_sample(sample, sources, video_sources)})
             kept += 1
         writer.close()
     if not kept:
@@ -287,13 +323,14 @@ def _plain(value: Any) -> Any:
 # --------------------------------------------------------------- ingest
 def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: int = 1000, workers: int = 1,
            length: Optional[LengthCheck] = None, coster: Optional[Coster] = None,
-           val: Optional[ValSplit] = None) -> IngestReport:
+           val: Optional[ValSplit] = None, video: VideoSampling = VideoSampling()) -> IngestReport:
     """Ingest ``inputs`` into the split directory ``out_dir`` (see the module
     docstring): parallel over ``workers`` processes, resumable, with a
     report of every rejected record. ``coster`` (the training run's
     encoder, e.g. :func:`chat_coster`) counts each sample's tokens into the
     index so training plans from it without reading the samples. ``val``:
     also make the val split (its report is the returned one's ``val``).
+    ``video``: which frames of each video are kept.
     Raises ConfigError for unusable arguments (missing or unreadable inputs,
     an output holding another ingestion), before any shard is written."""
     if samples_per_shard <= 0:
@@ -313,6 +350,8 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
             raise ConfigError("--val-out", val.out, "must differ from --out (default: val beside --out)")
     settings = [samples_per_shard, None if length is None else vars(length),
                 None if val is None else val.settings()]
+    if video != VideoSampling():  # the default keeps the fingerprints of sets ingested before videos
+        settings.append(vars(video))
     stamps = {}
     for split, out in splits.items():
         stamps[split] = (out / STATE_DIR / "inputs.sha256", inputs.fingerprint(*settings, split))
@@ -334,13 +373,13 @@ def ingest(inputs: IngestInputs, out_dir: str | os.PathLike, samples_per_shard: 
         stamp.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(stamp, fingerprint + "\n")
     reports = {split: _ingest_split(records[split], out, inputs.image_root, samples_per_shard, workers, length,
-                                    coster) for split, out in splits.items()}
+                                    coster, video) for split, out in splits.items()}
     reports["train"].val = reports.get("val")
     return reports["train"]
 
 
 def _ingest_split(items: list[tuple[str, Any]], out: Path, image_root: str, samples_per_shard: int, workers: int,
-                  length: Optional[LengthCheck], coster: Optional[Coster]) -> IngestReport:
+                  length: Optional[LengthCheck], coster: Optional[Coster], video: VideoSampling) -> IngestReport:
     """Write, index and report one split's records (see :func:`ingest`)."""
     state = out / STATE_DIR
     report = IngestReport()
@@ -352,7 +391,7 @@ def _ingest_split(items: list[tuple[str, Any]], out: Path, image_root: str, samp
             markers[number] = json.loads(done.read_text(encoding="utf-8"))
             report.chunks_resumed += 1
         else:
-            todo.append((number, first, items[first:first + samples_per_shard], image_root, str(out), length))
+            todo.append((number, first, items[first:first + samples_per_shard], image_root, str(out), length, video))
     if workers == 1 or len(todo) <= 1:
         results = map(_write_chunk, todo)
     else:
@@ -390,7 +429,10 @@ def _reason_kind(reason: str) -> str:
     if reason.startswith("image format "):
         return "image format not stored"
     if "marker(s) for" in reason:
-        return "<image> markers do not match the images"
+        return ("<video> markers do not match the videos" if reason.endswith("video(s)")
+                else "<image> markers do not match the images")
+    if reason.startswith("video "):
+        return reason.partition(":")[0]  # "video has no frames: a.mp4 (...)" -> "video has no frames"
     return reason
 
 

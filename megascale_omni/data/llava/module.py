@@ -28,7 +28,7 @@ from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
 from megascale_omni.data.dataset_root import DefaultDataset, load_tokenizer, resolve_dataset_root
 from megascale_omni.data.identity import tokenizer_source, train_split_source
-from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, ImagePreprocessor
+from megascale_omni.data.image_preprocess import ImagePreprocessor, find_preprocessor_config
 from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
 from megascale_omni.data.llava.chat import ChatLlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
@@ -67,8 +67,8 @@ def build_image_preprocessor(cfg: JobConfig, root: Path) -> Optional[ImagePrepro
     if d.image_mode == "exact":
         return None
     source = d.image_processor
-    if source is None and (tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME).is_file():
-        source = str(tokenizer_dir(cfg, root) / PREPROCESSOR_FILENAME)
+    if source is None and (found := find_preprocessor_config(tokenizer_dir(cfg, root))) is not None:
+        source = str(found)
     try:
         pre = ImagePreprocessor.from_config(d.image_mode, cfg.vision.image_size, source)
     except (OSError, ValueError) as err:
@@ -125,7 +125,7 @@ class ConversationData(DataModule):
         self.scanner = PlanScanner(
             self.encoder, cfg.vision.tokens_per_image, self.seq_length, self.multiple,
             num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
-            truncates=cfg.data.format == "chat",
+            truncates=cfg.data.format == "chat", video_frames=cfg.data.video_frames,
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -137,6 +137,8 @@ class ConversationData(DataModule):
         scan = self.scanner.scan(self.train_reader)
         self.bad_samples.exclude(scan.bad, len(self.train_reader), str(self.train_reader.root))
         self.train_ids, lengths, self.train_images = scan.ids, scan.lengths, scan.images
+        #: Usable training samples with videos (the model says whether it takes them).
+        self.video_samples = scan.video_samples
         #: Tower inputs per usable sample (anyres: its images' views), for the model FLOPs.
         self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64)
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
@@ -150,6 +152,7 @@ class ConversationData(DataModule):
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
             counter=self.bad_samples.counter, preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
+            video_frames=cfg.data.video_frames,
         )
         self.steps = LlavaSteps(self.plan, self.train_ids, self.train_batcher, cfg.train.micro_batch_size)
         #: Builds on TP rank 0 of stage 0, hands the batches to the rest of the model replica.

@@ -10,6 +10,12 @@ rounds, which the total alone cannot reproduce, so such a sample (and every
 sample without a known count) is read as before (:func:`plan_sample`). Both
 ways give the same lengths, so a plan does not depend on which was used.
 
+Videos: each costs ``min(stored frames, data.video_frames)`` tower inputs
+of ``tokens_per_image`` tokens (:func:`~megascale_omni.data.costs.video_tokens`),
+from the index's frame counts in both ways (a video sample whose index
+entry has none is excluded); the balance cost counts each frame as a tower
+input. :attr:`PlanScan.video_samples` counts the usable samples with videos.
+
 anyres: a sample's view count comes from the index's image sizes in both
 ways; a format-1 index has none, which is fatal (re-ingest or re-index).
 
@@ -31,6 +37,7 @@ import numpy as np
 
 from megascale_omni.config import ConfigError
 from megascale_omni.data.balance import sample_cost
+from megascale_omni.data.costs import is_video_member, video_tokens
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.llava.batches import padded_length, plan_sample
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
@@ -82,6 +89,8 @@ class PlanScan:
     bad: int
     #: Samples planned from the index alone (the rest read their JSON member).
     from_index: int
+    #: Usable samples that have videos.
+    video_samples: int = 0
 
 
 class PlanScanner:
@@ -95,16 +104,19 @@ class PlanScanner:
         multiple: samples are padded to a multiple of this many tokens.
         num_views: image ``(height, width)`` -> tower inputs (anyres), or None: one per image.
         truncates: the encoder cuts samples over ``seq_length`` (chat format).
+        video_frames: frames read per video (``data.video_frames``; 0: all stored).
     """
 
     def __init__(self, encoder, tokens_per_image: int, seq_length: int, multiple: int,
-                 num_views: Optional[Callable[[tuple[int, int]], int]] = None, truncates: bool = False):
+                 num_views: Optional[Callable[[tuple[int, int]], int]] = None, truncates: bool = False,
+                 video_frames: int = 0):
         self.encoder = encoder
         self.tokens_per_image = tokens_per_image
         self.seq_length = seq_length
         self.multiple = multiple
         self.num_views = num_views
         self.truncates = truncates
+        self.video_frames = video_frames
         #: ``encoder.cost_basis()``: the index token counts this run can use.
         self.basis = encoder.cost_basis()
 
@@ -141,33 +153,45 @@ class PlanScanner:
                                  "an image member has no readable header (no size in index.json)")
         return [self.num_views(hw) for hw in image_hw]
 
-    def _plan_one(self, reader, i: int, use_index: dict) -> tuple[int, int, tuple[int, ...], bool]:
-        """(unpadded tokens, images kept, views of the kept images, from the index) of sample ``i``."""
+    def _frames(self, reader: ShardedSampleReader, idx: int, cost) -> int:
+        """Tower inputs of sample ``idx``'s videos (BadSampleError when it has
+        video members but no frame counts in the index)."""
+        loc = reader.index.samples[idx]
+        if cost is None and any(is_video_member(s) for s in loc.members):
+            raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name,
+                                 "a video frame member has no readable header (no frame count in index.json)")
+        return video_tokens(cost, self.video_frames, 1)
+
+    def _plan_one(self, reader, i: int, use_index: dict) -> tuple[int, int, tuple[int, ...], bool, int]:
+        """(unpadded tokens, images kept, views of the kept images, from the
+        index, video frames read) of sample ``i``."""
         src, j = reader.resolve(i)
         key = id(src)
         if key not in use_index:
             use_index[key] = self._use_index(src)
         cost = src.index.samples[j].cost
+        frames = self._frames(src, j, cost)
         views = None  # tower inputs per image, when the index knows the images
         if self.num_views is not None:
             views = self._views(src, j, None if cost is None else cost.image_hw)
         elif cost is not None:
             views = [1] * len(cost.image_hw)
         if use_index[key] and cost is not None and cost.tokens is not None:
-            n = cost.tokens + self.tokens_per_image * sum(views)
+            n = cost.tokens + self.tokens_per_image * (sum(views) + frames)
             if not (self.truncates and n > self.seq_length):
-                return n, len(views), tuple(views), True
+                return n, len(views), tuple(views), True, frames
         n, kept = plan_sample(reader, self.encoder, i, views if self.num_views is not None else None)
-        return n, kept, tuple(views[:kept]) if views is not None else (1,) * kept, False
+        n += self.tokens_per_image * frames
+        return n, kept, tuple(views[:kept]) if views is not None else (1,) * kept, False, frames
 
     def scan(self, reader) -> PlanScan:
         """Plan every sample of ``reader`` (a split or a blend of splits)."""
         ids, lengths, costs, images, views = [], [], [], [], []
-        bad = from_index = 0
+        bad = from_index = video_samples = 0
         use_index: dict[int, bool] = {}
         for i in range(len(reader)):
             try:
-                n, kept, sample_views, indexed = self._plan_one(reader, i, use_index)
+                n, kept, sample_views, indexed, frames = self._plan_one(reader, i, use_index)
             except BadSampleError as err:
                 bad += 1
                 logger.warning("excluding sample %d from the plan: %s", i, err)
@@ -178,11 +202,12 @@ class PlanScanner:
                 logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
                 continue
             from_index += indexed
+            video_samples += frames > 0
             ids.append(i)
             lengths.append(n)
-            costs.append(sample_cost(n, sum(sample_views), self.tokens_per_image))
+            costs.append(sample_cost(n, sum(sample_views) + frames, self.tokens_per_image))
             images.append(kept)
             views.append(sample_views)
         logger.info("planned %d of %d samples of %s from index.json alone", from_index, len(reader), reader.root)
         return PlanScan(np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images), views, bad,
-                        from_index)
+                        from_index, video_samples)

@@ -117,12 +117,12 @@ def _fewest_views(cfg: JobConfig, root: Optional[Path]) -> int:
     plus the tiles of the smallest grid of ``image_grid_pinpoints``."""
     if cfg.data.image_mode != "anyres":
         return 1
-    from megascale_omni.data.image_preprocess import PREPROCESSOR_FILENAME, PreprocessorSpec
+    from megascale_omni.data.image_preprocess import PreprocessorSpec, find_preprocessor_config
 
     source = cfg.data.image_processor
     beside = tokenizer_dir(cfg, root) if root is not None or cfg.data.tokenizer else None
-    if source is None and beside is not None and (beside / PREPROCESSOR_FILENAME).is_file():
-        source = str(beside / PREPROCESSOR_FILENAME)
+    if source is None and beside is not None and (found := find_preprocessor_config(beside)) is not None:
+        source = str(found)
     try:
         spec = PreprocessorSpec.from_file(source) if source else PreprocessorSpec.plain(cfg.vision.image_size)
     except (OSError, ValueError) as err:

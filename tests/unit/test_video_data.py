@@ -1,0 +1,267 @@
+"""Video samples, data side (issue 32): frame choice equal to transformers'
+LLaVA-OneVision video processor, ingestion of clips (mp4, mkv, webm: the
+last two report no frame count) and frame folders mixed with image and
+text records, the index's frame counts and sizes, the reader's
+``[frames, H, W, 3]`` arrays, the batcher's per-frame tower inputs, the
+plan's video tokens, every rejection reason counted, and the model's
+refusal of a batch with videos. Clips are a few 32x48 frames, made here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megascale_omni.config import ConfigError
+from megascale_omni.data.costs import SampleCost, video_tokens
+from megascale_omni.data.image_preprocess import ImagePreprocessor, PreprocessorSpec
+from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+from megascale_omni.data.llava.ingest import REJECTED_FILE, REPORT_FILE, IngestInputs, ingest
+from megascale_omni.data.llava.plan_scan import PlanScanner
+from megascale_omni.data.packing import Pack
+from megascale_omni.data.shards import INDEX_FILENAME, ShardedSampleReader
+from megascale_omni.data.tokenizer import build_word_tokenizer
+from megascale_omni.data.video import VideoSampling, sample_indices, subsample
+from megascale_omni.demo.clips import frame_pixels, level, write_audio_only, write_clip
+from megascale_omni.models.llava_spec import LlavaModelSpec
+
+FRAMES = 12  # per generated clip
+KEEP = 5  # --video-frames
+H, W = 32, 48
+WORDS = "what happens in the clip a ball rolls and then stops look at this".split()
+
+
+def _conv(question: str, answer: str = "a ball rolls") -> list[dict]:
+    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+
+
+def _frame_folder(path: Path, suffix: str, frames: int = FRAMES) -> Path:
+    path.mkdir(parents=True)
+    for i in range(frames):  # names sort in frame order; a stray file is ignored
+        Image.fromarray(frame_pixels(i, frames, H, W)).save(path / f"frame_{i:04d}{suffix}", quality=90)
+    (path / "notes.txt").write_text("not a frame")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ingested(tmp_path_factory):
+    """One ingestion of every kind of record; returns (split dir, media root, report)."""
+    root = tmp_path_factory.mktemp("video")
+    media = root / "media"
+    media.mkdir()
+    for suffix in (".mp4", ".mkv", ".webm"):
+        write_clip(media / f"clip{suffix}", FRAMES, H, W)
+    write_clip(media / "empty_stream.avi", 0, H, W)
+    write_clip(media / "short.mp4", 3, H, W)
+    whole = (media / "clip.mkv").read_bytes()
+    (media / "cut.mkv").write_bytes(whole[: len(whole) // 2])  # header intact, the stream cut mid-way
+    _frame_folder(media / "png_frames", ".png")
+    _frame_folder(media / "jpg_frames", ".jpg")
+    (media / "no_frames").mkdir()
+    write_audio_only(media / "audio.mka")
+    (media / "zero.mp4").write_bytes(b"")
+    (media / "garbage.webm").write_bytes(bytes(range(256)) * 8)
+    Image.fromarray(frame_pixels(0, 1, H, W)).save(media / "still.png")
+    q = "<video>\nwhat happens in the clip"
+    records = [
+        {"id": "mp4", "video": "clip.mp4", "conversations": _conv(q)},
+        {"id": "mkv", "video": "clip.mkv", "conversations": _conv(q)},
+        {"id": "webm", "video": "clip.webm", "conversations": _conv(q)},
+        {"id": "png", "video": "png_frames", "conversations": _conv(q)},
+        {"id": "jpg", "videos": ["jpg_frames"], "conversations": _conv(q)},
+        {"id": "mixed", "image": "still.png", "video": "short.mp4",
+         "conversations": _conv("look at this <image> and <video> what happens")},
+        {"id": "text", "conversations": _conv("what happens")},
+        {"id": "cut", "video": "cut.mkv", "conversations": _conv(q)},
+        # rejected, one of each reason
+        {"id": "r-zero", "video": "zero.mp4", "conversations": _conv(q)},
+        {"id": "r-audio", "video": "audio.mka", "conversations": _conv(q)},
+        {"id": "r-garbage", "video": "garbage.webm", "conversations": _conv(q)},
+        {"id": "r-noframes", "video": "empty_stream.avi", "conversations": _conv(q)},
+        {"id": "r-folder", "video": "no_frames", "conversations": _conv(q)},
+        {"id": "r-missing", "video": "gone.mp4", "conversations": _conv(q)},
+        {"id": "r-markers", "video": "clip.mp4", "conversations": _conv("<video> <video> what happens")},
+        {"id": "r-nomarker", "video": "clip.mp4", "conversations": _conv("what happens")},
+    ]
+    (root / "records.json").write_text(json.dumps(records))
+    out = root / "data" / "train"
+    report = ingest(IngestInputs(llava_json=[str(root / "records.json")], image_root=str(media)), out,
+                    samples_per_shard=4, video=VideoSampling(frames=KEEP))
+    build_word_tokenizer(sorted(WORDS), root / "data" / "tokenizer.json")
+    return out, media, report
+
+
+def test_frame_choice_equals_transformers_llava_onevision():
+    """uniform N: ``i * total // N`` (transformers' default_sample_indices_fn,
+    which LlavaOnevisionVideoProcessor.sample_frames calls; not linspace over
+    [0, total - 1]); fps F: ``max(1, int(total / clip_fps * F))`` of them."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    # The processor's own method on a stand-in for its instance: instantiating
+    # it needs torchvision, which this environment lacks; the method does not.
+    defaults = SimpleNamespace(num_frames=None, fps=None)
+    proc = SimpleNamespace(sample_frames=lambda meta, **kw: LlavaOnevisionVideoProcessor.sample_frames(
+        defaults, meta, **kw))
+    for total in (1, 7, 12, 31, 300):
+        meta = VideoMetadata(total_num_frames=total, fps=30.0)
+        for n in (1, 4, 8, 16, 32):
+            if n <= total:
+                want = proc.sample_frames(meta, num_frames=n)
+                assert np.array_equal(sample_indices(total, VideoSampling(frames=n), 30.0), want), (total, n)
+            else:  # transformers refuses a clip shorter than N; we keep all of its frames
+                with pytest.raises(ValueError, match="exceeds total_num_frames"):
+                    proc.sample_frames(meta, num_frames=n)
+                assert sample_indices(total, VideoSampling(frames=n)).tolist() == list(range(total))
+        for fps in (0.5, 1.0, 2.0):
+            want = proc.sample_frames(meta, fps=fps)
+            got = sample_indices(total, VideoSampling("fps", frames=10_000, fps=fps), 30.0)
+            assert np.array_equal(got, want), (total, fps)
+    assert sample_indices(300, VideoSampling(frames=8), 30.0).tolist() == [0, 37, 75, 112, 150, 187, 225, 262]
+    assert sample_indices(300, VideoSampling("fps", frames=4, fps=1.0), 30.0).tolist() == [0, 75, 150, 225]
+    assert subsample(np.arange(5)[:, None], 2)[:, 0].tolist() == [0, 2]
+
+
+def test_ingest_counts_every_rejection_by_reason(ingested):
+    out, _, report = ingested
+    assert (report.inputs, report.kept, report.rejected) == (16, 8, 8)
+    assert report.reasons == {
+        "video is empty (0 bytes)": 1, "video has no video stream": 1, "video cannot be opened as a video": 1,
+        "video has no frames": 1, "video is a folder without JPEG or PNG frames": 1, "video not found": 1,
+        "<video> markers do not match the videos": 2,
+    }
+    rejected = {r["id"]: r["reason"] for r in map(json.loads, (out / REJECTED_FILE).read_text().splitlines())}
+    assert rejected["r-markers"] == "2 <video> marker(s) for 1 video(s)"
+    assert rejected["r-nomarker"] == "0 <video> marker(s) for 1 video(s)"
+    assert rejected["r-noframes"] == "video has no frames: empty_stream.avi"
+    assert rejected["r-zero"] == "video is empty (0 bytes): zero.mp4"
+    assert rejected["r-garbage"].startswith("video cannot be opened as a video: garbage.webm (InvalidDataError")
+    assert json.loads((out / REPORT_FILE).read_text())["rejected_by_reason"] == dict(sorted(report.reasons.items()))
+
+
+def test_index_records_frames_and_size_and_the_reader_returns_the_chosen_frames(ingested):
+    out, media, _ = ingested
+    index = json.loads((out / INDEX_FILENAME).read_text())
+    assert index["format_version"] == 4  # sets with videos only; format-3 code refuses them by number
+    costs = [s["cost"] for s in index["samples"]]
+    # A clip cut mid-stream keeps the frames that decode, and the choice is made on those.
+    cut_frames = ShardedSampleReader(out)[7].videos[0].shape[0]
+    assert 1 <= cut_frames <= KEEP
+    assert [c.get("videos") for c in costs] == [[[KEEP, H, W]]] * 5 + [[[3, H, W]], None, [[cut_frames, H, W]]]
+    assert costs[5]["images"] == [[H, W]]
+    reader = ShardedSampleReader(out)
+    chosen = (np.arange(KEEP) * FRAMES // KEEP).tolist()  # [0, 2, 4, 7, 9]
+    for i in range(3):  # mp4, mkv (no frame count in the container), webm: frames counted by decoding
+        (video,) = reader[i].videos
+        assert video.shape == (KEEP, H, W, 3) and video.dtype == np.uint8
+        means = video.reshape(KEEP, -1).mean(axis=1)
+        assert np.abs(means - [level(j, FRAMES) for j in chosen]).max() < 3, (i, means)
+    png = reader[3].videos[0]  # a folder's frames are stored as their own bytes: PNG exactly
+    assert np.array_equal(png, np.stack([frame_pixels(j, FRAMES, H, W) for j in chosen]))
+    _, _, members = reader.read_members(4)
+    assert members["v0.1.jpg"] == (media / "jpg_frames" / "frame_0002.jpg").read_bytes()
+    mixed = reader[5]
+    assert (mixed.kind, mixed.num_images, mixed.num_videos, mixed.videos[0].shape[0]) == ("video", 1, 1, 3)
+    assert reader[6].videos == [] and reader[6].kind == "text_only"
+
+
+def _batcher(out: Path, video_frames: int, preprocess=None) -> LlavaBatcher:
+    from megascale_omni.data.tokenizer import TextTokenizer
+
+    encoder = LlavaEncoder(TextTokenizer.from_path(out.parent / "tokenizer.json"), tokens_per_image=4)
+    return LlavaBatcher(ShardedSampleReader(out), encoder, 256, 0, image_size=32, preprocess=preprocess,
+                        video_frames=video_frames)
+
+
+def test_batcher_gives_per_frame_tower_inputs_and_the_model_refuses_them(ingested):
+    out, _, _ = ingested
+    pre = ImagePreprocessor("resize_crop", PreprocessorSpec.plain(32), 32)
+    batcher = _batcher(out, video_frames=3, preprocess=pre)
+    batch = batcher.microbatch([Pack((0, 1), (0, 0), (0, 0))], [0, 5])  # mp4 (5 stored), mixed (3 stored)
+    assert batch["video_frames"].tolist() == [3, 3]
+    assert batch["videos"].shape == (6, 3, 32, 32) and batch["images"].shape == (1, 3, 32, 32)
+    stored = batcher.reader[0].videos[0]
+    want = torch.cat([pre(f) for f in stored[[0, 1, 3]]])  # 3 of 5: i * 5 // 3
+    assert torch.equal(batch["videos"][:3], want)
+    anyres = ImagePreprocessor("anyres", PreprocessorSpec.plain(32), 32)
+    assert anyres(stored[0]).shape[0] > 1 and anyres.frame(stored[0]).shape == (1, 3, 32, 32)
+    with pytest.raises(ConfigError) as err:
+        LlavaModelSpec._refuse_videos(batch)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("config error: model.family='llava': got a batch of 2 videos with "
+                                                "<video>: the llava model does not consume video yet (issue 32")
+    text_only = batcher.microbatch([Pack((0,), (0,), (0,))], [6])
+    assert "videos" not in text_only
+    LlavaModelSpec._refuse_videos(text_only)  # no videos: nothing to refuse
+
+
+def test_plan_costs_videos_from_the_index_alone(ingested):
+    out, _, _ = ingested
+    cost = SampleCost(10, ((32, 32),), ((5, 32, 48), (3, 32, 48)))
+    assert video_tokens(cost, 4, 16) == (4 + 3) * 16 and video_tokens(cost, 0, 16) == 8 * 16
+    assert SampleCost.from_json(cost.to_json()) == cost and "videos" not in SampleCost(1, ()).to_json()
+    reader = ShardedSampleReader(out)
+    batcher = _batcher(out, video_frames=4)
+    for frames in (0, 4):
+        scan = PlanScanner(batcher.encoder, 4, 256, 1, video_frames=frames).scan(reader)
+        assert scan.video_samples == 7 and scan.bad == 0
+        text = [batcher.encoder.length_from_metadata(reader.read_metadata(i), [1] * reader[i].num_images)
+                for i in range(8)]
+        stored = [KEEP] * 5 + [3, 0, reader[7].videos[0].shape[0]]
+        per_video = [min(f, frames or f) for f in stored]
+        assert scan.lengths.tolist() == [t + 4 * f for t, f in zip(text, per_video)]
+
+
+def test_rerun_with_other_video_settings_is_refused(ingested, tmp_path):
+    out, media, _ = ingested
+    copy = tmp_path / "train"
+    shutil.copytree(out, copy)
+    records = out.parent.parent / "records.json"
+    with pytest.raises(ConfigError, match="holds an ingestion of other inputs or settings"):
+        ingest(IngestInputs(llava_json=[str(records)], image_root=str(media)), copy, samples_per_shard=4,
+               video=VideoSampling(frames=KEEP + 1))
+
+
+def test_a_run_with_video_samples_stops_before_building_the_model():
+    from types import SimpleNamespace
+
+    from megascale_omni.config import JobConfig, from_dict
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}, "data": {"path": "/sets/video"}})
+    platform = SimpleNamespace(default_dtype=lambda precision: torch.float32)
+    spec = LlavaModelSpec(cfg, platform, None, SimpleNamespace(video_samples=3))
+    with pytest.raises(ConfigError) as err:
+        spec.build_model()
+    assert str(err.value).startswith("config error: data.path='/sets/video': has 3 training samples with <video>: "
+                                     "the llava model does not consume video yet (issue 32")
+
+
+def test_ingest_tool_video_flags(ingested, tmp_path):
+    from tests.launcher import run_tool_in_process
+
+    _, media, _ = ingested
+    records = tmp_path / "r.json"
+    records.write_text(json.dumps([{"id": "a", "video": "clip.webm", "conversations": _conv("<video> what")}]))
+    out = tmp_path / "train"
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", out, "--image-root", media, "--llava-json", records,
+                            "--workers", 1, "--video-frames", 4, "--video-fps", 5)
+    assert r.returncode == 0, r.output
+    # 12 frames at 10 fps = 1.2 s; 5 frames a second -> int(6.0) = 6, capped at 4: frames 0, 3, 6, 9
+    video = ShardedSampleReader(out)[0].videos[0]
+    means = video.reshape(len(video), -1).mean(axis=1)
+    assert len(video) == 4 and np.abs(means - [level(j, FRAMES) for j in (0, 3, 6, 9)]).max() < 3, means
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json", records,
+                            "--video-frames", 0)
+    assert r.returncode == 2 and r.stderr.strip() == ("config error: --video-frames=0: must be an int > 0 "
+                                                      "(e.g. 8, 32)"), r.output
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json", records,
+                            "--video-fps", 0)
+    assert r.returncode == 2 and r.stderr.strip() == "config error: --video-fps=0.0: must be > 0 (e.g. 1.0)", r.output
+    assert not (tmp_path / "x").exists()
