@@ -342,6 +342,12 @@ def validate_platform(cfg: JobConfig, cuda: bool) -> None:
     before any process group starts)."""
     if cuda:
         return
+    if cfg.moe.enabled and cfg.parallel.expert_tp_size > 1:
+        raise ConfigError(
+            "parallel.expert_tp", cfg.parallel.expert_tp,
+            f"expert TP {cfg.parallel.expert_tp_size} (null means tp) all-gathers uneven token counts, which gloo "
+            "refuses; set parallel.expert_tp: 1 on CPU",
+        )
     if cfg.logging.memory_fraction_cap:
         raise ConfigError("logging.memory_fraction_cap", cfg.logging.memory_fraction_cap,
                           "caps the CUDA caching allocator; there is none on CPU: set 0")

@@ -33,6 +33,13 @@ def moe_config_kwargs(moe: MoeConfig, model: ModelConfig, parallel: ParallelConf
     a loop over this rank's experts (``SequentialMLP``)."""
     if not moe.enabled:
         return {}
+    # With the per-token loss, megatron 0.16.1 multiplies each router loss by the
+    # tokens of *this* rank's sequence share before finalize_model_grads divides by
+    # the job's loss tokens; the router's gradient is then summed over the TP (SP)
+    # and CP ranks, so the router-loss gradients come out 1/(tp*cp) of one process's.
+    # Scaling the coefficients restores the objective of docs/moe.md; the losses
+    # megatron tracks (and the step record) are divided by the same coefficients.
+    split = (parallel.tp if parallel.sequence_parallel else 1) * parallel.cp
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.topk,
@@ -43,10 +50,10 @@ def moe_config_kwargs(moe: MoeConfig, model: ModelConfig, parallel: ParallelConf
         moe_router_pre_softmax=moe.pre_softmax,
         moe_router_topk_scaling_factor=moe.topk_scaling_factor,
         moe_router_load_balancing_type=moe.load_balancing,
-        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_aux_loss_coeff=moe.aux_loss_coeff * split,
         moe_router_enable_expert_bias=moe.expert_bias,
         moe_router_bias_update_rate=moe.bias_update_rate,
-        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_z_loss_coeff=moe.z_loss_coeff * split or None,
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.token_drop_policy,
         moe_pad_expert_input_to_capacity=moe.pad_to_capacity,

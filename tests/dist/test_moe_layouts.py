@@ -34,13 +34,19 @@ LAYOUTS = {
     # EP2 = DP2 for the dense part: each rank routes its own micro-batches, experts 0-1 on rank 0, 2-3 on rank 1.
     "ep2": ("dropless", 2, ["parallel.ep=2"]),
     "ep2-capacity": ("capacity", 2, ["parallel.ep=2"]),
+    # TP2 with sequence parallelism (megatron's MoE layer trains under TP only with it): each TP rank routes
+    # its half of the tokens; experts unsplit (expert_tp 1: gloo cannot all-gather uneven token counts).
+    # Without the coefficient compensation of models/moe.py the router losses' gradients are halved here.
+    "tp2-sp": ("dropless", 2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"]),
+    "ep2-tp2-sp": ("dropless", 4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                   "parallel.expert_tp=1"]),
     # Each stage holds two MoE layers; the aux-loss gradients flow back through the pipeline.
     "ep2-pp2": ("dropless", 4, ["parallel.ep=2", "parallel.pp=2"]),
     # Expert data parallelism: every expert lives on two ranks whose gradients megatron's DDP reduces over the
     # expert-DP group; the distributed optimizer shards dense and expert parameters over their own DP groups.
     "ep2-dp2-distopt": ("dropless", 4, ["parallel.ep=2", "parallel.use_distributed_optimizer=true"]),
 }
-SLOW = ("ep2-pp2", "ep2-dp2-distopt")
+SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt")
 ROUTING = {"dropless": [], "capacity": CAPACITY}
 
 

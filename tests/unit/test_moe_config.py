@@ -103,6 +103,11 @@ def test_every_setting_reaches_megatrons_transformer_config():
     }
     dense = transformer_config(cfg.model, cfg.parallel, torch.float32)
     assert dense.num_moe_experts is None
+    # Under TP with sequence parallelism megatron scales each router loss by the TP rank's token share:
+    # the coefficients are multiplied by tp to keep one process's objective (tests/dist/test_moe_layouts.py).
+    sp = _cfg(["moe.z_loss_coeff=0.001", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    c = transformer_config(sp.model, sp.parallel, torch.float32, sp.moe)
+    assert (c.moe_aux_loss_coeff, c.moe_z_loss_coeff) == (2 * sp.moe.aux_loss_coeff, 0.002)
 
 
 def test_layer_pattern_is_cut_per_pipeline_chunk():
@@ -145,3 +150,15 @@ def test_model_flops_count_the_active_experts():
         assert step_model_flops(_cfg(["moe.ffn_hidden_size=96", "moe.shared_expert_ffn_hidden_size=32",
                                       "moe.layer_freq=[1,0,1,1]", *overrides]), lm_cost_model, batch) == \
             step_model_flops(moe, lm_cost_model, batch)
+
+
+def test_expert_tp_is_refused_on_cpu():
+    """gloo's all-gather takes equal sizes only; the dispatcher's expert-TP gather is uneven."""
+    from megascale_omni.config import validate_platform
+
+    cfg = _cfg(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"])
+    with pytest.raises(ConfigError) as e:
+        validate_platform(cfg, cuda=False)
+    assert e.value.field == "parallel.expert_tp" and "set parallel.expert_tp: 1 on CPU" in e.value.hint
+    validate_platform(cfg, cuda=True)
+    validate_platform(_cfg(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"]), cuda=False)
