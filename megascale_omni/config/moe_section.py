@@ -43,9 +43,9 @@ class MoeConfig:
     #: ``sigmoid`` (DeepSeek-V3; its top-k scores are always renormalised to sum 1 for topk > 1).
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     #: Softmax over all experts before the top-k (``moe_router_pre_softmax``):
-    #: the selected probabilities are used raw, as Mixtral-style
-    #: ``norm_topk_prob: false`` (Qwen2-MoE). False: softmax over the top-k
-    #: logits only, so they sum to 1 (Mixtral). ``softmax`` only; required for topk 1.
+    #: the selected probabilities are used raw, as Qwen2-MoE's
+    #: ``norm_topk_prob: false``. False: softmax over the top-k logits only,
+    #: so they sum to 1 (Mixtral). ``softmax`` only; required for topk 1.
     pre_softmax: bool = False
     #: Factor on the selected probabilities (``moe_router_topk_scaling_factor``,
     #: DeepSeek's ``routed_scaling_factor``); ``null`` = 1.
