@@ -182,7 +182,16 @@ class Checkpointer:
         common = dist_checkpointing.load_common_state_dict(str(path))
         saved_layout = common.get("layout", {})
         now = state.layout()
-        same_mp = all(saved_layout.get(k) == now[k] for k in ("tp", "pp"))
+        # Layouts saved before expert parallelism existed had none (ep 1).
+        saved_ep = saved_layout.get("ep", 1)
+        same_mp = all(saved_layout.get(k, saved_ep if k == "ep" else None) == now[k] for k in ("tp", "pp", "ep"))
+        if saved_ep != now["ep"] and state.cfg.parallel.use_distributed_optimizer:
+            # Its expert state is flattened per EP rank's buffer (megatron's dp_reshardable format).
+            raise ConfigError(
+                "parallel.ep", now["ep"],
+                f"{path} holds distributed-optimizer state of expert buffers laid out for ep={saved_ep}; resume "
+                f"with parallel.ep={saved_ep} (the regular optimizer's checkpoints load under any ep)",
+            )
         template = state.sharded_state_dict(is_loading=True, include_rng=same_mp)
         # Model and task tensors (e.g. EMA weights) must exist with the same
         # global shapes; optimizer keys follow the model's.
@@ -205,7 +214,7 @@ class Checkpointer:
         logger.info(
             "resumed from %s at step %d in %.2f s (saved with %s, now %s%s)",
             path, state.step, time.perf_counter() - t0, describe_layout(saved_layout), describe_layout(now),
-            "" if same_mp else "; RNG state not restored across a tp/pp change",
+            "" if same_mp else "; RNG state not restored across a tp/pp/ep change",
         )
 
     # ----------------------------------------------------------------- save

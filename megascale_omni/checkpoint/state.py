@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from megascale_omni.config import JobConfig, to_dict
+from megascale_omni.config import JobConfig, MoeConfig, to_dict
 
 #: Distributed-optimizer format: gathers each DP group's shards into whole
 #: tensors on save, so a checkpoint loads under any DP size.
@@ -25,7 +25,8 @@ DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 #: Config fields that may change across a resume without making the
 #: checkpoint incompatible (everything else in ``model``/``vision`` is shape).
 RESUMABLE_MODEL_FIELDS = frozenset(
-    {"attention_dropout", "hidden_dropout", "init_method_std", "layer_impl", "freeze", "freeze_projector"}
+    {"attention_dropout", "hidden_dropout", "init_method_std", "layer_impl", "freeze", "freeze_projector",
+     "token_dispatcher"}
 )
 
 
@@ -112,8 +113,10 @@ def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RE
     (each as ``section.field: checkpoint X, config Y``), except those in ``free``."""
     now = to_dict(current)
     diffs = []
-    for section in ("model", "vision"):
-        old, new = saved.get(section, {}), now.get(section, {})
+    for section in ("model", "vision", "moe"):
+        # Checkpoints written before the moe section existed hold dense models.
+        missing = to_dict(MoeConfig()) if section == "moe" else {}
+        old, new = saved.get(section, missing), now.get(section, {})
         for key in sorted(set(old) | set(new)):
             if key in free:
                 continue
@@ -123,11 +126,11 @@ def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RE
 
 
 def describe_layout(layout: dict) -> str:
-    """A checkpoint's or a job's ``layout`` as ``tp1 pp2 dp4``; ``cp`` is
-    named when it is not 1 (``tp1 pp1 cp2 dp1``)."""
-    cp = layout.get("cp", 1)
+    """A checkpoint's or a job's ``layout`` as ``tp1 pp2 dp4``; ``cp`` and
+    ``ep`` are named when they are not 1 (``tp1 pp1 cp2 dp1``, ``tp1 pp1 dp2 ep2``)."""
+    cp, ep = layout.get("cp", 1), layout.get("ep", 1)
     return (f"tp{layout.get('tp', 0)} pp{layout.get('pp', 0)}" + (f" cp{cp}" if cp != 1 else "")
-            + f" dp{layout.get('dp', 0)}")
+            + f" dp{layout.get('dp', 0)}" + (f" ep{ep}" if ep != 1 else ""))
 
 
 def shape_mismatches(template: dict[str, Any], saved_metadata: dict[str, Any]) -> list[str]:

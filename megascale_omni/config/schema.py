@@ -17,6 +17,7 @@ from typing import Literal, Optional, Union
 from megascale_omni.config.constraints import check_fields, checked
 from megascale_omni.config.errors import ConfigError, require_positive
 from megascale_omni.config.model_sections import DitConfig, ModelConfig, VisionConfig
+from megascale_omni.config.moe_section import MoeConfig
 from megascale_omni.config.runtime_sections import (
     OUTPUT_DIR_PLACEHOLDER,
     CheckpointConfig,
@@ -27,7 +28,7 @@ from megascale_omni.config.runtime_sections import (
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
-    "LoggingConfig", "ModelConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
+    "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
     "VisionConfig",
 ]
 
@@ -55,6 +56,14 @@ class ParallelConfig:
     #: ``a2a+p2p`` only: ``[a2a size, p2p size]`` with product ``cp``; megatron
     #: builds these hierarchical CP groups (``hierarchical_context_parallel_sizes``).
     hierarchical_cp_sizes: Optional[list[int]] = None
+    #: Expert-parallel size: the routed experts of every MoE layer are split
+    #: over ``ep`` ranks and tokens travel to them by ``moe.token_dispatcher``
+    #: (megatron ``expert_model_parallel_size``). ``ep * expert_tp`` must
+    #: divide ``world_size / pp``; ``moe.num_experts`` divisible by ``ep``.
+    ep: int = checked(1, gt=0)
+    #: Tensor-parallel size inside each expert (megatron
+    #: ``expert_tensor_parallel_size``); ``null`` = ``tp``, megatron's default.
+    expert_tp: Optional[int] = checked(None, gt=0)
     #: Virtual pipeline stages (model chunks) per pipeline rank; ``None`` = no interleaving.
     vpp: Optional[int] = None
     #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).
@@ -138,6 +147,11 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp_size(self) -> int:
+        """``expert_tp`` resolved (``tp`` when null, as megatron does)."""
+        return self.expert_tp or self.tp
 
 
 @dataclass
@@ -294,6 +308,7 @@ class JobConfig:
     """A whole training job: one section per concern."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     dit: DitConfig = field(default_factory=DitConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -54,6 +54,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     ):
         require_divisible_by_tp(name, value, par.tp)
     _validate_pipeline_partition(cfg)
+    _validate_experts(cfg, world_size)
     if par.sequence_parallel and model.seq_length % (par.tp * par.cp):
         # Each CP rank's share of a row (seq_length / cp tokens) is split over the TP ranks.
         multiple = par.tp * par.cp
@@ -139,6 +140,54 @@ def _validate_pipeline_partition(cfg: JobConfig) -> None:
 #: are the same at each of them and across a resume from one to another.
 #: Measured cost on the shapes demo: docs/data.md.
 DEFAULT_PAD_MULTIPLE = 8
+
+
+def _validate_experts(cfg: JobConfig, world_size: int) -> None:
+    """``moe`` against the layout (docs/moe.md): megatron splits the experts
+    over EP ranks inside each pipeline stage (``ep * expert_tp`` ranks of the
+    stage's ``world_size / pp``), the rest of the stage's ranks are the
+    expert-data-parallel replicas of each expert."""
+    moe, par, model = cfg.moe, cfg.parallel, cfg.model
+    if not moe.enabled:
+        for name, value, off in (("parallel.ep", par.ep, 1), ("parallel.expert_tp", par.expert_tp, None)):
+            if value != off:
+                raise ConfigError(name, value, f"applies to MoE models only; set moe.num_experts > 0 or {name}: "
+                                               f"{'null' if off is None else off}")
+        return
+    etp = par.expert_tp_size
+    if moe.num_experts % par.ep:
+        raise ConfigError("moe.num_experts", moe.num_experts,
+                          f"must be divisible by parallel.ep={par.ep} (each EP rank holds num_experts / ep experts)")
+    stage_ranks = world_size // par.pp
+    if stage_ranks % (par.ep * etp):
+        raise ConfigError("parallel.ep", par.ep,
+                          f"ep * expert_tp = {par.ep} * {etp} must divide the {stage_ranks} ranks of a pipeline "
+                          f"stage (world size {world_size} / pp {par.pp}); change ep, expert_tp or the world size")
+    if isinstance(moe.layer_freq, list) and len(moe.layer_freq) != model.num_layers:
+        raise ConfigError("moe.layer_freq", moe.layer_freq,
+                          f"needs one 0/1 per layer: {model.num_layers} entries (model.num_layers)")
+    expert_ffn = moe.ffn_hidden_size or model.ffn_size
+    if expert_ffn % etp:
+        raise ConfigError("moe.ffn_hidden_size", expert_ffn, f"must be divisible by parallel.expert_tp={etp}")
+    require_divisible_by_tp("moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size, par.tp)
+    if model.add_bias_linear:
+        # megatron 0.16.1's expert MLP adds its fc2 bias in place to the output of a
+        # reduce that returns a view (autograd refuses), and ETP > 1 has no biases at all.
+        raise ConfigError("model.add_bias_linear", True,
+                          "megatron's routed experts do not train with linear biases; set it false "
+                          "(Mixtral, Qwen-MoE and DeepSeek have none)")
+    if par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", False,
+                          "megatron's MoE layer trains under tp > 1 only with sequence parallelism; set it true")
+    for name, value, off, why in (
+        ("parallel.cp", par.cp, 1, "context parallelism with experts is not proven equal to one process yet"),
+        ("parallel.vpp", par.vpp, None, "interleaved pipelines with experts are not proven equal to one process yet"),
+        ("elastic.enabled", cfg.elastic.enabled, False,
+         "the elastic replica reduction does not know megatron's expert-data-parallel gradients yet"),
+    ):
+        if value != off:
+            raise ConfigError(name, value, f"{why} (moe.num_experts > 0); set {name}: "
+                                           f"{'null' if off is None else str(off).lower()}")
 
 
 def sequence_multiple(cfg: JobConfig) -> int:
@@ -321,6 +370,12 @@ def validate_platform(cfg: JobConfig, cuda: bool) -> None:
     before any process group starts)."""
     if cuda:
         return
+    if cfg.moe.enabled and cfg.parallel.expert_tp_size > 1:
+        raise ConfigError(
+            "parallel.expert_tp", cfg.parallel.expert_tp,
+            f"expert TP {cfg.parallel.expert_tp_size} (null means tp) all-gathers uneven token counts, which gloo "
+            "refuses; set parallel.expert_tp: 1 on CPU",
+        )
     if cfg.logging.memory_fraction_cap:
         raise ConfigError("logging.memory_fraction_cap", cfg.logging.memory_fraction_cap,
                           "caps the CUDA caching allocator; there is none on CPU: set 0")

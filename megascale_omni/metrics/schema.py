@@ -25,6 +25,16 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "samples": ("samples", "samples in the global batch"),
     "images": ("images", "images in the global batch (LLaVA, DiT)"),
     "microbatches": ("", "micro-batches this rank ran"),
+    # MoE routing (docs/moe.md): over the step's training forwards, all micro-batches of the
+    # job, each MoE layer in layer order
+    "moe_expert_tokens": ("tokens", "per MoE layer, tokens routed to each expert after capacity dropping "
+                                    "(list of lists; top-k: a token counts once per chosen expert)"),
+    "moe_load_max": ("ratio", "per MoE layer, tokens of the busiest expert / mean tokens per expert "
+                              "(1 = balanced; list)"),
+    "moe_aux_loss": ("", "load-balancing loss without its coefficient, mean over MoE layers and micro-batches "
+                         "(moe.load_balancing: aux_loss)"),
+    "moe_z_loss": ("", "router z-loss without its coefficient, mean over MoE layers and micro-batches "
+                       "(moe.z_loss_coeff > 0)"),
     # time
     "step_s": ("s", "wall time of the step"),
     "data_s": ("s", "waiting for this rank's micro-batches"),

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megascale_omni.config import ModelConfig, ParallelConfig
+from megascale_omni.config import ModelConfig, MoeConfig, ParallelConfig
+from megascale_omni.models.moe import moe_config_kwargs
 from megascale_omni.models.specs import gpt_decoder_spec, resolve_layer_impl, te_cp_comm_type
 from megascale_omni.parallel.pipeline_plan import megatron_layout
 
@@ -120,8 +123,10 @@ def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
     dtype: torch.dtype,
+    moe: Optional[MoeConfig] = None,
 ) -> TransformerConfig:
-    """megatron ``TransformerConfig`` for the language model.
+    """megatron ``TransformerConfig`` for the language model; with ``moe``
+    (enabled) its MoE fields too (:func:`~megascale_omni.models.moe.moe_config_kwargs`).
 
     Per-token loss (``calculate_per_token_loss``) makes the schedules sum
     token losses and divide by the global token count across DP in
@@ -153,6 +158,7 @@ def transformer_config(
         **pipeline_kwargs(parallel),
         **recompute_kwargs(model.recompute),
         **common_config_kwargs(parallel.tp, dtype, model.init_method_std),
+        **moe_config_kwargs(moe or MoeConfig(), model, parallel, resolve_layer_impl(model.layer_impl)),
     )
 
 

@@ -18,9 +18,9 @@ class GptModelSpec(ModelSpec):
         return thd_pipeline_shape(self.data.seq_length, self.cfg.train.micro_batch_size)
 
     def build_model(self):
-        config = transformer_config(self.cfg.model, self.cfg.parallel, self.dtype)
-        return build_gpt_chunks(self.cfg.model, config, vocab_size=self.data.vocab_size,
-                                max_sequence_length=self.data.seq_length)
+        config = transformer_config(self.cfg.model, self.cfg.parallel, self.dtype, self.cfg.moe)
+        return self.watch_routers(build_gpt_chunks(self.cfg.model, config, vocab_size=self.data.vocab_size,
+                                                   max_sequence_length=self.data.seq_length))
 
     def forward_step(self, data_iterator: Any, model):
         batch = self.cp_local(next(data_iterator))

@@ -272,7 +272,7 @@ class LlavaChunk(MegatronModule):
 
 def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, image_token_id: int) -> list[LlavaChunk]:
     """This rank's LLaVA chunks (every rank), with freezing applied."""
-    lm_config = transformer_config(cfg.model, cfg.parallel, dtype)
+    lm_config = transformer_config(cfg.model, cfg.parallel, dtype, cfg.moe)
     vpp = cfg.parallel.vpp or 1
     chunks = []
     for v in range(vpp):

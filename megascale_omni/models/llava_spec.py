@@ -32,7 +32,8 @@ class LlavaModelSpec(ModelSpec):
         videos = getattr(self.data, "video_samples", 0)
         if videos:
             raise ConfigError("data.path", self.cfg.data.path, video_refusal(f"has {videos} training samples"))
-        return build_llava_chunks(self.cfg, self.dtype, self.data.vocab_size, self.data.tokenizer.image_token_id)
+        return self.watch_routers(
+            build_llava_chunks(self.cfg, self.dtype, self.data.vocab_size, self.data.tokenizer.image_token_id))
 
     def lr_mult(self) -> dict[str, float]:
         """``vision.lr_mult`` on the ViT's parameters (the projector keeps ``train.lr``)."""

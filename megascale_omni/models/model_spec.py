@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from megascale_omni.config import JobConfig
+from megascale_omni.models.moe import RouterStats, group_expert_params
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform import Platform
 
@@ -38,6 +39,9 @@ class ModelSpec(ABC):
         self.dims = dims
         self.data = data
         self.dtype = platform.default_dtype(cfg.train.precision)
+        #: What the MoE routers did each step; subclasses that build MoE
+        #: layers replace it in :meth:`build_model` (:meth:`watch_routers`).
+        self.router_stats = RouterStats.disabled()
 
     @abstractmethod
     def build_model(self) -> list[torch.nn.Module]:
@@ -58,6 +62,23 @@ class ModelSpec(ABC):
         """Learning-rate factors by parameter-name pattern (fnmatch) for
         :func:`~megascale_omni.training.optimizer.build_optimizer` (every rank)."""
         return {}
+
+    def watch_routers(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """For MoE models (nothing for a dense one; every rank, once, from
+        :meth:`build_model`): count what the routers of ``chunks`` do, and
+        group the expert weights as every EP size does
+        (:func:`~megascale_omni.models.moe.group_expert_params`). Returns ``chunks``."""
+        self.router_stats = RouterStats(chunks, self.cfg.model.num_layers, self.cfg.moe.num_experts,
+                                        tp=self.dims.tp, enabled=self.cfg.moe.enabled)
+        if self.cfg.moe.enabled:
+            group_expert_params(chunks)
+        return chunks
+
+    def step_stats(self) -> dict:
+        """Model fields of the step record (MoE: expert load, aux and z-loss;
+        docs/moe.md). Every rank after each committed step: a collective
+        when the model has MoE layers."""
+        return self.router_stats.read()
 
     def after_step(self, step: int) -> None:
         """Called on every rank after each committed optimizer step; ``step``

@@ -56,8 +56,12 @@ def te_cp_comm_type(cp_comm_type: str) -> str:
         ) from None
 
 
-def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
+def gpt_layer_spec(impl: str, normalization: str, num_experts: Optional[int] = None,
+                   moe_grouped_gemm: bool = False) -> ModuleSpec:
     """Transformer-layer spec for the language model (``impl`` already resolved).
+    With ``num_experts`` its MLP is megatron's ``MoELayer`` (docs/moe.md):
+    ``SequentialMLP`` experts with the local spec, ``TEGroupedMLP`` with
+    transformer-engine and ``moe_grouped_gemm``.
 
     Both specs keep megatron's ``causal`` self-attention; with THD batches
     megatron's ``TEDotProductAttention`` runs it as ``padding_causal`` over
@@ -70,8 +74,9 @@ def gpt_layer_spec(impl: str, normalization: str) -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, num_experts=num_experts)
     # A fresh spec per call: replacing the submodule touches nothing shared.
     spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
@@ -108,16 +113,34 @@ def gpt_decoder_spec(impl: str, normalization: str, config, vp_stage: Optional[i
     norms (both per layer and the final one) are
     :class:`SequenceParallelTorchNorm`, so ``parallel.sequence_parallel``
     runs on CPU. It lists this chunk's layers (``vp_stage`` of this pp rank),
-    as megatron's own block specs do. TE's layer norms handle SP themselves."""
+    as megatron's own block specs do. TE's layer norms handle SP themselves.
+
+    An MoE model (``config.num_moe_experts``) gets megatron's MoE MLP in the
+    layers ``moe.layer_freq`` names and the dense MLP elsewhere
+    (:func:`~megascale_omni.models.moe.chunk_layer_pattern`; docs/moe.md)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = gpt_layer_spec(impl, normalization)
+    from megascale_omni.models.moe import chunk_layer_pattern
+
+    def layer(num_experts: Optional[int] = None) -> ModuleSpec:
+        spec = gpt_layer_spec(impl, normalization, num_experts, config.moe_grouped_gemm)
+        if impl != "transformer_engine":
+            spec.submodules.input_layernorm = SequenceParallelTorchNorm
+            spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        return spec
+
+    if config.num_moe_experts:
+        dense, routed = layer(), layer(config.num_moe_experts)
+        layers = [routed if is_moe else dense for is_moe in chunk_layer_pattern(config, vp_stage)]
+    elif impl == "transformer_engine":
+        return layer()
+    else:
+        layers = [layer()] * get_num_layers_to_build(config, vp_stage=vp_stage)
     if impl == "transformer_engine":
-        return layer
-    layer.submodules.input_layernorm = SequenceParallelTorchNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelTorchNorm)
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
 
 
 def vit_layer_spec(impl: str) -> ModuleSpec:

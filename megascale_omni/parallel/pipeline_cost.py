@@ -138,10 +138,10 @@ def _passes(trainable: bool, grad_flows: bool) -> float:
 
 
 def _transformer_layer(
-    tokens: float, pairs: float, hidden: int, ffn: int, heads: int, groups: int,
+    tokens: float, pairs: float, hidden: int, ffn: float, heads: int, groups: int,
     dtype_bytes: int, recompute: str, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
     cp: int = 1, sequence_parallel: bool = False, hidden_dropout: bool = False, attention_dropout: bool = False,
-    fused_attention: bool = False,
+    fused_attention: bool = False, stored_ffn: Optional[float] = None, router: float = 0.0,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -153,10 +153,14 @@ def _transformer_layer(
     ``recompute`` (``model.recompute``), ``sequence_parallel``, the
     dropouts and ``fused_attention`` (TE) set the activation bytes
     (:func:`~megascale_omni.parallel.activations.layer_activation_bytes`)
-    and the FLOPs recomputed in backward."""
+    and the FLOPs recomputed in backward. MoE layers (:func:`mlp_widths`):
+    ``ffn`` is the MLP width a token passes through (its top-k experts and
+    the shared ones), ``stored_ffn`` the width held per rank (None: ``ffn``),
+    ``router`` the experts scored per token."""
     head_dim = hidden // heads
     qkv = hidden * (hidden + 2 * groups * head_dim)
-    matmul_params = qkv + hidden * hidden + (3 if gated else 2) * hidden * ffn
+    mlp = (3 if gated else 2) * hidden
+    matmul_params = qkv + hidden * hidden + mlp * ffn + hidden * router
     tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
     # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
     core_forward = 4.0 * pairs * hidden
@@ -165,7 +169,9 @@ def _transformer_layer(
     flops = _passes(trainable, grad_flows) * forward
     if backward:
         flops += recompute_forward_flops(core_forward, forward, recompute)
-    params = matmul_params + (hidden + 2 * groups * head_dim) + hidden + ffn + hidden + 4 * hidden
+    stored = ffn if stored_ffn is None else stored_ffn
+    params = int(matmul_params + mlp * (stored - ffn) + (hidden + 2 * groups * head_dim) + hidden + stored + hidden
+                 + 4 * hidden)
     shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout,
                        fused_attention)
     act = 0.0
@@ -177,6 +183,26 @@ def _transformer_layer(
         trainable_params=params // tp if trainable else 0,
         activation_bytes=act,
     )
+
+
+def mlp_widths(cfg: JobConfig) -> tuple[float, float, float]:
+    """``(active, stored, router)`` MLP widths of the average language-model
+    layer: the FFN width one token passes through, the width one TP rank of
+    ``tp`` holds times ``tp`` (the layer cost divides by ``tp``), and the
+    experts its router scores. Dense: ``(ffn, ffn, 0)``. MoE layers
+    (``moe.layer_freq``) activate ``topk`` experts plus the shared ones and
+    hold ``num_experts / ep`` experts of ``expert_tp``-split width; dense
+    layers in between count as dense."""
+    m, moe, par = cfg.model, cfg.moe, cfg.parallel
+    if not moe.enabled:
+        return float(m.ffn_size), float(m.ffn_size), 0.0
+    share = sum(moe.layer_pattern(m.num_layers)) / m.num_layers
+    expert = moe.ffn_hidden_size or m.ffn_size
+    shared = moe.shared_expert_ffn_hidden_size
+    active = moe.topk * expert + shared
+    stored = moe.num_experts // par.ep * expert * par.tp / par.expert_tp_size + shared
+    dense = (1 - share) * m.ffn_size
+    return dense + share * active, dense + share * stored, share * moe.num_experts
 
 
 def fused_attention(cfg: JobConfig, cuda: bool) -> bool:
@@ -262,6 +288,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
     sp = cfg.parallel.sequence_parallel
     sp_share = 1.0 / tp if sp else 1.0  # what SP keeps of a hidden-state tensor
     vocab = padded_vocab_size(cfg)
+    active_ffn, stored_ffn, router = mlp_widths(cfg)
     lm_trainable = not m.freeze
     emb_params = vocab * h // tp + (s * h if m.position_embedding_type == "learned_absolute" else 0)
     out_params = vocab * h // tp + 2 * h
@@ -273,12 +300,12 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             activation_bytes=tokens * h * nbytes * sp_share,
         ),
         LM_LAYER: _transformer_layer(
-            all_tokens, pairs, h, m.ffn_size, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
+            all_tokens, pairs, h, active_ffn, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
             sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-            fused_attention=fused_attention(cfg, cuda),
+            fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)

@@ -34,12 +34,23 @@ class ParallelDims:
     #: ``[a2a size, p2p size]`` of the hierarchical CP groups (``cp_comm_type:
     #: a2a+p2p``, product ``cp``); None builds none.
     hierarchical_cp: Optional[tuple[int, ...]] = None
+    #: Expert-parallel size and the tensor-parallel size inside each expert
+    #: (MoE layers only; megatron lays ``ep * etp`` ranks inside each pipeline stage).
+    ep: int = 1
+    etp: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
         mp = cfg.tp * cfg.pp * cfg.cp
         hierarchical = tuple(cfg.hierarchical_cp_sizes) if cfg.hierarchical_cp_sizes else None
-        return cls(cfg.tp, cfg.pp, cfg.cp, world_size // mp, cfg.vpp, world_size, hierarchical)
+        return cls(cfg.tp, cfg.pp, cfg.cp, world_size // mp, cfg.vpp, world_size, hierarchical,
+                   ep=cfg.ep, etp=cfg.expert_tp_size)
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: the ranks of a pipeline stage over ``ep * etp``
+        (megatron's expert-data-parallel group, which reduces expert gradients)."""
+        return self.world_size // (self.pp * self.ep * self.etp)
 
     @property
     def num_model_chunks(self) -> int:
@@ -49,11 +60,12 @@ class ParallelDims:
         """``{"tp", "pp", "cp", "dp", "vpp", "world_size"}`` (``vpp`` 1 when not
         interleaved): recorded in checkpoints and reported by ``omni-ctl status``."""
         return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "vpp": self.vpp or 1,
-                "world_size": self.world_size}
+                "ep": self.ep, "world_size": self.world_size}
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
-        return f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{vpp} (world={self.world_size})"
+        ep = f" ep={self.ep} etp={self.etp} expert_dp={self.expert_dp}" if self.ep > 1 or self.etp != self.tp else ""
+        return f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{vpp}{ep} (world={self.world_size})"
 
 
 def initialize_parallel(dims: ParallelDims, seed: int) -> None:
@@ -61,7 +73,9 @@ def initialize_parallel(dims: ParallelDims, seed: int) -> None:
 
     With ``dims.hierarchical_cp`` megatron also builds the hierarchical CP
     groups transformer-engine's ``a2a+p2p`` reads
-    (``get_hierarchical_context_parallel_groups``).
+    (``get_hierarchical_context_parallel_groups``). The expert groups (EP,
+    expert TP, expert DP) come from ``dims.ep`` / ``dims.etp``, laid out by
+    megatron's second rank generator inside each pipeline stage.
 
     Must run after ``torch.distributed`` is initialised and before any model
     is built. Idempotent within a process only via :func:`destroy_parallel`.
@@ -79,6 +93,8 @@ def initialize_parallel(dims: ParallelDims, seed: int) -> None:
         virtual_pipeline_model_parallel_size=dims.vpp,
         context_parallel_size=dims.cp,
         hierarchical_context_parallel_sizes=list(dims.hierarchical_cp) if dims.hierarchical_cp else None,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
     )
     # Seeds megatron's tracker: per-TP-rank state for TP-sharded dropout,
     # shared state for replicated regions.

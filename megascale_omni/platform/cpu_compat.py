@@ -255,6 +255,52 @@ def _patch_grad_norm_and_clipping(applied: list[str]) -> None:
         setattr(optimizer, name, getattr(clip_grads, name))
 
 
+class _HostStream:
+    """Stands in for the CUDA stream megatron's all-to-all dispatcher keeps for
+    its device-to-host copies; never used for work on CPU (see below)."""
+
+
+def _patch_moe_alltoall_dispatcher(applied: list[str]) -> None:
+    """``MoEAlltoAllTokenDispatcher`` creates a class-wide ``torch.cuda.Stream()``
+    in its constructor and, in ``_maybe_dtoh_and_synchronize``, copies the
+    split sizes to the host on that stream and waits on a CUDA event before
+    the uneven all-to-all. On CPU the tensors already live on the host and
+    every op is synchronous, so the copy is only the conversion the CUDA
+    path makes (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` for the
+    three split vectors) and there is nothing to wait for. The dropped-and-
+    padded path (capacity with padding) skips the method on CUDA too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if getattr(cls._maybe_dtoh_and_synchronize, "__megascale_cpu_compat__", False):
+        return
+    cls.cuda_dtoh_stream = _HostStream()
+
+    def host_splits(self, point: str, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    host_splits.__megascale_cpu_compat__ = True  # type: ignore[attr-defined]
+    cls._maybe_dtoh_and_synchronize = host_splits
+    applied.append("MoEAlltoAllTokenDispatcher: host split sizes without a CUDA stream")
+
+
+def _patch_router_gemm(applied: list[str]) -> None:
+    """``moe_utils`` binds ``te_general_gemm`` only when transformer-engine
+    imports, yet ``RouterGatingLinearFunction`` tests ``te_general_gemm is not
+    None`` unconditionally: without TE every MoE router raises NameError.
+    ``None`` is the value the check expects for "no TE" (torch's matmul)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        applied.append("moe_utils.te_general_gemm = None (router gating without transformer-engine)")
+
+
 _PATCHES = (
     _patch_current_device,
     _patch_rng,
@@ -265,6 +311,8 @@ _PATCHES = (
     _patch_default_causal_mask,
     _patch_tied_embeddings,
     _patch_synchronize,
+    _patch_moe_alltoall_dispatcher,
+    _patch_router_gemm,
 )
 
 

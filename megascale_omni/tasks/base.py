@@ -103,6 +103,10 @@ class Task:
         """Cumulative data-health counters for the step record."""
         return self.data.data_stats()
 
+    def model_stats(self) -> dict:
+        """The model's fields of the step record (MoE routing); every rank, a collective for MoE models."""
+        return self.model.step_stats()
+
     def data_identity(self) -> dict[str, dict]:
         """Content digests of the training data (no I/O; torchft's quorum thread calls it)."""
         return self.data.data_identity()

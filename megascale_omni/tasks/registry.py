@@ -39,6 +39,7 @@ FEATURES = {
     "elastic": ("elastic.enabled", "false"),
     "data_blend": ("data.blend", "[]"),
     "data_workers": ("data.num_workers", "0"),
+    "moe": ("moe.num_experts", "0"),
 }
 
 
@@ -217,6 +218,8 @@ def _features_used(cfg: JobConfig) -> list[str]:
         used.append("data_blend")
     if cfg.data.num_workers:
         used.append("data_workers")
+    if cfg.moe.enabled:
+        used.append("moe")
     return used
 
 
@@ -294,7 +297,7 @@ FAMILIES: dict[str, ModelFamily] = {
             data="megascale_omni.data.tokens_module:TokensData",
             model="megascale_omni.models.gpt_spec:GptModelSpec",
             evaluators=(("loss", "megascale_omni.evaluation.lm_loss:HeldOutLoss"),),
-            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic"}),
+            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "moe"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             profiler="megascale_omni.models.component_profile:profile_gpt_components",
             check=_check_gpt,
@@ -315,7 +318,7 @@ FAMILIES: dict[str, ModelFamily] = {
             check_inputs="megascale_omni.data.llava.preflight:check_inputs",
             features=frozenset(
                 {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
-                 "data_workers"}
+                 "data_workers", "moe"}
             ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
@@ -335,6 +338,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("vpp", "the DiT stage is one chunk per pp rank"),
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("data_workers", "its batcher is not wired to the worker loader yet"),
+                ("moe", "its blocks have dense MLPs only"),
             ),
         ),
     )

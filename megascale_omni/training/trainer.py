@@ -297,6 +297,7 @@ class Trainer:
             self.state.sync_params()
         self.task.after_step(self.state.step)
         extra: dict = self.task.data_stats()
+        extra.update(self.task.model_stats())
         self.membership.annotate(extra, share)
         if not self._optimizer_state_bytes:
             self._optimizer_state_bytes = optimizer_state_bytes(self.state.optimizer, self.state.chunks)
