@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from megascale_omni.config import load_job_config
+from megascale_omni.config.validate import sequence_multiple
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -91,7 +93,7 @@ def _check(job: LlavaGroups, data, sizes: set[int]) -> None:
 
     reader = ShardedSampleReader(data / "train")
     encoder = LlavaEncoder(load_shapes_tokenizer(data), TOKENS_PER_IMAGE)
-    scan = PlanScanner(encoder, TOKENS_PER_IMAGE, SEQ, 1).scan(reader)
+    scan = PlanScanner(encoder, TOKENS_PER_IMAGE, SEQ, sequence_multiple(load_job_config(ARGS))).scan(reader)
     plan = PackedEpochPlan(scan.lengths, SEQ, 4, SEED, costs=scan.costs)
     consumed = consumed_samples(read_ledger(job.ledger))
     assert sorted(consumed) == list(range(last))

@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 import pytest
 
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
+from megascale_omni.config import load_job_config
+from megascale_omni.config.validate import sequence_multiple
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.llava.plan_scan import PlanScanner
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -61,7 +63,8 @@ def expected_batches(sources, weights: Optional[Sequence[float]] = WEIGHTS) -> C
     reader = ConcatReader([ShardedSampleReader(p / "train") for p in sources]) if weights else \
         ShardedSampleReader(sources[0] / "train")
     encoder = LlavaEncoder(load_shapes_tokenizer(sources[0]), TOKENS_PER_IMAGE)
-    scan = PlanScanner(encoder, TOKENS_PER_IMAGE, SEQ, 1).scan(reader)
+    multiple = sequence_multiple(load_job_config(["--config", "examples/llava/tiny_cpu.yaml"]))
+    scan = PlanScanner(encoder, TOKENS_PER_IMAGE, SEQ, multiple).scan(reader)
     assert scan.from_index == len(reader)  # every source carries token counts for this tokenizer
     order = BlendedOrder(reader.source_of(scan.ids), weights, SEED) if weights else None
     plan = PackedEpochPlan(scan.lengths, SEQ, GLOBAL_BATCH, SEED, costs=scan.costs, order=order)
