@@ -78,6 +78,7 @@ setup(
             "omni-ctl=megascale_omni.control.cli:cli",
             "omni-run=megascale_omni.launch:main",
             "omni-sched=megascale_omni.scheduler.cli:cli",
+            "omni-preflight=megascale_omni.preflight.cli:cli",
         ]
     },
 )

@@ -11,7 +11,7 @@ parsed and validated for the launched world size (``nnodes * nproc_per_node``)
 first, so a bad config exits 2 with the same one line as a one-process run
 and nothing starts. Then torchrun's own launcher runs the workers, and a
 worker failure is summed up in one line with the worker's exit code passed on
-(2 config, 3 data, 4 checkpoint; 1 otherwise) instead of a traceback; the
+(2 config, 3 data, 4 checkpoint, 44 failed pre-flight check; 1 otherwise) instead of a traceback; the
 workers' own messages stay above it.
 
 Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
@@ -34,13 +34,14 @@ import sys
 from typing import Optional, Sequence
 
 from megascale_omni.config import ConfigError
+from megascale_omni.errors import EXIT_PREFLIGHT_FAILED
 
 logger = logging.getLogger(__name__)
 
 #: Entry script (file name, or module with -m) -> the model family it trains.
 FAMILY_OF_ENTRY = {"pretrain_llava.py": "llava", "pretrain_dit.py": "dit", "megascale_omni.smoke": "gpt"}
 #: Worker exit codes that mean "the user can fix this" (see megascale_omni.entry.run_cli).
-USER_ERROR_CODES = (2, 3, 4)
+USER_ERROR_CODES = (2, 3, 4, EXIT_PREFLIGHT_FAILED)
 
 
 def _family_of(args) -> Optional[str]:
