@@ -1,8 +1,9 @@
 """Pre-flight results: one record per check and rank, the one-line failure
 message, and the JSON result file a scheduler reads.
 
-Stdlib only, so a scheduler (a client deployed apart from the trainer) can
-import :func:`read_report` without torch. The file (docs/preflight.md)::
+Imports only stdlib-only leaves of the framework (errors, utils.files), so a
+scheduler (a client deployed apart from the trainer) can import
+:func:`read_report` without torch (tests/unit/test_scheduler_imports.py). The file (docs/preflight.md)::
 
     {"format_version": 1, "ok": false, "exit_code": 44, "created": "2026-12-02T11:00:00Z",
      "world_size": 2, "failed_nodes": ["node-b"], "group_failed": false,
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megascale_omni.errors import EXIT_PREFLIGHT_FAILED
+from megascale_omni.utils.files import atomic_write_json
 
 FORMAT_VERSION = 1
 STATUSES = ("pass", "fail", "skip")
@@ -149,9 +151,7 @@ def write_report(report: PreflightReport, path: str | os.PathLike) -> Path:
     """Write ``report`` to ``path`` atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, report.to_json(), indent=1, sort_keys=True)
     return path
 
 
@@ -166,14 +166,14 @@ def read_report(path: str | os.PathLike) -> PreflightReport:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable pre-flight result file ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: pre-flight result format_version {doc.get('format_version') if isinstance(doc, dict) else None!r}"
-                         f", expected {FORMAT_VERSION}")
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: pre-flight result format_version {version!r}, expected {FORMAT_VERSION}")
     names = {f.name for f in dataclasses.fields(CheckResult)}
     results = []
     for i, item in enumerate(doc.get("results", [])):
-        if not isinstance(item, dict) or not {"check", "status"} <= item.keys() <= names \
-                or item["status"] not in STATUSES:
+        if (not isinstance(item, dict) or not {"check", "status"} <= item.keys() <= names
+                or item["status"] not in STATUSES):
             raise ValueError(f"{path}: results[{i}] is not a pre-flight check result")
         results.append(CheckResult(**item))
     return PreflightReport(results, int(doc.get("world_size", 0)), str(doc.get("created", "")))

@@ -168,7 +168,8 @@ def test_result_file_round_trip_and_group_failures_name_no_node(tmp_path):
 
 @pytest.mark.parametrize("override, expected", [
     ("preflight.min_allreduce_gb_s=0", "config error: preflight.min_allreduce_gb_s=0.0: must be > 0"),
-    ("preflight.min_free_memory_fraction=1.5", "config error: preflight.min_free_memory_fraction=1.5: must be in [0, 1]"),
+    ("preflight.min_free_memory_fraction=1.5",
+     "config error: preflight.min_free_memory_fraction=1.5: must be in [0, 1]"),
     ("preflight.data_sample_shards=many", "preflight.data_sample_shards"),
     ("preflight.clock_skew=1", "preflight.clock_skew"),
 ])
@@ -176,6 +177,18 @@ def test_bad_settings_exit_2_with_one_line(tmp_path, override, expected):
     code, out, err = run([f"logging.output_dir={tmp_path}", override])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("config error:") and expected in err, err
+
+
+def test_omni_run_checks_the_preflight_config_before_any_worker():
+    from torch.distributed.run import parse_args
+
+    from megascale_omni.config import ConfigError
+    from megascale_omni.launch import check_job
+
+    args = parse_args(["--nproc-per-node=2", "-m", "megascale_omni.preflight", "preflight.max_clock_skew_ms=-1"])
+    with pytest.raises(ConfigError, match=r"preflight.max_clock_skew_ms=-1.0: must be > 0"):
+        check_job(args)
+    check_job(parse_args(["--nproc-per-node=2", "-m", "megascale_omni.preflight", "preflight.max_clock_skew_ms=5"]))
 
 
 class _FakeNvml(types.SimpleNamespace):
