@@ -51,10 +51,11 @@ def check_clock(pf: PreflightConfig, device: torch.device, clock: Clock, rank: i
         return clock()
 
     offsets = offsets_vs_rank0(read_after_barrier, exchange, pf.clock_rounds)
-    return [skew_result(offsets[rank], pf.max_clock_skew_ms)]
+    return [skew_result(offsets[rank], pf.max_clock_skew_ms, reference=rank == 0)]
 
 
-def skew_result(offset_s: float, max_skew_ms: float) -> CheckResult:
-    """``clock_skew`` of a rank whose clock is ``offset_s`` seconds off rank 0's."""
+def skew_result(offset_s: float, max_skew_ms: float, reference: bool = False) -> CheckResult:
+    """``clock_skew`` of a rank whose clock is ``offset_s`` seconds off rank 0's (``reference``: rank 0 itself)."""
+    detail = "the reference clock" if reference else f"clock {'ahead of' if offset_s >= 0 else 'behind'} rank 0's"
     return judge("clock_skew", abs(offset_s) * 1e3, "ms", max_skew_ms, "preflight.max_clock_skew_ms", "<=",
-                 detail=f"clock {'ahead of' if offset_s >= 0 else 'behind'} rank 0's")
+                 detail=detail)

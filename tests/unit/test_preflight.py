@@ -138,7 +138,7 @@ def test_a_planted_clock_offset_fails_the_rank_that_is_off():
 
     offsets = offsets_vs_rank0(clock, exchange, rounds=5)
     assert offsets[0] == 0 and abs(offsets[1]) <= 0.001 and offsets[2] == pytest.approx(0.5)
-    results = [skew_result(o, PreflightConfig().max_clock_skew_ms) for o in offsets]
+    results = [skew_result(o, PreflightConfig().max_clock_skew_ms, reference=r == 0) for r, o in enumerate(offsets)]
     assert [r.status for r in results] == ["pass", "pass", "fail"]
     assert results[2].value == pytest.approx(500.0) and results[2].bound == "<=" and "ahead" in results[2].detail
 
