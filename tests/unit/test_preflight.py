@@ -30,7 +30,7 @@ from megascale_omni.preflight import nvml
 from megascale_omni.preflight.cli import main as preflight_main
 from megascale_omni.preflight.clock import offsets_vs_rank0, skew_result
 from megascale_omni.preflight.data import sampled_shards
-from megascale_omni.preflight.result import CheckResult, PreflightReport, read_report, write_report
+from megascale_omni.preflight.result import CheckResult, PreflightReport, failure_line, read_report, write_report
 
 HOST = socket.gethostname()
 #: ``preflight: node <host> rank <r>: <check> measured <value unit>, expected >= <threshold> (preflight.<field>)``
@@ -177,6 +177,19 @@ def test_bad_settings_exit_2_with_one_line(tmp_path, override, expected):
     code, out, err = run([f"logging.output_dir={tmp_path}", override])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("config error:") and expected in err, err
+
+
+def test_a_check_that_raises_is_that_checks_failure_not_a_crash():
+    from megascale_omni.preflight.runner import _guarded
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    [r] = _guarded("device_matmul", broken)
+    r.host, r.rank = "gpu-3", 7
+    assert r.failed and PreflightReport([r], 8).failed_nodes == ["gpu-3"]
+    assert failure_line(r) == ("preflight: node gpu-3 rank 7: device_matmul could not be measured: "
+                               "RuntimeError: CUDA error: an illegal memory access was encountered")
 
 
 def test_omni_run_checks_the_preflight_config_before_any_worker():
