@@ -29,7 +29,7 @@ def _pynvml() -> Optional[Any]:
 def _handle(nvml: Any, device: torch.device) -> Any:
     """The NVML handle of ``device``, found by PCI bus id (CUDA_VISIBLE_DEVICES renumbers CUDA devices)."""
     props = torch.cuda.get_device_properties(device)
-    bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"  # NVML's own form
     return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from megascale_omni.config import JobConfig
@@ -66,6 +67,8 @@ def rank_results(cfg: JobConfig, platform: Platform, clock: Clock) -> list[Check
         *_guarded("allreduce", lambda: check_allreduce(pf, device)),
         *_guarded("clock_skew", lambda: check_clock(pf, device, clock, rank)),
     ]
+    if device.type == "cuda":  # the matmul operands and the all-reduce buffer go back to the job
+        torch.cuda.empty_cache()
     host = socket.gethostname()
     return [dataclasses.replace(r, host=host, rank=rank) for r in results]
 
