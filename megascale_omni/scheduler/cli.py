@@ -112,11 +112,11 @@ def _simulate(args: argparse.Namespace, trace, knobs) -> int:
 
 
 def _load_knobs(path: str) -> dict:
+    from megascale_omni.scheduler.trace import read_utf8
+
+    text = read_utf8("--config", path, "give a YAML file of policy knobs")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError("--config", path, f"cannot read it ({e.strerror})") from None
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("--config", path, f"not valid YAML: {str(e).splitlines()[0]}") from None
     if isinstance(raw, dict) and set(raw) == {"policy"}:
