@@ -76,7 +76,7 @@ class GreedyGoodputPolicy:
         free = free_nodes(snap)
         lead = reclaim_lead(self._last_call, snap.time_min, RECLAIM_MARGIN_MIN)
         self._last_call = snap.time_min
-        decisions, drained = reclaim_drains(snap, demand, lead)
+        decisions, drained = reclaim_drains(snap, demand, lead, free)
         admitted = admit(snap, free)
         decisions += admitted
         new = {d.job for d in admitted if d.action is Action.GROW}

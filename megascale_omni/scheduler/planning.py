@@ -105,11 +105,20 @@ def drain_order(snap: Snapshot, job: JobView, exclude: set[str] = frozenset()) -
 
 def shrink(snap: Snapshot, job: JobView, count: int, reason: str, free: dict[str, int],
            exclude: set[str] = frozenset()) -> list[Decision]:
-    """Drain ``count`` groups of ``job`` (never below its core); their nodes return to ``free``."""
-    count = min(count, len(job.active) - job.min_replicas)
+    """Drain ``count`` groups of ``job`` (never below its core); their nodes return to ``free``.
+
+    ``exclude``: ids already leaving this round (drained, moved or killed by
+    an earlier step); they are not picked again nor counted as members. When
+    it is a mutable set, the victims are added to it, so a later step of the
+    same round (a rebalance after a triggered shrink) never drains them twice
+    nor returns their nodes to ``free`` twice."""
+    staying = [r for r in job.active if r.id not in exclude]
+    count = min(count, len(staying) - job.min_replicas)
     victims = drain_order(snap, job, exclude)[:max(count, 0)]
     if not victims:
         return []
+    if isinstance(exclude, set):
+        exclude.update(r.id for r in victims)
     for r in victims:
         free[r.pool] += job.nodes_per_replica(snap.pool(r.pool).gpus_per_node)
     return [Decision(job.name, Action.DRAIN, reason, count=len(victims), replica_ids=tuple(r.id for r in victims))]
@@ -122,8 +131,8 @@ def grow(snap: Snapshot, job: JobView, count: int, reason: str, free: dict[str, 
             for pool, k in place(snap, free, job, count, kinds)]
 
 
-def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = math.inf
-                   ) -> tuple[list[Decision], set[str]]:
+def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = math.inf,
+                   free: dict[str, int] | None = None) -> tuple[list[Decision], set[str]]:
     """Drain enough groups from every VM pool with an announced reclaim due
     within ``lead_min`` that the pool fits its post-reclaim size by the
     deadline. Draining as late as is safe keeps the groups working through
@@ -135,8 +144,11 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
 
     A reclaim still in the snapshot at or after its deadline (live: a drain
     that hung, the nodes not yet taken) is overdue: whatever still exceeds the
-    pool, groups still draining first, is killed. Returns the decisions and
-    the ids drained or killed."""
+    pool, groups still draining first, is killed. With ``free`` (nodes a grow
+    may take, updated in place), a victim whose departure would leave its job
+    below its core is re-placed first: it is moved to bare metal where a node
+    is free instead of drained. Returns the decisions and the ids drained,
+    moved or killed."""
     decisions: list[Decision] = []
     drained: set[str] = set()
     for pool in snap.pools:
@@ -169,6 +181,11 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
             picks.setdefault(name, []).append(replica.id)
             excess -= job.nodes_per_replica(pool.gpus_per_node)
         for name, ids in picks.items():
+            job = next(j for j in snap.jobs if j.name == name)
+            if free is not None and not overdue:
+                ids = _replace_core(snap, free, job, ids, deadline, decisions)
+                if not ids:
+                    continue
             if overdue:
                 reason = (f"reclaim deadline t={deadline:g} min on {pool.name} passed with the group(s) still "
                           f"there: kill")
@@ -178,6 +195,26 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
             decisions.append(Decision(name, Action.KILL if overdue else Action.DRAIN, reason, count=len(ids),
                                       replica_ids=tuple(ids)))
     return decisions, drained
+
+
+def _replace_core(snap: Snapshot, free: dict[str, int], job: JobView, ids: list[str], deadline: float,
+                  decisions: list[Decision]) -> list[str]:
+    """Of the reclaim victims ``ids`` of ``job``, move those the job's core
+    needs (it would fall below ``min_replicas`` without them) to bare metal
+    where ``free`` has room, appending the moves to ``decisions``. Returns the
+    victims left to drain."""
+    staying = len(job.active) - len(ids)
+    short = min(len(ids), job.min_replicas - staying)
+    if short <= 0:
+        return ids
+    moved = 0
+    for pool, k in place(snap, free, job, short, (BARE_METAL,)):
+        for rid in ids[moved:moved + k]:
+            decisions.append(Decision(job.name, Action.MOVE, f"reclaim at t={deadline:g} min would leave "
+                                      f"{job.name} below its core of {job.min_replicas}: re-place on {pool}",
+                                      count=1, pool=pool, replica_ids=(rid,)))
+        moved += k
+    return ids[moved:]
 
 
 def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list[Decision]:

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 
 from megascale_omni.errors import ConfigError
-from megascale_omni.scheduler.model import Action, Decision, JobView, Snapshot
+from megascale_omni.scheduler.model import BARE_METAL, VM, Action, Decision, JobView, Snapshot
 from megascale_omni.scheduler.planning import (
     RECLAIM_MARGIN_MIN,
     admit,
@@ -113,7 +113,7 @@ class ElasticPolicy:
         free = free_nodes(snap)
         lead = reclaim_lead(self._last_call, t, self.knobs.reclaim_margin_min)
         self._last_call = t
-        decisions, drained = reclaim_drains(snap, smoothed, lead)
+        decisions, drained = reclaim_drains(snap, smoothed, lead, free)
         decisions += self._stragglers(snap, free, drained)
         admitted = admit(snap, free)
         decisions += admitted
@@ -190,7 +190,10 @@ class ElasticPolicy:
 
     def _stragglers(self, snap: Snapshot, free: dict[str, int], drained: set[str]) -> list[Decision]:
         """Move a group flagged slow for ``straggler_patience_min`` to another
-        node; with no node free, drain it if the job stays at or above its core."""
+        node; with no node free, drain it if the job stays at or above its core.
+        A replacement the core needs (the job would be below ``min_replicas``
+        without the straggler) goes to bare metal first, where no reclaim can
+        take it; other replacements go to VMs first."""
         out = []
         for job in snap.jobs:
             for r in job.active:
@@ -198,13 +201,15 @@ class ElasticPolicy:
                 if since is None or r.id in drained or snap.time_min - since < self.knobs.straggler_patience_min:
                     continue
                 reason = f"straggler since t={since:g} min slows every group of the job"
-                spot = place(snap, free, job, 1)
+                staying = len([o for o in job.active if o.id not in drained and o.id != r.id])
+                kinds = (BARE_METAL, VM) if staying < job.min_replicas else (VM, BARE_METAL)
+                spot = place(snap, free, job, 1, kinds)
                 drained.add(r.id)
                 free[r.pool] += job.nodes_per_replica(snap.pool(r.pool).gpus_per_node)
                 if spot:
                     out.append(Decision(job.name, Action.MOVE, reason + "; replace it", count=1, pool=spot[0][0],
                                         replica_ids=(r.id,)))
-                elif len(job.active) > job.min_replicas:
+                elif staying >= job.min_replicas:
                     out.append(Decision(job.name, Action.DRAIN, reason + "; no free node, drop it", count=1,
                                         replica_ids=(r.id,)))
                 else:
