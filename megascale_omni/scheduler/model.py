@@ -76,6 +76,13 @@ class ThroughputCurve:
 
     points: tuple[tuple[float, float], ...]
 
+    @property
+    def saturation(self) -> float:
+        """The fewest replicas at which the curve reaches its highest value:
+        groups beyond it add no samples/s."""
+        best = max(y for _, y in self.points)
+        return next(x for x, y in self.points if y >= best)
+
     def __call__(self, replicas: float) -> float:
         if replicas <= 0:
             return 0.0

@@ -32,13 +32,34 @@ def marginal_gain(job: JobView, n: int, demand_gpus: float) -> float:
     return (weighted_throughput(job, n, demand_gpus) - weighted_throughput(job, n - 1, demand_gpus)) / job.replica_gpus
 
 
-def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[str, float]) -> dict[str, int]:
+def gain_floor(job: JobView, min_gain: float) -> float:
+    """The least weighted samples/s per GPU a group of ``job`` must add to be
+    worth its GPUs: ``min_gain`` x the per-GPU rate of its core (0: any gain)."""
+    core = job.min_replicas
+    return min_gain * weighted_throughput(job, core, math.inf) / (core * job.replica_gpus)
+
+
+def worth_replicas(job: JobView, min_gain: float = 0.0) -> int:
+    """The most groups (``min_replicas``..``max_replicas``) whose every group
+    beyond the core adds more than :func:`gain_floor` samples/s per GPU by the
+    job's throughput curve: past it GPUs buy (almost) nothing."""
+    floor = max(gain_floor(job, min_gain), 1e-12)
+    n = job.min_replicas
+    while n < job.max_replicas and marginal_gain(job, n + 1, math.inf) > floor:
+        n += 1
+    return n
+
+
+def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[str, float],
+                    min_gain: float = 0.0) -> dict[str, int]:
     """Replica groups per admitted job that maximise the summed weighted
     throughput on ``capacity_gpus`` GPUs: every job starts at its core, then
     the group with the largest marginal gain per GPU is added until gains
-    reach zero, jobs their maximum, or capacity runs out. ``demand`` is the
-    GPUs each job can use (already divided by any target load)."""
+    fall to the job's :func:`gain_floor` (``min_gain`` 0: zero), jobs reach
+    their maximum, or capacity runs out. ``demand`` is the GPUs each job can
+    use (already divided by any target load)."""
     targets = {j.name: j.min_replicas for j in jobs}
+    floors = [max(gain_floor(j, min_gain), 1e-12) for j in jobs]
     left = capacity_gpus - sum(j.min_replicas * j.replica_gpus for j in jobs)
     heap = [(-marginal_gain(j, j.min_replicas + 1, demand[j.name]), i) for i, j in enumerate(jobs)
             if j.min_replicas < j.max_replicas]
@@ -46,7 +67,7 @@ def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[
     while heap:
         neg_gain, i = heapq.heappop(heap)
         job = jobs[i]
-        if -neg_gain <= 1e-12 or job.replica_gpus > left:
+        if -neg_gain <= floors[i] or job.replica_gpus > left:
             continue
         targets[job.name] += 1
         left -= job.replica_gpus

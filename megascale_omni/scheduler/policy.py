@@ -38,6 +38,7 @@ from megascale_omni.scheduler.planning import (
     shrink,
     usable_gpus,
     weighted_throughput,
+    worth_replicas,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class Knobs:
     """A rebalance acts only if it raises the summed weighted throughput by this fraction."""
     straggler_patience_min: float = 5.0
     """Minutes a group stays flagged as a straggler before it is moved to another node."""
+    min_marginal_gain: float = 0.1
+    """A group is worth adding only while it adds more than this fraction of the samples/s per GPU
+    the job reaches at its core (its throughput curve's marginal gain): resizes and rebalances
+    stop there even if the demand asks for more (0: while it adds anything)."""
     reclaim_margin_min: float = RECLAIM_MARGIN_MIN
     """Drain for a VM reclaim once its deadline is this close, plus the interval between
     ticks; covers the drain itself (one step; seconds). Until then the groups keep working."""
@@ -164,8 +169,9 @@ class ElasticPolicy:
         return out
 
     def _size_for(self, job: JobView, demand_gpus: float) -> int:
+        """Groups for ``demand_gpus`` at ``target_load``, no more than the throughput curve makes worth it."""
         groups = math.ceil(demand_gpus / self.knobs.target_load / job.replica_gpus - 1e-9)
-        return max(job.min_replicas, min(job.max_replicas, groups))
+        return max(job.min_replicas, min(worth_replicas(job, self.knobs.min_marginal_gain), groups))
 
     def _trigger(self, job: JobView, size: int, demand: float, t: float) -> tuple[int, float]:
         """(+1 grow | -1 shrink | 0, load) once the load has stayed beyond a
@@ -224,7 +230,7 @@ class ElasticPolicy:
         if not jobs:
             return []
         demand = {j.name: smoothed[j.name] / self.knobs.target_load for j in jobs}
-        targets = goodput_targets(jobs, capacity, demand)
+        targets = goodput_targets(jobs, capacity, demand, self.knobs.min_marginal_gain)
         now = sum(weighted_throughput(j, size[j.name], demand[j.name]) for j in jobs)
         then = sum(weighted_throughput(j, targets[j.name], demand[j.name]) for j in jobs)
         if then - now < self.knobs.rebalance_gain * max(now, 1e-9):

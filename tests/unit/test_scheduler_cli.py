@@ -139,6 +139,9 @@ def test_validate_and_simulate_good_trace(tmp_path, capsys):
     assert lines[3].startswith("| elastic | ") and "| 1/1 | 0 |" in lines[3]
     summary = json.loads((out_dir / "trace" / "elastic" / "summary.json").read_text())
     assert summary["reclaims_met"] == summary["reclaim_events"] == 1
+    assert 0 < summary["cluster_utilisation"] <= summary["held_utilisation"] <= 1
+    assert summary["jobs"][0]["below_min_minutes"] == 0 and summary["jobs"][0]["queue_min"] == 0
+    assert {"gpu_hours_held", "jct_mean_min", "jct_p95_min", "queue_mean_min", "queue_p95_min"} <= set(summary)
     assert (out_dir / "trace" / "comparison.md").read_text().splitlines()[2] == lines[3]
     run = out_dir / "trace" / "elastic"
     assert sorted(p.name for p in run.iterdir()) == sorted([*PLOTS, "summary.json", "decisions.log"])
