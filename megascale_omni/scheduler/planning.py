@@ -238,12 +238,15 @@ def _replace_core(snap: Snapshot, free: dict[str, int], job: JobView, ids: list[
     return ids[moved:]
 
 
-def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list[Decision]:
+def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False, drained: set[str] | None = None
+          ) -> list[Decision]:
     """Admit waiting jobs (highest priority first, then trace order) whose
     core fits on bare metal, draining other jobs' elastic groups from bare
     metal when that makes room. With ``full_size`` (the static baseline) a job
     starts only with all ``max_replicas`` groups placed (core on bare metal,
-    the rest anywhere)."""
+    the rest anywhere). ``drained``: ids already leaving this round, never
+    picked again; the groups drained here are added to it."""
+    drained = set() if drained is None else drained
     decisions: list[Decision] = []
     waiting = sorted((j for j in snap.jobs if not j.admitted), key=lambda j: -j.priority)
     for job in waiting:
@@ -257,7 +260,7 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
             if core < need or sum(k for _, k in place(snap, trial, job, extra)) < extra:
                 continue
         if room < need:
-            decisions += _make_room(snap, free, job, need)
+            decisions += _make_room(snap, free, job, need, drained)
             room = sum(free[p.name] // job.nodes_per_replica(p.gpus_per_node) for p in bm)
             if room < need:
                 continue
@@ -267,15 +270,18 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
     return decisions
 
 
-def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) -> list[Decision]:
+def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int, drained: set[str]
+               ) -> list[Decision]:
     """Drain elastic groups of admitted jobs from bare metal until ``groups``
-    groups of ``job`` fit there in all; plans nothing unless that is reached."""
+    groups of ``job`` fit there in all; plans nothing unless that is reached.
+    Groups in ``drained`` are not picked; those picked are added to it."""
     plan: list[tuple[JobView, ReplicaView]] = []
     trial = dict(free)
     for other in sorted((j for j in snap.jobs if j.admitted), key=lambda j: j.priority):
         # Only groups beyond the other job's own core on bare metal are elastic there.
-        spare = sum(snap.pool(r.pool).kind == BARE_METAL for r in other.active) - other.min_replicas
-        for r in drain_order(snap, other):
+        staying = [r for r in other.active if r.id not in drained]
+        spare = sum(snap.pool(r.pool).kind == BARE_METAL for r in staying) - other.min_replicas
+        for r in drain_order(snap, other, drained):
             pool = snap.pool(r.pool)
             if spare <= 0 or pool.kind != BARE_METAL:
                 continue
@@ -289,6 +295,7 @@ def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) 
            if p.kind == BARE_METAL) < groups:
         return []
     free.update(trial)
+    drained.update(r.id for _, r in plan)
     out = []
     for other in {o.name: o for o, _ in plan}.values():
         ids = tuple(r.id for o, r in plan if o.name == other.name)

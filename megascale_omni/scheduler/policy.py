@@ -120,7 +120,7 @@ class ElasticPolicy:
         self._last_call = t
         decisions, drained = reclaim_drains(snap, smoothed, lead, free)
         decisions += self._stragglers(snap, free, drained)
-        admitted = admit(snap, free)
+        admitted = admit(snap, free, drained=drained)
         decisions += admitted
         new = {d.job for d in admitted if d.action is Action.GROW}
         jobs = [j for j in snap.jobs if j.admitted]

@@ -11,10 +11,12 @@ productive from its join latency on (standby or cold); an elastic job's
 survivors lose ``join_disruption_s`` per join and one step per kill; a
 non-elastic job (static baseline) stops for ``restart_s`` at any change.
 
-Useful GPU-minutes count a job's productive groups only as far as they add
-samples/s: up to its demand and the point where its throughput curve
-flattens (``ThroughputCurve.saturation``), times its straggler slowdown and
-the share of the tick not lost to joins. **Cluster utilisation** = useful
+Useful GPU-minutes count a job's groups only as far as they add samples/s:
+the samples/s the job reaches (its throughput curve at its productive groups
+up to its demand, times its straggler slowdown and the share of the tick not
+lost to joins) divided by the curve's best samples/s per group
+(``ThroughputCurve.best_per_replica``). A group past a flat curve, a slowed
+job and a poorly scaling size all count for what they produce. **Cluster utilisation** = useful
 GPU-minutes / the GPU-minutes every pool had available until the last job
 finished; **held utilisation** = useful / GPU-minutes held by jobs (groups
 joining, running or draining). Called by ``omni-sched simulate``, the
@@ -366,7 +368,7 @@ class Simulator:
             lost = min(1.0, j.lost_s / (tick * 60))
             j.lost_s = 0.0
             j.speed = j.spec.curve(min(productive, d_groups)) * slow * (1 - lost)
-            useful = min(productive, d_groups, j.spec.curve.saturation) * slow * (1 - lost)
+            useful = j.speed / j.spec.curve.best_per_replica if j.speed > 0 else 0.0
             gained = j.speed * tick * 60
             frac = 1.0
             if gained > 0 and j.done + gained >= j.spec.work_samples:

@@ -18,6 +18,7 @@ from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import (
     BARE_METAL,
     VM,
+    CostModel,
     Costs,
     JobSpec,
     PoolSpec,
@@ -28,8 +29,8 @@ from megascale_omni.scheduler.model import (
     Trace,
 )
 
-TOP_KEYS = frozenset({"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "stragglers",
-                      "policy"})
+TOP_KEYS = frozenset({"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "cost_model",
+                      "stragglers", "policy"})
 POOL_KEYS = frozenset({"name", "kind", "gpus_per_node", "nodes", "availability", "period_min",
                        "reclaim_notice_min"})
 JOB_KEYS = frozenset({"name", "arrive_min", "priority", "replica_gpus", "replicas", "work_samples", "throughput",
@@ -75,7 +76,10 @@ def parse_trace(raw: Any, name: str = "trace") -> Trace:
         raise ConfigError("pools", [p.name for p in pools], "add a bare_metal pool: it holds every job's core")
     jobs = [_job(i, j, pools) for i, j in enumerate(_list("jobs", raw.get("jobs")))]
     _unique("jobs", [j.name for j in jobs])
-    costs = _costs(raw.get("costs") or {})
+    if raw.get("costs") is not None and raw.get("cost_model") is not None:
+        raise ConfigError("cost_model", raw["cost_model"], "give either costs (latencies) or cost_model (state "
+                          "size, bandwidths, start-up), not both")
+    costs = _cost_model(raw["cost_model"]) if raw.get("cost_model") is not None else _costs(raw.get("costs") or {})
     stragglers_raw = raw.get("stragglers")
     if stragglers_raw is not None and not isinstance(stragglers_raw, list):
         raise ConfigError("stragglers", stragglers_raw, "must be a list of {job, at_min, until_min, slowdown} "
@@ -173,6 +177,14 @@ def _costs(raw: Any) -> Costs:
     known = set(Costs.__dataclass_fields__)
     _mapping("costs", raw, known)
     return Costs(**{k: _number(f"costs.{k}", v, low=0) for k, v in raw.items()})
+
+
+def _cost_model(raw: Any) -> Costs:
+    known = set(CostModel.__dataclass_fields__)
+    _mapping("cost_model", raw, known)
+    positive = {"heal_gb_per_s", "checkpoint_gb_per_s"}
+    return CostModel(**{k: _number(f"cost_model.{k}", v, low=1e-9 if k in positive else 0)
+                        for k, v in raw.items()}).costs()
 
 
 def _straggler(i: int, raw: Any, jobs: list[JobSpec]) -> Straggler:

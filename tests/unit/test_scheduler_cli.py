@@ -70,6 +70,11 @@ BAD_TRACES = [
     ("core too big", lambda d: d["jobs"][0]["replicas"].update(min=5, max=6),
      "omni-sched: config error: jobs[0].replicas.min=5: the core (5 x 8 GPUs) must fit the bare_metal pools "
      "(32 GPUs); lower it or add bare-metal nodes"),
+    ("costs and cost_model", lambda d: d.update(costs={"drain_s": 1}, cost_model={"state_gb": 10}),
+     "omni-sched: config error: cost_model={'state_gb': 10}: give either costs (latencies) or cost_model (state "
+     "size, bandwidths, start-up), not both"),
+    ("zero heal bandwidth", lambda d: d.update(cost_model={"heal_gb_per_s": 0}),
+     "omni-sched: config error: cost_model.heal_gb_per_s=0: must be >= 1e-09"),
     ("stragglers not a list", lambda d: d.update(stragglers=5),
      "omni-sched: config error: stragglers=5: must be a list of {job, at_min, until_min, slowdown} mappings (or "
      "left out)"),
