@@ -99,11 +99,12 @@ def write_plots(result: SimResult, out: Path) -> list[Path]:
     title = f"{result.trace} - {result.policy}"
     written = []
 
-    jobs = list(result.alloc)
+    alloc, demand = _per_panel(result.alloc), _per_panel(result.demand)
+    jobs = list(alloc)
     fig, axes = plt.subplots(len(jobs), 1, figsize=(10, 2.4 * len(jobs)), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], jobs):
-        ax.fill_between(hours, result.demand[name], step="post", alpha=0.3, color="tab:orange", label="demand")
-        ax.step(hours, result.alloc[name], where="post", color="tab:blue", label="allocated")
+        ax.fill_between(hours, demand[name], step="post", alpha=0.3, color="tab:orange", label="demand")
+        ax.step(hours, alloc[name], where="post", color="tab:blue", label="allocated")
         ax.set_ylabel(f"{name} GPUs")
         ax.legend(loc="upper right", fontsize=8)
     axes[0, 0].set_title(f"allocation vs demand - {title}")
@@ -123,7 +124,7 @@ def write_plots(result: SimResult, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(10, 3))
     for name in jobs:
-        events = sorted((t, n) for t, job, n in result.move_times if job == name)
+        events = sorted((t, n) for t, job, n in result.move_times if name == ALL_JOBS or job == name)
         xs, ys, total = [0.0], [0], 0
         for t, n in events:
             total += n
@@ -138,6 +139,17 @@ def write_plots(result: SimResult, out: Path) -> list[Path]:
     ax.legend(loc="upper left", fontsize=8)
     written.append(_save(plt, fig, out / "moves.png"))
     return written
+
+
+#: The panel that sums every job when a trace has more than MAX_JOB_COLUMNS jobs.
+ALL_JOBS = "all jobs"
+
+
+def _per_panel(series: dict[str, list[float]]) -> dict[str, list[float]]:
+    """One series per job, or their sum under ALL_JOBS for many-job traces."""
+    if len(series) <= MAX_JOB_COLUMNS:
+        return series
+    return {ALL_JOBS: [sum(values) for values in zip(*series.values())]}
 
 
 def _save(plt, fig, path: Path) -> Path:

@@ -100,6 +100,14 @@ def test_generate_command_writes_a_valid_trace(tmp_path, capsys):
     trace = load_trace(out)
     assert len(trace.jobs) == 12 and trace.pools[0].nodes == 16
     assert yaml.safe_load(out.read_text())["cost_model"]["state_gb"] == 112.0
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        cli(["simulate", "--trace", str(out), "--policy", "elastic", "--out", str(runs)])
+    assert e.value.code == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert "completion (h)" not in header  # 12 jobs: no per-job columns
+    plot = (runs / trace.name / "elastic" / "allocation.png").read_bytes()  # one panel: all jobs summed
+    assert plot[:8] == b"\x89PNG\r\n\x1a\n" and 5000 < len(plot) < 200_000
     with pytest.raises(SystemExit) as e:
         cli(["generate", "--gpus", "8", "--out", str(out)])
     assert e.value.code == 2
