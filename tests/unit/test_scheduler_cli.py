@@ -107,7 +107,7 @@ def test_unreadable_and_unparsable_traces(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "not valid JSON" in err
 
 
-def test_non_utf8_trace_knobs_and_live_config_exit_2(tmp_path, capsys):
+def test_non_utf8_files_and_non_text_live_config_keys_exit_2(tmp_path, capsys):
     bad = tmp_path / "latin1.yaml"
     bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
     trace = _write(tmp_path, GOOD)
@@ -117,6 +117,10 @@ def test_non_utf8_trace_knobs_and_live_config_exit_2(tmp_path, capsys):
                        (["run", "--config", str(bad)], "--config")):
         code, out, err = _exit(argv, capsys)
         assert (code, out, err) == (2, "", f"omni-sched: config error: {flag}='{bad}': {fix}\n")
+    live = _write(tmp_path, "out: runs/x\n1: one\nfoo: 2\n", "live.yaml")
+    code, out, err = _exit(["run", "--config", live], capsys)
+    assert (code, err) == (2, "omni-sched: config error: config.1='one': keys must be text; int key 1: quote it "
+                              "or use a name\n")
 
 
 def test_bad_knobs_and_flags_exit_2(tmp_path, capsys):
