@@ -177,6 +177,16 @@ def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: i
         return logits(model, tokens, images, videos, video_frames)[..., : m.vocab_size]
 
 
+def hf_greedy(model, prompt: list[int], tok, max_new_tokens: int, **pixels) -> list[int]:
+    """HF ``generate``'s greedy new tokens after ``prompt``, up to and with
+    ``tok``'s eos (what tools/generate.py prints as ``new_ids``)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **pixels)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(tok.eos_id) + 1] if tok.eos_id in new else new
+
+
 # ------------------------------------------------------------ chat tokenizers
 #: ChatML (Qwen2 style): a default system turn when none is given.
 CHATML_TEMPLATE = (

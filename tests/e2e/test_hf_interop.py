@@ -210,12 +210,7 @@ def test_generate_tool_reproduces_transformers_greedy_generation(hf_dir, llava_w
     prompt = result["prompt_ids"]
     assert prompt[0] == tok.bos_id and prompt.count(tok.image_token_id) == 16
     pixels = torch.from_numpy(image.astype(np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-    with torch.no_grad():
-        ref = model.generate(input_ids=torch.tensor([prompt]), pixel_values=pixels, max_new_tokens=12,
-                             do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    expected = ref[0, len(prompt):].tolist()
-    if tok.eos_id in expected:
-        expected = expected[: expected.index(tok.eos_id) + 1]
+    expected = hf_models.hf_greedy(model, prompt, tok, 12, pixel_values=pixels)
     assert result["new_ids"] == expected
     assert len(set(expected)) > 1  # not a degenerate repeat of one token
 
