@@ -303,3 +303,31 @@ def test_ingest_tool_video_flags(ingested, tmp_path):
                             "--video-fps", 0)
     assert r.returncode == 2 and r.stderr.strip() == "config error: --video-fps=0.0: must be > 0 (e.g. 1.0)", r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_chat_encoder_lays_out_videos_and_images_in_text_order(tmp_path):
+    from megascale_omni.data.conversation import ChatEncoder, ConversationError
+    from tests.hf_models import chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path)
+    v = _cfg().vision
+    with pytest.raises(ConversationError, match="the tokenizer has no '<video>' token for video placeholders"):
+        ChatEncoder(tok, "<image>", v.image_tokens, "<video>", v.video_tokens).encode(
+            _conv("<video> what"), 0, frames_per_video=[3])
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    enc = ChatEncoder(tok, "<image>", v.image_tokens, "<video>", v.video_tokens)
+    image_id, video_id = enc.image_token_id, enc.video_token_id
+    conv = _conv("<video> and then <image> compare them", "the first") + _conv("and <video>", "a ball")
+    out = enc.encode(conv, 1, frames_per_video=[3, 2])
+    ids = out.tokens
+    first_video, first_image = ids.index(video_id), ids.index(image_id)
+    assert ids[first_video : first_video + 13] == [video_id] * 13 and first_video + 13 < first_image
+    assert ids[first_image : first_image + 17] == [image_id] * 17
+    assert ids.count(video_id) == 13 + 9 and out.num_videos == 2
+    # The text-only count (the index's cost.tokens) leaves the videos out; the plan adds vision.video_tokens.
+    assert len(enc.encode(conv, 1).tokens) == len(ids) - 22
+    # Truncation drops the last round with its video.
+    cut = enc.encode(conv, 1, max_length=len(ids) - 5, frames_per_video=[3, 2])
+    assert (cut.num_videos, cut.truncated, cut.tokens.count(video_id)) == (1, True, 13)
+    with pytest.raises(ConversationError, match="text has 2 <video> markers but the sample has 1 videos"):
+        enc.encode(conv, 1, frames_per_video=[3])
