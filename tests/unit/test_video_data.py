@@ -331,3 +331,20 @@ def test_chat_encoder_lays_out_videos_and_images_in_text_order(tmp_path):
     assert (cut.num_videos, cut.truncated, cut.tokens.count(video_id)) == (1, True, 13)
     with pytest.raises(ConversationError, match="text has 2 <video> markers but the sample has 1 videos"):
         enc.encode(conv, 1, frames_per_video=[3])
+
+
+def test_checkpoints_from_before_the_video_fields_still_resume():
+    from megascale_omni.checkpoint.state import PRETRAINED_FREE_FIELDS, incompatibilities
+    from megascale_omni.config import JobConfig, from_dict, to_dict
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}})
+    old = to_dict(cfg)
+    del old["vision"]["video_pool_stride"], old["vision"]["image_newline"]  # as main wrote them before issue 32
+    assert incompatibilities(old, cfg) == []
+    onevision = from_dict(JobConfig, {"model": {"family": "llava"}, "vision": {"image_newline": True,
+                                                                              "video_pool_stride": 3}})
+    assert incompatibilities(old, onevision) == ["vision.image_newline: checkpoint False, config True",
+                                                 "vision.video_pool_stride: checkpoint 2, config 3"]
+    # Starting from weights: the pooling may change (no tensor depends on it), the newline parameter not.
+    assert incompatibilities(old, onevision, PRETRAINED_FREE_FIELDS) == [
+        "vision.image_newline: checkpoint False, config True"]
