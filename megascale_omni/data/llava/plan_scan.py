@@ -105,7 +105,8 @@ class PlanScanner:
         num_views: image ``(height, width)`` -> tower inputs (anyres), or None: one per image.
         truncates: the encoder cuts samples over ``seq_length`` (chat format).
         video_frames: frames read per video (``data.video_frames``; 0: all stored).
-        video_tokens: frames of a video -> its LM placeholders (``vision.video_tokens``).
+        video_tokens: frames of a video -> its LM placeholders (``vision.video_tokens``;
+            needed when the data has videos).
         tower_tokens: features of one tower input (``vision.tokens_per_image``;
             default ``tokens_per_image``), for the balance cost.
     """
@@ -121,7 +122,7 @@ class PlanScanner:
         self.num_views = num_views
         self.truncates = truncates
         self.video_frames = video_frames
-        self.video_tokens = video_tokens or (lambda frames: frames * tokens_per_image)
+        self.video_tokens = video_tokens
         self.tower_tokens = tower_tokens or tokens_per_image
         #: ``encoder.cost_basis()``: the index token counts this run can use.
         self.basis = encoder.cost_basis()
