@@ -201,6 +201,10 @@ def main(argv=None) -> None:
         if n != len(given) or (n and not is_llava):
             raise ConfigError(flag, [str(p) for p in given], f"the prompt has {n} {marker} markers"
                               + ("" if is_llava else " but this is a text-only model") + f"; give one {flag} per marker")
+    if is_llava and v.image_newline and n_images == 1:
+        print("note: one image is laid out as an image of a multi-image prompt (its features, then the newline); "
+              "transformers' LLaVA-OneVision tiles a lone image (anyres), so its answer may differ (docs/hf.md)",
+              file=sys.stderr)
     if n_videos and video_token < 0:
         raise ConfigError("--video", [str(p) for p in args.video], f"neither the checkpoint nor the tokenizer names a "
                           f"{VIDEO_MARKER} token; use a model imported from LLaVA-OneVision or a tokenizer with one")
