@@ -35,6 +35,8 @@ IMAGE, VIDEO = 5, 6
 FRAMES = 3
 #: The Qwen2's init std (its default 0.02 makes a tiny random LM repeat one token under greedy decoding).
 INIT = 0.3
+#: Greedy tokens compared (each re-runs the prompt: no KV cache).
+NEW = 6
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +95,9 @@ def test_video_and_interleaved_images_match_transformers(onevision):
             print(f"\n{kind}: max abs logit difference {diff:.2e}")
             assert diff <= LOGIT_ATOL, f"{kind}: max abs logit difference {diff:.3g}"
             with torch.no_grad():
-                expected = hf.generate(input_ids=ids, **_hf_kwargs(kind, pixels), max_new_tokens=10,
+                expected = hf.generate(input_ids=ids, **_hf_kwargs(kind, pixels), max_new_tokens=NEW,
                                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-            new = generate(model, ids[0].tolist(), 10, m.vocab_size, **_our_kwargs(kind, pixels))
+            new = generate(model, ids[0].tolist(), NEW, m.vocab_size, **_our_kwargs(kind, pixels))
             assert new == expected, kind
             assert len(set(expected)) > 1  # not a degenerate repeat of one token
 
@@ -145,11 +147,11 @@ def test_generate_tool_with_a_video_reproduces_transformers(tmp_path, capsys):
     for i, frame in enumerate(frames):  # a frame folder: lossless, so the test knows the pixels
         Image.fromarray(frame).save(tmp_path / "clip" / f"{i:03d}.png")
     tool_main("generate.py", "--checkpoint", tmp_path / "ours", "--video", tmp_path / "clip", "--frames", FRAMES,
-              "--prompt", "w3 <video> w7 w8", "--max-new-tokens", 10, "--ids")
+              "--prompt", "w3 <video> w7 w8", "--max-new-tokens", NEW, "--ids")
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     prompt = result["prompt_ids"]
     assert prompt.count(video_token) == FRAMES * 4 + 1
     kept = frames[[i * 5 // FRAMES for i in range(FRAMES)]]  # transformers' uniform choice: 0, 1, 3
     pixels = torch.from_numpy(kept.astype(np.float32) / 127.5 - 1.0).permute(0, 3, 1, 2)[None]
-    expected = hf_models.hf_greedy(hf, prompt, tok, 10, pixel_values_videos=pixels)
+    expected = hf_models.hf_greedy(hf, prompt, tok, NEW, pixel_values_videos=pixels)
     assert result["new_ids"] == expected and len(set(expected)) > 1
