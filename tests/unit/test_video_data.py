@@ -265,6 +265,7 @@ def test_plan_costs_videos_from_the_index_alone(ingested):
         stored = [KEEP] * 5 + [3, 0, reader[7].videos[0].shape[0]]
         per_video = [min(f, frames or f) for f in stored]
         assert scan.lengths.tolist() == [t + (4 * f + 1 if f else 0) for t, f in zip(text, per_video)]
+        assert scan.frames.tolist() == per_video  # tower inputs besides the images, for the model FLOPs
         # What the batcher lays out is what the plan counted.
         built = _batcher(out, video_frames=frames)
         for i in (0, 5, 7):
@@ -348,3 +349,15 @@ def test_checkpoints_from_before_the_video_fields_still_resume():
     # Starting from weights: the pooling may change (no tensor depends on it), the newline parameter not.
     assert incompatibilities(old, onevision, PRETRAINED_FREE_FIELDS) == [
         "vision.image_newline: checkpoint False, config True"]
+
+
+def test_image_newline_with_anyres_is_refused_in_one_line():
+    from megascale_omni.config import JobConfig, from_dict
+    from megascale_omni.config.validate import validate_job
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}, "vision": {"image_newline": True},
+                                "data": {"image_mode": "anyres"}})
+    with pytest.raises(ConfigError) as err:
+        validate_job(cfg, 1)
+    assert str(err.value).startswith("config error: vision.image_newline=True: is not built for "
+                                     "data.image_mode=anyres (LLaVA-OneVision puts a newline after every row")

@@ -149,8 +149,9 @@ class ConversationData(DataModule):
             raise ConfigError("data.video_token", cfg.data.video_token, f"is not in the tokenizer's vocabulary, and "
                               f"{self.video_samples} training samples have videos: add it to the tokenizer (a "
                               "special token, or a word of a word-level vocabulary) or name the one it has")
-        #: Tower inputs per usable sample (anyres: its images' views), for the model FLOPs.
-        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64)
+        #: Tower inputs per usable sample (its images' views, anyres: tiles too, and its
+        #: video frames), for the model FLOPs.
+        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64) + scan.frames
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:

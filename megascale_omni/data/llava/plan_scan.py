@@ -91,6 +91,8 @@ class PlanScan:
     from_index: int
     #: Usable samples that have videos.
     video_samples: int = 0
+    #: Video frames read per usable sample (tower inputs besides its image views).
+    frames: Optional[np.ndarray] = None
 
 
 class PlanScanner:
@@ -193,7 +195,7 @@ class PlanScanner:
 
     def scan(self, reader) -> PlanScan:
         """Plan every sample of ``reader`` (a split or a blend of splits)."""
-        ids, lengths, costs, images, views = [], [], [], [], []
+        ids, lengths, costs, images, views, frame_counts = [], [], [], [], [], []
         bad = from_index = video_samples = 0
         use_index: dict[int, bool] = {}
         for i in range(len(reader)):
@@ -215,6 +217,7 @@ class PlanScanner:
             costs.append(sample_cost(n, sum(sample_views) + frames, self.tower_tokens))
             images.append(kept)
             views.append(sample_views)
+            frame_counts.append(frames)
         logger.info("planned %d of %d samples of %s from index.json alone", from_index, len(reader), reader.root)
         return PlanScan(np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images), views, bad,
-                        from_index, video_samples)
+                        from_index, video_samples, np.asarray(frame_counts, dtype=np.int64))
