@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llm", type=Path, help="HF decoder directory (Llama/Qwen2/Mistral)")
     p.add_argument("--vision", type=Path, help="HF CLIP/SigLIP directory (with --llm: LLaVA, fresh projector)")
-    p.add_argument("--llava", type=Path, help="HF LlavaForConditionalGeneration directory")
+    p.add_argument("--llava", type=Path,
+                   help="HF LlavaForConditionalGeneration or LlavaOnevisionForConditionalGeneration directory")
     p.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
     p.add_argument("--seq-length", type=int, default=None,
                    help="model.seq_length to record (default: min(max_position_embeddings, 4096))")
