@@ -89,11 +89,14 @@ def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOC
     return _save(model, path)
 
 
-def llava_relative(path: Path, kind: str, seed: int = 0):
+def llava_relative(path: Path, kind: str, seed: int = 0, vocab: int = VOCAB, image_token: int = 5,
+                   video_token: int = 6, **text_overrides):
     """A tiny ``LlavaNextForConditionalGeneration`` (``kind="next"``: CLIP +
     Llama) or ``LlavaOnevisionForConditionalGeneration`` (``"onevision"``:
-    SigLIP + Qwen2, image token 5, video token 6): LLaVA's relatives, whose
-    weights include everything LLaVA's do plus an ``image_newline``."""
+    SigLIP + Qwen2, 32 px, 8 px patches, image token 5, video token 6):
+    LLaVA's relatives, whose weights include everything LLaVA's do plus an
+    ``image_newline``. ``text_overrides``: of the OneVision's Qwen2 config
+    (``initializer_range=0.3``: greedy decoding that is not one token repeated)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -103,8 +106,9 @@ def llava_relative(path: Path, kind: str, seed: int = 0):
                                    image_token_index=5, image_grid_pinpoints=pinpoints, image_seq_length=16)
         model = T.LlavaNextForConditionalGeneration(config)
     else:
-        config = T.LlavaOnevisionConfig(vision_config=vision_config("siglip"), text_config=text_config("qwen2"),
-                                        image_token_index=5, video_token_index=6, image_grid_pinpoints=pinpoints)
+        config = T.LlavaOnevisionConfig(vision_config=vision_config("siglip"), text_config=text_config("qwen2", vocab, **text_overrides),
+                                        image_token_index=image_token, video_token_index=video_token,
+                                        image_grid_pinpoints=pinpoints)
         model = T.LlavaOnevisionForConditionalGeneration(config)
     _perturb_norms(model, seed)
     return _save(model, path)
@@ -158,7 +162,8 @@ def tool_main(name: str, *args) -> None:
     module.main([str(a) for a in args])
 
 
-def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: int = -1) -> torch.Tensor:
+def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: int = -1, videos=None,
+               video_frames=(), video_token: int = -1) -> torch.Tensor:
     """Our model's logits (one process, fp32) for a checkpoint, cut to the real vocabulary."""
     from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
     from megascale_omni.models.generation import logits
@@ -167,9 +172,19 @@ def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: i
     ckpt = open_model_checkpoint(ckpt_dir, "test")
     m = ckpt.cfg.model
     with one_process():
-        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token)
+        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token, video_token)
         load_model_weights([model], ckpt, "test")
-        return logits(model, tokens, images)[..., : m.vocab_size]
+        return logits(model, tokens, images, videos, video_frames)[..., : m.vocab_size]
+
+
+def hf_greedy(model, prompt: list[int], tok, max_new_tokens: int, **pixels) -> list[int]:
+    """HF ``generate``'s greedy new tokens after ``prompt``, up to and with
+    ``tok``'s eos (what tools/generate.py prints as ``new_ids``)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **pixels)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(tok.eos_id) + 1] if tok.eos_id in new else new
 
 
 # ------------------------------------------------------------ chat tokenizers

@@ -180,6 +180,17 @@ class VisionConfig:
     #: assumes (the ViT's share of pipeline stage 0 grows with it). The
     #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
     images_per_sequence: float = checked(9.8, ge=0)
+    #: Video frames: each frame's projected features (``grid`` x ``grid``) are
+    #: resized bilinearly to ``ceil(grid / video_pool_stride)`` a side before the
+    #: LM sees them, as LLaVA-OneVision does with 2 (SigLIP-384: 27 x 27 -> 14 x 14,
+    #: 196 tokens a frame); ``1``: every patch feature.
+    video_pool_stride: int = checked(2, gt=0)
+    #: Append one learned ``image_newline`` embedding (width of the LM) after
+    #: each image's features and after each video's frames, as
+    #: LLaVA-OneVision lays out multi-image and video inputs; false: LLaVA-1.5
+    #: (no such parameter). Not with ``data.image_mode: anyres`` (OneVision's
+    #: per-row newlines of unpadded tiles are not built).
+    image_newline: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "vision")
@@ -215,7 +226,28 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
+        """Features of one tower input (an image view or a video frame), before pooling."""
         return self.grid**2
+
+    @property
+    def newline_tokens(self) -> int:
+        """Tokens the ``image_newline`` adds after each image and each video (0 or 1)."""
+        return int(self.image_newline)
+
+    @property
+    def frame_grid(self) -> int:
+        """Side of one video frame's features after pooling: ``ceil(grid / video_pool_stride)``."""
+        return -(-self.grid // self.video_pool_stride)
+
+    @property
+    def image_tokens(self) -> int:
+        """LM placeholders of one (single-view) image: its features, then the newline if any."""
+        return self.tokens_per_image + self.newline_tokens
+
+    def video_tokens(self, frames: int) -> int:
+        """LM placeholders of one video of ``frames`` frames: its pooled frames,
+        then the newline if any. The one rule the data plan and the model share."""
+        return frames * self.frame_grid**2 + self.newline_tokens
 
     @property
     def layers_built(self) -> int:

@@ -245,6 +245,10 @@ class DataConfig:
     #: ``chat`` format: vocabulary token used for image placeholders (each
     #: ``<image>`` marker in a user turn becomes ``vision.tokens_per_image`` of them).
     image_token: str = "<image>"
+    #: Vocabulary token of video placeholders (``chat`` and ``words`` formats):
+    #: each ``<video>`` marker of a user turn becomes ``vision.video_tokens(frames)``
+    #: of them. Needed only when the data has videos.
+    video_token: str = "<video>"
     #: Image preprocessing: ``exact`` (images already ``vision.image_size``
     #: square, scaled to [-1, 1]), ``resize_crop`` (CLIP: resize the short side,
     #: centre crop) or ``pad_square`` (LLaVA-1.5: pad to a square with the mean
@@ -261,8 +265,8 @@ class DataConfig:
     #: LLaVA: frames read per ``<video>`` of a sample, uniformly spread over
     #: the frames ingestion stored (``tools/ingest_llava.py --video-frames``
     #: chose those, docs/video.md); ``0``: every stored frame. Each frame is
-    #: one tower input preprocessed by ``image_mode`` (anyres: its overview).
-    #: The llava model refuses video samples until it consumes them (issue 32).
+    #: one tower input preprocessed by ``image_mode`` (anyres: its overview),
+    #: pooled by ``vision.video_pool_stride`` (docs/video.md).
     video_frames: int = checked(8, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:

@@ -30,15 +30,18 @@ import yaml
 from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.directory import HFDirectory, with_defaults
+from megascale_omni.hf.directory import HFDirectory, expect_shape, with_defaults
 
 logger = logging.getLogger(__name__)
 
 #: Our names of the parts that an import without a projector initialises fresh.
 PROJECTOR_PREFIX = "vision_projection."
 
-#: The whole multimodal architecture ``--llava`` maps (``architectures[0]``), by its ``model_type``.
-LLAVA_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration"}
+#: The whole multimodal architectures ``--llava`` maps (``architectures[0]``), by their ``model_type``.
+LLAVA_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration",
+                       "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+#: Our name of LLaVA-OneVision's newline embedding (HF's ``image_newline``, any prefix).
+NEWLINE = "image_newline"
 
 
 @dataclasses.dataclass
@@ -61,8 +64,8 @@ def check_architecture(d: HFDirectory, supported: dict[str, str]) -> None:
     """Raise ConfigError unless ``d``'s ``model_type`` and ``architectures``
     (when given) are one of ``supported`` (``model_type`` -> class). A
     relative such as ``LlavaOnevisionForConditionalGeneration`` has weights
-    we would read but parts we would silently drop (its ``image_newline``,
-    its video token), and its export would be another model."""
+    we would read but parts we would silently drop (LLaVA-NeXT's
+    ``image_newline`` and anyres unpadding), and its export would be another model."""
     model_type, arch = d.config.get("model_type"), d.architecture
     if model_type not in supported or (arch and arch != supported[model_type]):
         raise ConfigError(d.field, str(d.path), f"is a {arch or model_type!r} model (model_type "
@@ -137,10 +140,12 @@ def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int
 
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
-    """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family.
-    Any other architecture (LLaVA-NeXT, LLaVA-OneVision, ...), or a tensor
-    left unmapped, is refused with ConfigError."""
+    """A whole ``LlavaForConditionalGeneration`` or ``LlavaOnevisionForConditionalGeneration``
+    -> the ``llava`` family (OneVision: ``vision.image_newline``, frames
+    pooled 2x2, its video token recorded). Any other architecture
+    (LLaVA-NeXT, ...), or a tensor left unmapped, is refused with ConfigError."""
     check_architecture(d, LLAVA_ARCHITECTURES)
+    onevision = d.config.get("model_type") == "llava_onevision"
     raw = dict(d.config)
     where = f"{d.path}/config.json"
     text = raw["text_config"] = dict(raw.get("text_config") or {})
@@ -166,6 +171,13 @@ def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
     image_token = c.get("image_token_index", c.get("image_token_id"))
     if image_token is None:
         raise ConfigError(f"{where}: image_token_index", None, "is missing; a LLaVA config names its image token")
+    video_token = c.get("video_token_index", c.get("video_token_id"))
+    if onevision:
+        if video_token is None:
+            raise ConfigError(f"{where}: video_token_index", None, "is missing; a LLaVA-OneVision config names its "
+                              "video token")
+        # OneVision's get_video_features pools every frame to ceil(grid / 2) a side, then one newline per video.
+        sections["vision"].update(image_newline=True, video_pool_stride=2)
     cfg = from_dict(JobConfig, sections)
     m, v = cfg.model, cfg.vision
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
@@ -176,9 +188,16 @@ def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
         raise ConfigError(d.field, str(d.path), "lacks the vision tower or projector weights of a LLaVA model")
     state.update(vision.tower_from_hf(d.tensor, v, tower_prefix, out="vision_model."))
     state.update(vision.projector_from_hf(d.tensor, projector_prefix, out=PROJECTOR_PREFIX))
+    if onevision:
+        newline_prefix = d.find_prefix(NEWLINE, exclude=("vision", "language_model"))
+        if newline_prefix is None:
+            raise ConfigError(d.field, str(d.path), f"lacks the {NEWLINE} tensor of a LLaVA-OneVision model")
+        state[NEWLINE] = expect_shape(d.tensor(newline_prefix + NEWLINE), (m.hidden_size,), NEWLINE, d.path)
     check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights) | _tower_unused(d, tower_prefix, v))
     provenance = {"source": str(d.path), "architecture": d.architecture, "llava_config": c, "text_config": text,
                   "vision_config": tower, "image_token_id": int(image_token), "vocab_size": m.vocab_size}
+    if onevision:
+        provenance["video_token_id"] = int(video_token)
     return HFImport(sections, state, provenance, [d.path])
 
 
