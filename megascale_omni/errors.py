@@ -21,3 +21,10 @@ class ConfigError(ValueError):
         #: bind), so entry points print it there instead of on rank 0 only.
         self.rank_local = rank_local
         super().__init__(f"config error: {field}={value!r}: {hint}")
+
+
+#: A replica group's exit code when its hang watchdog ended it (the live scheduler replaces the group).
+EXIT_HUNG = 43
+#: A replica group's exit code when its pre-flight checks failed; it writes ``preflight.json`` naming the node in
+#: its output directory (the live scheduler excludes that node and replaces the group).
+EXIT_PREFLIGHT_FAILED = 44
