@@ -330,20 +330,22 @@ class LiveActuator:
             return None
 
     def _after_exit(self, group: Group, code: int) -> None:
-        """A hung group (EXIT_HUNG) is replaced on its pool now; a failed pre-flight (EXIT_PREFLIGHT_FAILED)
-        keeps its node out of further starts. Any other exit: the policy sees the job smaller next tick."""
+        """A hung group (EXIT_HUNG) is replaced on its pool now; a failed pre-flight (EXIT_PREFLIGHT_FAILED, or
+        any exit with a ``preflight.json`` naming a node) keeps its node out of further starts. Any other exit:
+        the policy sees the job smaller next tick."""
         spec = group.spec
         self._launcher("kill", spec, attempts=1)  # leftovers of the group (other nodes' processes, the Slurm job)
         if code == EXIT_HUNG:
             self._launch(spec.job, spec.pool, standby=group.standby and not group.join_pending,
                          reason=f"replaces {spec.replica_id}, ended by its hang watchdog (exit code {EXIT_HUNG})")
-        elif code == EXIT_PREFLIGHT_FAILED:
-            node = self._preflight_node(spec)
+            return
+        node = self._preflight_node(spec)
+        if code == EXIT_PREFLIGHT_FAILED or node:  # torchrun exits 1 when a worker exits 44: the file tells
             exclude = getattr(self.launcher, "exclude", None)
             if node and exclude is not None:
                 exclude(node)
                 self._log(f"{spec.job} exclude node {node}: {spec.replica_id} failed its pre-flight checks "
-                          f"(exit code {EXIT_PREFLIGHT_FAILED})")
+                          f"(exit code {code})")
             else:
                 self._report(f"{spec.job} {spec.replica_id} failed its pre-flight checks but named no node "
                              f"(preflight.json) or the launcher cannot exclude one")

@@ -14,6 +14,7 @@ thread; a failing command raises (the actuator retries and reports it).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -103,6 +104,8 @@ class SlurmLauncher:
                 "bash", "-c", inner]
 
     def start(self, group: GroupSpec) -> None:
+        if not isinstance(self.runner, RecordingRunner):  # srun opens --output there (a shared file system)
+            os.makedirs(self.jobs[group.job].run_dir, exist_ok=True)
         self.steps[self.name(group)] = self.runner(self.command(group), background=True)
 
     def kill(self, group: GroupSpec) -> None:
