@@ -20,6 +20,7 @@ from megascale_omni.scheduler.cluster_launchers import KubernetesLauncher, Slurm
 from megascale_omni.scheduler.launchers import EXIT_UNKNOWN, GroupSpec, JobTemplate
 from megascale_omni.scheduler.live_recovery import replay
 from tests.unit.test_scheduler_actuator import FakeLauncher, _actuator, _lines, _scheduler, _until
+from tests.unit.test_scheduler_actuator import launcher  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,73 +138,61 @@ def test_slurm_launcher_reads_exit_codes_and_its_groups_from_scontrol():
     assert "--exclude=node17" in slurm.command(GroupSpec("A", "A-r5", "vm"))
 
 
-def test_group_ids_are_unique_across_scheduler_restarts(tmp_path):
-    launcher = FakeLauncher(tmp_path)
-    try:
-        first, _ = _scheduler(tmp_path, launcher)
-        first.tick()
-        assert sorted(first.actuator.groups) == ["A-r0", "A-r1"]
-        first.run(lambda: True, drain_wait_s=30)  # a clean stop: every group drained
-        second, _ = _scheduler(tmp_path, launcher)
+def test_group_ids_are_unique_across_scheduler_restarts(tmp_path, launcher):
+    first, _ = _scheduler(tmp_path, launcher)
+    first.tick()
+    assert sorted(first.actuator.groups) == ["A-r0", "A-r1"]
+    first.run(lambda: True, drain_wait_s=30)  # a clean stop: every group drained
+    second, _ = _scheduler(tmp_path, launcher)
+    second.tick()
+    assert sorted(second.actuator.groups) == ["A-r2", "A-r3"]
+
+
+def test_a_restarted_scheduler_adopts_the_groups_and_grows_or_drains_nothing_twice(tmp_path, launcher):
+    first, _ = _scheduler(tmp_path, launcher)
+    _until("A runs on both pools", lambda: len(first.actuator.groups) == 2 and all(
+        g.state == "running" for g in first.actuator.groups.values()), first.tick)
+    slow = launcher.groups["A-r0"]
+    boundary = slow.plane.step_boundary
+
+    def leaves_slowly(*args, **kwargs):  # after its last step the group takes long to exit (a checkpoint)
+        go_on = boundary(*args, **kwargs)
+        while not go_on and not slow.killed:
+            time.sleep(0.01)
+        return go_on
+
+    slow.plane.step_boundary = leaves_slowly
+    first.actuator.drain("A", ["A-r0"], "operator")  # a drain sent, the group not gone yet
+    del first  # the scheduler dies: no shutdown, its groups keep running
+    before = len(_lines(tmp_path))
+    second, _ = _scheduler(tmp_path, launcher)
+    groups = second.actuator.groups
+    assert {rid: g.state for rid, g in groups.items()} == {"A-r0": "draining", "A-r1": "running"}
+    for _ in range(5):
         second.tick()
-        assert sorted(second.actuator.groups) == ["A-r2", "A-r3"]
-    finally:
-        launcher.close()
+    new = _lines(tmp_path)[before:]
+    assert [line for line in new if " adopt " in line] == [
+        "A adopt A-r0 on vm (draining): started by an earlier scheduler process",
+        "A adopt A-r1 on bm (running): started by an earlier scheduler process"], new
+    assert not [line for line in new if " start " in line or " drain A-r" in line or "grow: join" in line], new
+    assert sorted(launcher.groups) == ["A-r0", "A-r1"]
 
 
-def test_a_restarted_scheduler_adopts_the_groups_and_grows_or_drains_nothing_twice(tmp_path):
-    launcher = FakeLauncher(tmp_path)
-    try:
-        first, _ = _scheduler(tmp_path, launcher)
-        _until("A runs on both pools", lambda: len(first.actuator.groups) == 2 and all(
-            g.state == "running" for g in first.actuator.groups.values()), first.tick)
-        slow = launcher.groups["A-r0"]
-        boundary = slow.plane.step_boundary
+def test_a_loop_that_stops_on_an_error_kills_everything_it_started(tmp_path, launcher):
+    sched, clock = _scheduler(tmp_path, launcher)
+    sched.tick()
+    decide = sched.policy.decide
 
-        def leaves_slowly(*args, **kwargs):  # after its last step the group takes long to exit (a checkpoint)
-            go_on = boundary(*args, **kwargs)
-            while not go_on and not slow.killed:
-                time.sleep(0.01)
-            return go_on
+    def broken(snapshot):
+        if sched.ticks >= 2:
+            raise RuntimeError("policy bug")
+        return decide(snapshot)
 
-        slow.plane.step_boundary = leaves_slowly
-        first.actuator.drain("A", ["A-r0"], "operator")  # a drain sent, the group not gone yet
-        del first  # the scheduler dies: no shutdown, its groups keep running
-        before = len(_lines(tmp_path))
-        second, _ = _scheduler(tmp_path, launcher)
-        groups = second.actuator.groups
-        assert {rid: g.state for rid, g in groups.items()} == {"A-r0": "draining", "A-r1": "running"}
-        for _ in range(5):
-            second.tick()
-        new = _lines(tmp_path)[before:]
-        assert [line for line in new if " adopt " in line] == [
-            "A adopt A-r0 on vm (draining): started by an earlier scheduler process",
-            "A adopt A-r1 on bm (running): started by an earlier scheduler process"], new
-        assert not [line for line in new if " start " in line or " drain A-r" in line or "grow: join" in line], new
-        assert sorted(launcher.groups) == ["A-r0", "A-r1"]
-    finally:
-        launcher.close()
-
-
-def test_a_loop_that_stops_on_an_error_kills_everything_it_started(tmp_path):
-    launcher = FakeLauncher(tmp_path)
-    try:
-        sched, clock = _scheduler(tmp_path, launcher)
-        sched.tick()
-        decide = sched.policy.decide
-
-        def broken(snapshot):
-            if sched.ticks >= 2:
-                raise RuntimeError("policy bug")
-            return decide(snapshot)
-
-        sched.policy.decide = broken
-        with pytest.raises(RuntimeError, match="policy bug"):
-            sched.run(lambda: bool(setattr(clock, "t", clock.t + 1)))  # time passes; never asked to stop
-        assert sorted(launcher.killed) == ["A-r0", "A-r1"] and sched.actuator.groups == {}
-        assert json.loads((tmp_path / "out" / "state.json").read_text())["stopped"]
-    finally:
-        launcher.close()
+    sched.policy.decide = broken
+    with pytest.raises(RuntimeError, match="policy bug"):
+        sched.run(lambda: bool(setattr(clock, "t", clock.t + 1)))  # time passes; never asked to stop
+    assert sorted(launcher.killed) == ["A-r0", "A-r1"] and sched.actuator.groups == {}
+    assert json.loads((tmp_path / "out" / "state.json").read_text())["stopped"]
 
 
 def test_exit_43_replaces_the_group_and_exit_44_excludes_its_node(tmp_path):
