@@ -65,6 +65,8 @@ class SlurmLauncher:
     """
 
     RDZV_PORT = 29500
+    #: The exit code reported for a job Slurm ended without an exit code of its own (128 + SIGKILL).
+    EXIT_KILLED_BY_SLURM = 137
     #: Slurm job states in which the group's processes may still run.
     ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"})
 
@@ -104,7 +106,7 @@ class SlurmLauncher:
                 "bash", "-c", inner]
 
     def start(self, group: GroupSpec) -> None:
-        if not isinstance(self.runner, RecordingRunner):  # srun opens --output there (a shared file system)
+        if isinstance(self.runner, SubprocessRunner):  # srun runs here and opens --output there (shared FS)
             os.makedirs(self.jobs[group.job].run_dir, exist_ok=True)
         self.steps[self.name(group)] = self.runner(self.command(group), background=True)
 
@@ -115,25 +117,42 @@ class SlurmLauncher:
         return endpoint_of_run(self.jobs[group.job].output_dir(group.replica_id), prefer="tcp")
 
     def exited(self, group: GroupSpec) -> Optional[int]:
-        """``srun``'s exit code (the group's) once it has returned; for an adopted group Slurm's
-        ``ExitCode`` once its job ended (:data:`EXIT_UNKNOWN` once Slurm forgot it); None while it runs
-        or in a dry run."""
+        """``srun``'s exit code (the group's) once it has returned; Slurm's ``ExitCode`` (``scontrol``) for an
+        adopted group once its job ended, and for an ``srun`` that returned 0 from a job Slurm ended otherwise
+        (cancelled, failed, timed out: 128 + the signal); :data:`EXIT_UNKNOWN` once Slurm forgot an adopted
+        group; None while it runs or in a dry run."""
         name = self.name(group)
         if name not in self.steps:
             return None
         proc = self.steps[name]
         if proc is not None:
-            return proc.poll()
+            code = proc.poll()
+            if code == 0:  # srun returns 0 from a cancelled job too: Slurm's final state tells
+                ended = self._slurm_exit(name)
+                return 0 if ended == EXIT_UNKNOWN else ended
+            return code
         if isinstance(self.runner, RecordingRunner):
             return None
+        return self._slurm_exit(name)
+
+    def _slurm_exit(self, name: str) -> Optional[int]:
+        """How the newest job called ``name`` ended: None while active or completing (its final state is not known
+        yet), EXIT_UNKNOWN if Slurm knows no such job, else its ``ExitCode`` (128 + the signal when one ended it).
+        A job Slurm ended itself (cancelled, node failure, time limit, ...) often records ``0:0``: it is reported
+        as :attr:`EXIT_KILLED_BY_SLURM`, never as a clean exit."""
         mine = [j for j in self.queue() if j.get("JobName") == name]
         if not mine:
             return EXIT_UNKNOWN
         last = max(mine, key=lambda j: int(j.get("JobId", "0")))
-        if last.get("JobState") in self.ACTIVE:
+        state = last.get("JobState", "")
+        if state in self.ACTIVE or state == "COMPLETING":
             return None
         code, _, sig = last.get("ExitCode", "0:0").partition(":")
-        return 128 + int(sig) if sig.isdigit() and int(sig) else int(code) if code.isdigit() else EXIT_UNKNOWN
+        if sig.isdigit() and int(sig):
+            return 128 + int(sig)
+        if not code.isdigit():
+            return EXIT_UNKNOWN
+        return int(code) if int(code) or state == "COMPLETED" else self.EXIT_KILLED_BY_SLURM
 
     def adopt(self, group: GroupSpec) -> None:
         """Take over a group an earlier scheduler started: its state comes from ``scontrol``."""
@@ -164,7 +183,8 @@ class SlurmLauncher:
 
     def queue(self) -> list[dict[str, str]]:
         """Every job Slurm knows (``scontrol show job --oneliner``), as ``Key -> value`` (values without spaces)."""
-        text = self.runner.output(["scontrol", "show", "job", "--oneliner"])
+        output = getattr(self.runner, "output", None)  # a runner that cannot query knows no jobs
+        text = output(["scontrol", "show", "job", "--oneliner"]) if output is not None else ""
         jobs = []
         for line in text.splitlines():
             if "JobId=" in line:

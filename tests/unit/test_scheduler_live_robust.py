@@ -127,10 +127,16 @@ def test_slurm_launcher_reads_exit_codes_and_its_groups_from_scontrol():
     runner.jobsets = ("JobId=7 JobName=omni-A-r4 JobState=RUNNING Comment=omni,job=A,replica=A-r4,pool=vm,standby=0 "
                       "NumNodes=1 ExitCode=0:0\n"
                       "JobId=5 JobName=omni-A-r2 JobState=FAILED Comment=omni,job=A,replica=A-r2,pool=vm,standby=1 "
-                      "NumNodes=1 ExitCode=44:0\n")
+                      "NumNodes=1 ExitCode=44:0\n"
+                      "JobId=8 JobName=omni-A-r5 JobState=COMPLETING Comment=omni,job=A,replica=A-r5,pool=vm,standby=0 "
+                      "NumNodes=1 ExitCode=0:0\n"
+                      "JobId=9 JobName=omni-A-r6 JobState=CANCELLED Comment=omni,job=A,replica=A-r6,pool=vm,standby=0 "
+                      "NumNodes=1 ExitCode=0:0\n")
     assert slurm.running_groups() == [GroupSpec("A", "A-r4", "vm", 1, False)]
-    for rid in ("A-r2", "A-r4", "A-r9"):
+    for rid in ("A-r2", "A-r4", "A-r5", "A-r6", "A-r9"):
         slurm.adopt(GroupSpec("A", rid, "vm"))
+    assert slurm.exited(GroupSpec("A", "A-r5", "vm")) is None  # completing: the final state is not known yet
+    assert slurm.exited(GroupSpec("A", "A-r6", "vm")) == 137  # Slurm records 0:0 for a cancel: not a clean exit
     assert slurm.exited(GroupSpec("A", "A-r2", "vm")) == EXIT_PREFLIGHT_FAILED
     assert slurm.exited(GroupSpec("A", "A-r4", "vm")) is None
     assert slurm.exited(GroupSpec("A", "A-r9", "vm")) == EXIT_UNKNOWN  # Slurm forgot it
