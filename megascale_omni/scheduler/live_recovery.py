@@ -22,11 +22,14 @@ Called once, by the live loop's constructor.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Iterable, Mapping, Optional
 
 from megascale_omni.scheduler.launchers import GroupSpec
+
+log = logging.getLogger(__name__)
 
 _START = re.compile(r"^t=\S+ (\S+) start (\S+) on (\S+) \((warm standby|cold start)\)")
 _ADOPT = re.compile(r"^t=\S+ (\S+) adopt (\S+) on (\S+) \((\w+)(, warm standby)?\)")
@@ -71,7 +74,13 @@ def candidates(decisions_path: str, launcher, nodes_per_group: Mapping[tuple[str
         if g["job"] in known and nodes is not None:
             out[rid] = (GroupSpec(g["job"], rid, g["pool"], nodes, g["standby"]), g)
     listing = getattr(launcher, "running_groups", None)
-    for spec in (listing() if listing is not None else None) or ():
+    try:
+        running = listing() if listing is not None else None
+    except Exception as e:  # noqa: BLE001 - the log alone still gives the groups; the launcher is a plug-in
+        log.error("cannot list the launcher's running groups (%s: %s); taking over from decisions.log alone",
+                  type(e).__name__, e)
+        running = None
+    for spec in running or ():
         if spec.job in known and spec.replica_id not in out:
             out[spec.replica_id] = (spec, {})
     return list(out.values())

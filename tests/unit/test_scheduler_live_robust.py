@@ -18,7 +18,7 @@ import pytest
 from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
 from megascale_omni.scheduler.cluster_launchers import KubernetesLauncher, SlurmLauncher
 from megascale_omni.scheduler.launchers import EXIT_UNKNOWN, GroupSpec, JobTemplate
-from megascale_omni.scheduler.live_recovery import replay
+from megascale_omni.scheduler.live_recovery import candidates, replay
 from tests.unit.test_scheduler_actuator import FakeLauncher, _actuator, _lines, _scheduler, _until
 from tests.unit.test_scheduler_actuator import launcher  # noqa: F401  (the fixture)
 
@@ -238,3 +238,15 @@ def test_replay_of_a_decisions_log():
     assert replay(log) == {
         "A-r0": {"job": "A", "pool": "vm", "standby": True, "join_pending": True, "state": "starting"},
         "A-r1": {"job": "A", "pool": "bm", "standby": False, "join_pending": False, "state": "starting"}}
+
+
+def test_a_launcher_that_cannot_list_its_groups_leaves_the_log_as_the_source(tmp_path):
+    log = tmp_path / "decisions.log"
+    log.write_text("t=0.1 A start A-r0 on vm (warm standby): keep 1\nt=0.2 B start B-r0 on vm (cold start): x\n")
+
+    class Broken:
+        def running_groups(self):
+            raise subprocess.CalledProcessError(1, ["scontrol", "show", "job"])
+
+    got = candidates(str(log), Broken(), {("A", "vm"): 1, ("B", "vm"): 1}, ["A"])  # B: not configured any more
+    assert [(spec, last["standby"]) for spec, last in got] == [(GroupSpec("A", "A-r0", "vm", 1, True), True)]
