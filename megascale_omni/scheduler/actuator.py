@@ -18,9 +18,9 @@ then reported and left: a start that never went through is forgotten (the
 policy asks again), a kill that never went through is retried every tick.
 A group that exits with :data:`~megascale_omni.errors.EXIT_HUNG` (its hang
 watchdog ended it) is replaced at once on the same pool; one that exits with
-:data:`~megascale_omni.errors.EXIT_PREFLIGHT_FAILED` has its node (from its
-``preflight.json``) excluded from further starts, and the policy regrows the
-job elsewhere. :meth:`LiveActuator.recover` adopts the groups of an
+:data:`~megascale_omni.errors.EXIT_PREFLIGHT_FAILED` (or any exit with a
+failed ``preflight.json``, docs/preflight.md) has the nodes its result names
+excluded from further starts, and the policy regrows the job elsewhere. :meth:`LiveActuator.recover` adopts the groups of an
 earlier scheduler process (after a crash) in the state they report.
 
 Every action is logged with the decision's reason and passed to ``record``
@@ -34,7 +34,6 @@ replies at the group's next step boundary, hence ``command_timeout_s``).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import subprocess
@@ -45,6 +44,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 from megascale_omni.control.client import ControlClient, ControlError
 from megascale_omni.control.protocol import ProtocolError
 from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
+from megascale_omni.preflight.result import PreflightReport, read_report
 from megascale_omni.scheduler.launchers import GroupSpec, ReplicaLauncher
 from megascale_omni.scheduler.live import Observation, observe
 
@@ -330,38 +330,46 @@ class LiveActuator:
             return None
 
     def _after_exit(self, group: Group, code: int) -> None:
-        """A hung group (EXIT_HUNG) is replaced on its pool now; a failed pre-flight (EXIT_PREFLIGHT_FAILED, or
-        any exit with a ``preflight.json`` naming a node) keeps its node out of further starts. Any other exit:
-        the policy sees the job smaller next tick."""
+        """A hung group (EXIT_HUNG) is replaced on its pool now. A failed pre-flight (EXIT_PREFLIGHT_FAILED, or any
+        exit with a failed ``preflight.json``: torchrun exits 1 when a worker exits 44) keeps the result's
+        ``failed_nodes`` out of further starts. Any other exit: the policy sees the job smaller next tick."""
         spec = group.spec
         self._launcher("kill", spec, attempts=1)  # leftovers of the group (other nodes' processes, the Slurm job)
         if code == EXIT_HUNG:
             self._launch(spec.job, spec.pool, standby=group.standby and not group.join_pending,
                          reason=f"replaces {spec.replica_id}, ended by its hang watchdog (exit code {EXIT_HUNG})")
             return
-        node = self._preflight_node(spec)
-        if code == EXIT_PREFLIGHT_FAILED or node:  # torchrun exits 1 when a worker exits 44: the file tells
-            exclude = getattr(self.launcher, "exclude", None)
-            if node and exclude is not None:
-                exclude(node)
-                self._log(f"{spec.job} exclude node {node}: {spec.replica_id} failed its pre-flight checks "
-                          f"(exit code {code})")
-            else:
-                self._report(f"{spec.job} {spec.replica_id} failed its pre-flight checks but named no node "
-                             f"(preflight.json) or the launcher cannot exclude one")
+        report = self._preflight_report(spec)
+        if report is None and code != EXIT_PREFLIGHT_FAILED:
+            return
+        nodes = report.failed_nodes if report is not None else []
+        exclude = getattr(self.launcher, "exclude", None)
+        for node in nodes if exclude is not None else ():
+            exclude(node)
+            self._log(f"{spec.job} exclude node {node}: {spec.replica_id} failed its pre-flight checks "
+                      f"(exit code {code})")
+        if report is not None and report.group_failed:
+            self._report(f"{spec.job} {spec.replica_id} failed a group-wide pre-flight check (the interconnect of "
+                         f"the whole group): no node to exclude, the next group is placed as before")
+        elif not nodes or exclude is None:
+            self._report(f"{spec.job} {spec.replica_id} failed its pre-flight checks but its preflight.json names "
+                         f"no node{'' if exclude is not None else ' (or the launcher cannot exclude one)'}")
 
-    def _preflight_node(self, spec: GroupSpec) -> Optional[str]:
-        """The node a failed pre-flight names in ``<group output dir>/preflight.json`` (``"node"``), or None."""
+    def _preflight_report(self, spec: GroupSpec) -> Optional[PreflightReport]:
+        """The failed pre-flight result of ``spec`` (``<group output dir>/preflight.json``), None if there is none,
+        it passed, or it cannot be read (reported)."""
         jobs = getattr(self.launcher, "jobs", {})
         if spec.job not in jobs:
             return None
-        try:
-            with open(os.path.join(jobs[spec.job].output_dir(spec.replica_id), "preflight.json"),
-                      encoding="utf-8") as f:
-                node = json.load(f).get("node")
-        except (OSError, ValueError, AttributeError):
+        path = os.path.join(jobs[spec.job].output_dir(spec.replica_id), "preflight.json")
+        if not os.path.exists(path):
             return None
-        return node if isinstance(node, str) and node else None
+        try:
+            report = read_report(path)
+        except ValueError as e:
+            self._report(f"{spec.job} {spec.replica_id}: {e}")
+            return None
+        return None if report.ok else report
 
     def _join(self, group: Group, reason: str) -> bool:
         reply = self._command(group, "join")

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
+from megascale_omni.preflight.result import CheckResult, PreflightReport, write_report
 from megascale_omni.scheduler.cluster_launchers import KubernetesLauncher, SlurmLauncher
 from megascale_omni.scheduler.launchers import EXIT_UNKNOWN, GroupSpec, JobTemplate
 from megascale_omni.scheduler.live_recovery import candidates, replay
@@ -216,12 +217,24 @@ def test_exit_43_replaces_the_group_and_exit_44_excludes_its_node(tmp_path):
         assert records[-1] == "A start A-r2 on bm (cold start): replaces A-r0, ended by its hang watchdog " \
             "(exit code 43)"
         (tmp_path / "A-r1").mkdir(exist_ok=True)
-        (tmp_path / "A-r1" / "preflight.json").write_text(json.dumps({"node": "node7", "checks": {"nccl": False}}))
+        write_report(PreflightReport([
+            CheckResult("device_matmul", "pass", 900.0, "GFLOP/s", 1.0, host="node6", rank=0),
+            CheckResult("clock_skew", "fail", 5002.3, "ms", 100.0, "<=", "preflight.max_clock_skew_ms",
+                        host="node7", rank=1)], world_size=2), tmp_path / "A-r1" / "preflight.json")
         launcher.groups["A-r1"].kill()
-        launcher.groups["A-r1"].code = EXIT_PREFLIGHT_FAILED
+        launcher.groups["A-r1"].code = 1  # torchrun's code for a worker that exited 44: the result file tells
         act.refresh(0.0)
         assert launcher.excluded == ["node7"] and sorted(act.groups) == ["A-r2"]
-        assert records[-1] == "A exclude node node7: A-r1 failed its pre-flight checks (exit code 44)"
+        assert records[-1] == "A exclude node node7: A-r1 failed its pre-flight checks (exit code 1)"
+        # A group-wide failure (the all-reduce) names no node: reported, nothing excluded.
+        (tmp_path / "A-r2").mkdir(exist_ok=True)
+        write_report(PreflightReport([CheckResult("allreduce_busbw", "fail", 0.1, "GB/s", 1.0, scope="group",
+                                                  host="node6")], world_size=2), tmp_path / "A-r2" / "preflight.json")
+        launcher.groups["A-r2"].kill()
+        launcher.groups["A-r2"].code = EXIT_PREFLIGHT_FAILED
+        act.refresh(0.0)
+        assert launcher.excluded == ["node7"] and act.groups == {}
+        assert act.unreachable[-1].startswith("A A-r2 failed a group-wide pre-flight check")
     finally:
         launcher.close()
 
