@@ -24,6 +24,9 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {field}={value!r}: {hint}")
 
 
+#: Exit code of a replica group whose hang watchdog ended it: the live scheduler replaces the group on its pool
+#: (docs/scheduler.md, "Robustness").
+EXIT_HUNG = 43
 #: Exit code of a process group whose pre-flight health checks failed
 #: (:mod:`megascale_omni.preflight`): the node named in the one-line message
 #: and in the JSON result file should be left out of the next placement.
