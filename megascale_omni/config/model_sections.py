@@ -54,6 +54,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     #: Bias on the fused QKV projection even when ``add_bias_linear`` is false (Qwen2).
     add_qkv_bias: bool = False
+    #: RMS/LayerNorm over each head's query and key before RoPE (megatron
+    #: ``qk_layernorm``; Qwen3's ``q_norm``/``k_norm``). Language model only.
+    qk_layernorm: bool = False
     #: RoPE base (HF ``rope_theta``); only with ``position_embedding_type: rope``.
     rotary_base: float = checked(10000.0, gt=0)
     #: RoPE frequency scaling: ``none``; ``linear`` (positions divided by

@@ -151,6 +151,7 @@ def transformer_config(
         **activation_kwargs(model.activation),
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         context_parallel_size=parallel.cp,
         cp_comm_type=te_cp_comm_type(parallel.cp_comm_type),
         hierarchical_context_parallel_sizes=parallel.hierarchical_cp_sizes,

@@ -1,0 +1,275 @@
+"""Hugging Face MoE interop against ``transformers`` itself (docs/moe.md,
+"Hugging Face MoE models").
+
+Tiny random Mixtral, Qwen2-MoE (gated shared expert, raw top-k
+probabilities, one dense layer) and Qwen3-MoE (q/k norms, renormalised
+top-k, every other layer dense) models, 4 experts top-2, 3 layers, hidden 64,
+seeded, norms perturbed and router weights spread (``tests/hf_models.py``).
+Claims checked, fp32, one process:
+
+- every MoE layer routes every token to the same experts as ``transformers``
+  (exactly; a mismatch reports the token's score gap between its k-th and
+  (k+1)-th expert, so a near-tie flip says so instead of hiding in a
+  tolerance);
+- logits within 1e-4 max abs (measured ~1.5e-7), greedy tokens equal to
+  ``generate``; the opposite ``moe.pre_softmax`` moves the logits by far more
+  than the tolerance, so the per-family router setting is what matches;
+- import -> export reproduces every HF tensor bit-exactly, the mapped config
+  fields, and ``transformers`` loads the export with identical logits;
+- an MoE LLaVA (CLIP + Qwen2-MoE text config) through ``--llava``, and a
+  Qwen2-MoE + SigLIP through ``--llm --vision``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import hf_models
+from tests.hf_models import our_logits, tool_main
+from tests.launcher import run_tool_in_process
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4
+#: HF config fields an export must reproduce for each family.
+MAPPED_FIELDS = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef",
+                "hidden_size", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "router_aux_loss_coef", "qkv_bias",
+                  "hidden_size", "num_hidden_layers", "tie_word_embeddings"),
+    "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+                  "norm_topk_prob", "router_aux_loss_coef", "hidden_size", "num_hidden_layers", "rms_norm_eps"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf-moe")
+
+
+@contextlib.contextmanager
+def our_model(ckpt_dir: Path):
+    """Our one-process model of an imported checkpoint and the routing maps
+    its routers produce: a list per layer number of ``[tokens, experts]``
+    bool tensors, one per forward."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
+    from megascale_omni.models.standalone import build_model, one_process
+
+    ckpt = open_model_checkpoint(ckpt_dir, "test")
+    cfg = ckpt.cfg
+    routes: dict[int, list[torch.Tensor]] = {}
+    with one_process():
+        model = build_model(cfg, cfg.model.padded_vocab_size(cfg.model.vocab_size))
+        load_model_weights([model], ckpt, "test")
+        model.eval()
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(
+                    lambda mod, inputs, out: routes.setdefault(mod.layer_number - 1, []).append(out[1].clone()))
+        yield model, routes
+
+
+def check_routing(hf_router_logits, routes: dict, pattern: list[int], topk: int) -> float:
+    """Assert our routers chose HF's experts for every token of every MoE
+    layer; returns the smallest gap between a token's k-th and (k+1)-th
+    router logit (how far the test's routing is from a tie)."""
+    layers = [i for i, v in enumerate(pattern) if v]
+    assert sorted(routes) == layers and len(hf_router_logits) == len(layers)
+    smallest = float("inf")
+    for layer, logits in zip(layers, hf_router_logits):
+        ranked = logits.float().sort(dim=-1, descending=True).values
+        gap = ranked[:, topk - 1] - ranked[:, topk]
+        theirs = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(topk, dim=-1).indices, True)
+        ours = routes[layer][0]
+        differ = (ours != theirs).any(dim=-1).nonzero().flatten().tolist()
+        assert not differ, (f"layer {layer}: tokens {differ[:8]} routed differently; their top-{topk} score gaps "
+                            f"{gap[differ[:8]].tolist()} (a near-tie flip, not a mapping error, if these are ~1e-7)")
+        smallest = min(smallest, float(gap.min()))
+    return smallest
+
+
+def ensure_source(hf_dir: Path, kind: str) -> Path:
+    """``hf_dir/<kind>``, the tiny HF model, built unless a test already did
+    (every test runs on its own, none is skipped for ordering)."""
+    src = hf_dir / kind
+    if not src.exists():
+        hf_models.causal_lm(kind, src)
+    return src
+
+
+def ensure_moe_import(hf_dir: Path, kind: str) -> tuple[Path, Path]:
+    src, ours = ensure_source(hf_dir, kind), hf_dir / f"{kind}-ours"
+    if not ours.exists():
+        tool_main("hf_import.py", "--llm", src, "--out", ours)
+    return src, ours
+
+
+@pytest.mark.parametrize("kind", hf_models.MOE_KINDS)
+def test_moe_decoder_matches_transformers_and_round_trips_bit_exactly(hf_dir, kind):
+    from safetensors.torch import load_file
+
+    from megascale_omni.models.generation import generate, logits
+
+    src, ours_dir = ensure_moe_import(hf_dir, kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    moe = yaml_sections(ours_dir)["moe"]
+    pattern = [1] * hf.config.num_hidden_layers if moe["layer_freq"] == 1 else moe["layer_freq"]
+    assert pattern == hf_models_pattern(hf)
+    tokens = torch.randint(0, hf_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    prompt = tokens[0, :6].tolist()
+    with torch.no_grad():
+        ref = hf(tokens, output_router_logits=True)
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(prompt):].tolist()
+    with our_model(ours_dir) as (model, routes), torch.no_grad():
+        ours = logits(model, tokens)[..., : hf_models.VOCAB]
+        gap = check_routing(ref.router_logits, routes, pattern, moe["topk"])
+        greedy = generate(model, prompt, 8, hf_models.VOCAB)
+        # The other router setting (renormalised vs raw top-k probabilities) is measurably another
+        # model: megatron's router reads the flag at every forward from the config all modules share.
+        model.config.moe_router_pre_softmax = not moe["pre_softmax"]
+        other = (logits(model, tokens)[..., : hf_models.VOCAB] - ref.logits).abs().max().item()
+    diff = (ours - ref.logits).abs().max().item()
+    print(f"\n{kind}: max abs logit diff {diff:.2e}, smallest top-k score gap {gap:.2e}, "
+          f"with pre_softmax flipped {other:.2e}")
+    assert diff <= LOGIT_ATOL, f"{kind}: max abs logit difference {diff:.3g}"
+    assert greedy == expected and len(set(greedy)) > 1
+    assert other > 10 * LOGIT_ATOL, f"{kind}: pre_softmax flipped changes the logits by only {other:.3g}"
+
+    out = hf_dir / f"{kind}-exported"
+    tool_main("hf_export.py", "--checkpoint", ours_dir, "--out", out)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, original[key]), f"{key} differs after import -> export"
+    source_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert out_cfg["architectures"] == source_cfg["architectures"]
+    for field in MAPPED_FIELDS[kind]:
+        assert out_cfg[field] == source_cfg[field], field
+    assert hf_models_pattern(transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(out)))) == pattern
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, ref.logits)
+
+
+def yaml_sections(ours_dir: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((ours_dir / "model.yaml").read_text())
+
+
+def hf_models_pattern(model) -> list[int]:
+    """1 per decoder layer whose MLP is a sparse MoE block in ``model``."""
+    return [int(hasattr(layer.mlp, "experts")) for layer in model.model.layers]
+
+
+def test_moe_llava_imports_exports_and_matches_transformers(hf_dir):
+    """``--llava`` with a Qwen2-MoE text config (CLIP tower), and ``--llm
+    --vision`` with a Qwen2-MoE LM and a SigLIP tower (fresh projector)."""
+    from safetensors.torch import load_file
+
+    from tests.e2e.test_hf_interop import llava_inputs
+
+    src = hf_dir / "llava-moe"
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(
+        vision_config=hf_models.vision_config("clip"), text_config=hf_models.text_config("qwen2_moe"),
+        image_token_index=5, vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=16)
+    hf = transformers.LlavaForConditionalGeneration(config)
+    hf_models._perturb_norms(hf, 0)
+    hf_models._spread_routers(hf, 0)
+    hf.eval().save_pretrained(str(src))
+    ours_dir = hf_dir / "llava-moe-ours"
+    tool_main("hf_import.py", "--llava", src, "--out", ours_dir)
+    sections = yaml_sections(ours_dir)
+    assert sections["model"]["family"] == "llava" and sections["moe"]["shared_expert_gate"] is True
+    tokens, pixels = llava_inputs(image_token=5)
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, pixel_values=pixels).logits
+    diff = (our_logits(ours_dir, tokens, pixels, image_token=5) - ref).abs().max().item()
+    print(f"\nMoE LLaVA: max abs logit diff {diff:.2e}")
+    assert diff <= LOGIT_ATOL
+    out = hf_dir / "llava-moe-exported"
+    r = run_tool_in_process("tools/hf_export.py", "--checkpoint", ours_dir, "--out", out)
+    assert r.returncode == 0, r.output
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, original[key]), f"{key} differs after import -> export"
+    # Feature layer -2 of 3: only the last tower layer and the post-norm are not carried.
+    assert all(k.startswith(("vision_tower.encoder.layers.2.", "vision_tower.post_layernorm"))
+               for k in set(original) - set(exported))
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert text["model_type"] == "qwen2_moe" and text["mlp_only_layers"] == [1]
+
+    lm_src, _ = ensure_moe_import(hf_dir, "qwen2_moe")
+    hf_models.vision_tower("siglip", hf_dir / "siglip", seed=4)
+    pair = hf_dir / "qwen2-moe-siglip-ours"
+    tool_main("hf_import.py", "--llm", lm_src, "--vision", hf_dir / "siglip", "--out", pair)
+    assert yaml_sections(pair)["moe"] == yaml_sections(hf_dir / "qwen2_moe-ours")["moe"]
+    from megascale_omni.checkpoint.pretrained import open_model_checkpoint
+    from megascale_omni.hf.exporter import checkpoint_state
+    from megascale_omni.models.standalone import one_process
+
+    with one_process():
+        state = checkpoint_state(open_model_checkpoint(pair, "test"), "test")
+    source = load_file(str(lm_src / "model.safetensors"))
+    fc1 = state["language_model.decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([source["model.layers.2.mlp.experts.3.gate_proj.weight"],
+                                       source["model.layers.2.mlp.experts.3.up_proj.weight"]]))
+    assert torch.equal(state["language_model.decoder.layers.0.mlp.shared_experts.gate_weight"],
+                       source["model.layers.0.mlp.shared_expert_gate.weight"])
+
+
+# ------------------------------------------------------------------ bad input
+def _edit(src: Path, dst: Path, config: dict = None, drop: str = "", add: str = "") -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop or add:
+        tensors = load_file(str(dst / "model.safetensors"))
+        if drop:
+            tensors.pop(drop)
+        if add:
+            tensors[add] = torch.zeros(48, 64)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("kind,edit,code,words", [
+    ("mixtral", dict(config={"router_jitter_noise": 0.1}), 2, "router_jitter_noise=0.1"),
+    ("mixtral", dict(config={"hidden_act": "gelu"}), 2, "hidden_act='gelu'"),
+    ("qwen2_moe", dict(config={"shared_expert_intermediate_size": 0}), 2, "shared_expert_intermediate_size=0"),
+    ("qwen2_moe", dict(config={"num_experts_per_tok": 5}), 2, "moe.topk=5"),
+    ("qwen3_moe", dict(config={"attention_bias": True}), 2, "attention_bias=True"),
+    ("qwen3_moe", dict(config={"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}), 2,
+     "OLMoE's q_norm/k_norm normalise all heads together"),
+    ("qwen2_moe", dict(drop="model.layers.2.mlp.experts.3.down_proj.weight"), 4,
+     "model.layers.2.mlp.experts.3.down_proj.weight"),
+    ("mixtral", dict(add="model.layers.0.block_sparse_moe.experts.4.w1.weight"), 2,
+     "has 1 tensor(s) the import does not map (e.g. model.layers.0.block_sparse_moe.experts.4.w1.weight)"),
+])
+def test_bad_moe_source_exits_with_one_line_and_writes_nothing(hf_dir, tmp_path, kind, edit, code, words):
+    src = ensure_source(hf_dir, kind)
+    bad = _edit(src, tmp_path / "bad", **edit)
+    out = tmp_path / "out"
+    r = run_tool_in_process("tools/hf_import.py", "--llm", bad, "--out", out)
+    assert r.returncode == code, r.output
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line and words in line, line
+    assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
