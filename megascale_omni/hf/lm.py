@@ -254,11 +254,13 @@ def expected_shapes(m: ModelConfig, padded_vocab: int, out: str, moe: Optional[M
             f"{p}self_attention.linear_qkv.weight": (qkv_rows, h), f"{p}self_attention.linear_proj.weight": (h, h),
         })
         if m.qk_layernorm:
-            shapes.update({f"{p}self_attention.q_layernorm.weight": (d,), f"{p}self_attention.k_layernorm.weight": (d,)})
+            shapes.update({f"{p}self_attention.q_layernorm.weight": (d,),
+                           f"{p}self_attention.k_layernorm.weight": (d,)})
         if routed[i]:
             shapes.update(hf_moe.moe_mlp_shapes(moe, m, p))
         else:
-            shapes.update({f"{p}mlp.linear_fc1.weight": (2 * m.ffn_size, h), f"{p}mlp.linear_fc2.weight": (h, m.ffn_size)})
+            shapes.update({f"{p}mlp.linear_fc1.weight": (2 * m.ffn_size, h),
+                           f"{p}mlp.linear_fc2.weight": (h, m.ffn_size)})
         if m.add_bias_linear or m.add_qkv_bias:
             shapes[f"{p}self_attention.linear_qkv.bias"] = (qkv_rows,)
         if m.add_bias_linear:
