@@ -104,7 +104,11 @@ def restore_adam_step(optimizer) -> None:
 #: factor (the optimizer starts fresh, so its parameter groups may differ).
 PRETRAINED_FREE_FIELDS = RESUMABLE_MODEL_FIELDS | frozenset(
     {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor",
-     "lr_mult"}
+     "lr_mult",
+     # moe: how the router is trained, not what the weights compute (an imported
+     # Mixtral may fine-tune with a z-loss, another aux-loss coefficient or a capacity).
+     "aux_loss_coeff", "load_balancing", "z_loss_coeff", "capacity_factor", "token_drop_policy", "pad_to_capacity",
+     "bias_update_rate"}
 )
 
 

@@ -363,3 +363,26 @@ def test_real_size_moe_maps_every_tensor_onto_transformers(published, total):
     ours_total = sum(p.numel() for p in ours.parameters())
     print(f"\n{published['architectures'][0]}: transformers {hf_total:,} parameters, ours {ours_total:,}")
     assert hf_total == ours_total == total
+
+
+@pytest.mark.slow  # two training runs (1 and 2 processes), ~1 min here
+def test_imported_mixtral_trains_from_checkpoint_pretrained_under_ep1_and_ep2_alike(hf_dir, tmp_path):
+    """``checkpoint.pretrained`` = a Mixtral import, with training-only router
+    settings changed (z-loss, aux-loss coefficient: free when starting from
+    weights): EP1 and EP2 route the same tokens to every expert at every step
+    and agree on the loss within 1e-6 (the import reshards onto EP2)."""
+    from tests.launcher import read_training, start_training
+
+    # A vocabulary of 128 rows: the GPT smoke task builds model.vocab_size rows, unpadded.
+    src, ours = tmp_path / "mixtral-128", tmp_path / "mixtral-128-ours"
+    hf_models.causal_lm("mixtral", src, vocab=128)
+    tool_main("hf_import.py", "--llm", src, "--out", ours)
+    args = ["--config", "examples/gpt/tiny_moe.yaml", "--config", str(ours / "model.yaml"), "train.steps=2",
+            "model.seq_length=32", "moe.z_loss_coeff=1e-3", "moe.aux_loss_coeff=1e-2"]
+    runs = {ep: start_training("megascale_omni.smoke", ep, [*args, f"parallel.ep={ep}"], tmp_path / f"ep{ep}", 300)
+            for ep in (1, 2)}
+    records = {ep: read_training(proc, tmp_path / f"ep{ep}", 2, 300) for ep, proc in runs.items()}
+    for one, two in zip(records[1], records[2]):
+        assert one["moe_expert_tokens"] == two["moe_expert_tokens"], one["step"]
+        assert abs(one["loss"] - two["loss"]) <= 1e-6 * abs(one["loss"]), (one["loss"], two["loss"])
+    assert len(records[1][0]["moe_expert_tokens"]) == 3  # the import's 3 MoE layers, not tiny_moe.yaml's 4

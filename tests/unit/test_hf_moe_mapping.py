@@ -84,3 +84,14 @@ def test_a_dense_model_with_qk_norms_has_no_export():
     cfg = _cfg({}, qk_layernorm=True)
     with pytest.raises(ConfigError, match="model.qk_layernorm"):
         lm.hf_text_config(cfg.model)
+
+
+def test_starting_from_moe_weights_may_change_how_the_router_trains_not_what_it_computes():
+    from megascale_omni.checkpoint.state import PRETRAINED_FREE_FIELDS, incompatibilities
+    from megascale_omni.config import to_dict
+
+    saved = to_dict(_cfg({"aux_loss_coeff": 0.02}))
+    tuned = _cfg({"aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3, "capacity_factor": 1.25})
+    assert incompatibilities(saved, tuned, PRETRAINED_FREE_FIELDS) == []
+    other = _cfg({"aux_loss_coeff": 0.02, "pre_softmax": True})
+    assert incompatibilities(saved, other, PRETRAINED_FREE_FIELDS) == ["moe.pre_softmax: checkpoint False, config True"]
