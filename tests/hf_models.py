@@ -40,9 +40,10 @@ def text_config(kind: str, vocab: int = VOCAB, **overrides):
         return T.Qwen2MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48,
                                    "shared_expert_intermediate_size": 80, "norm_topk_prob": False,
                                    "mlp_only_layers": [1], **overrides})
-    if kind == "qwen3_moe":  # q/k norms, renormalised top-k, layers 0 and 2 dense (decoder_sparse_step 2)
+    if kind == "qwen3_moe":  # q/k norms, renormalised top-k, layers 0 and 2 dense (decoder_sparse_step 2),
+        # heads twice as wide as hidden / heads (Qwen3-30B-A3B: 128 at hidden 2048, 32 heads)
         return T.Qwen3MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48, "norm_topk_prob": True,
-                                   "decoder_sparse_step": 2, **overrides})
+                                   "decoder_sparse_step": 2, "head_dim": 32, **overrides})
     raise ValueError(kind)
 
 

@@ -64,10 +64,7 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
         raise ConfigError(f"{field}: hidden_act", tc.get("hidden_act"), "only SwiGLU (silu) decoders are mapped")
     hidden, heads = int(tc["hidden_size"]), int(tc["num_attention_heads"])
     groups = int(tc.get("num_key_value_heads") or heads)
-    head_dim = tc.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ConfigError(f"{field}: head_dim", head_dim,
-                           f"must equal hidden_size / num_attention_heads = {hidden / heads:g} for our attention")
+    head_dim = int(tc.get("head_dim") or hidden // heads)
     if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and tc.get("use_sliding_window"):
         raise ConfigError(f"{field}: use_sliding_window", True, "sliding-window attention is not implemented")
     if model_type in ("qwen2", "qwen2_moe"):
@@ -94,6 +91,7 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=None if groups == heads else groups,
+        kv_channels=None if head_dim * heads == hidden else head_dim,
         ffn_hidden_size=int(tc["intermediate_size"]),
         vocab_size=int(tc["vocab_size"]),
         seq_length=seq_length,
@@ -151,7 +149,7 @@ def hf_text_config(m: ModelConfig, base: Optional[dict] = None, moe: Optional[Mo
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.query_groups,
-        head_dim=m.hidden_size // m.num_attention_heads,
+        head_dim=m.head_dim,
         hidden_act="silu",
         rms_norm_eps=m.norm_epsilon,
         rope_parameters=rope,
@@ -243,7 +241,7 @@ def weights_from_hf(
 def expected_shapes(m: ModelConfig, padded_vocab: int, out: str, moe: Optional[MoeConfig] = None
                     ) -> dict[str, tuple[int, ...]]:
     """Shapes :func:`weights_from_hf` must produce (our side, TP1)."""
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
+    h, d = m.hidden_size, m.head_dim
     routed = _moe_layers(m, moe)
     qkv_rows = (m.num_attention_heads + 2 * m.query_groups) * d
     shapes = {f"{out}embedding.word_embeddings.weight": (padded_vocab, h), f"{out}decoder.final_layernorm.weight": (h,)}
@@ -251,7 +249,8 @@ def expected_shapes(m: ModelConfig, padded_vocab: int, out: str, moe: Optional[M
         p = f"{out}decoder.layers.{i}."
         shapes.update({
             f"{p}input_layernorm.weight": (h,), f"{p}pre_mlp_layernorm.weight": (h,),
-            f"{p}self_attention.linear_qkv.weight": (qkv_rows, h), f"{p}self_attention.linear_proj.weight": (h, h),
+            f"{p}self_attention.linear_qkv.weight": (qkv_rows, h),
+            f"{p}self_attention.linear_proj.weight": (h, m.num_attention_heads * d),
         })
         if m.qk_layernorm:
             shapes.update({f"{p}self_attention.q_layernorm.weight": (d,),

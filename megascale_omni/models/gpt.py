@@ -143,6 +143,7 @@ def transformer_config(
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
         ffn_hidden_size=model.ffn_size,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
