@@ -31,17 +31,50 @@ def text_config(kind: str, vocab: int = VOCAB, **overrides):
         return T.Qwen2Config(**{**common, "tie_word_embeddings": True, "rope_theta": 20000.0, **overrides})
     if kind == "mistral":
         return T.MistralConfig(**{**common, "sliding_window": None, **overrides})
+    # MoE decoders: 4 experts, top 2, 3 layers (hidden 64 as above).
+    moe = dict(common, num_hidden_layers=3, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    if kind == "mixtral":
+        return T.MixtralConfig(**{**moe, "num_local_experts": 4, "intermediate_size": 48, "sliding_window": None,
+                                  **overrides})
+    if kind == "qwen2_moe":  # a gated shared expert, raw top-k probabilities, layer 1 dense
+        return T.Qwen2MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48,
+                                   "shared_expert_intermediate_size": 80, "norm_topk_prob": False,
+                                   "mlp_only_layers": [1], **overrides})
+    if kind == "qwen3_moe":  # q/k norms, renormalised top-k, layers 0 and 2 dense (decoder_sparse_step 2),
+        # heads twice as wide as hidden / heads (Qwen3-30B-A3B: 128 at hidden 2048, 32 heads)
+        return T.Qwen3MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                   "decoder_sparse_step": 2, "head_dim": 32, **overrides})
     raise ValueError(kind)
+
+
+#: HF model types of the MoE decoders above.
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def causal_lm(kind: str, path: Path, seed: int = 0, **overrides):
     import transformers as T
 
     torch.manual_seed(seed)
-    cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM}[kind]
+    cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM,
+           "mixtral": T.MixtralForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
+           "qwen3_moe": T.Qwen3MoeForCausalLM}[kind]
     model = cls(text_config(kind, **overrides))
     _perturb_norms(model, seed)
+    if kind in MOE_KINDS:
+        _spread_routers(model, seed)
     return _save(model, path)
+
+
+@torch.no_grad()
+def _spread_routers(model, seed: int) -> None:
+    """Router weights large enough that routing decisions are far from ties:
+    HF initialises them like any linear (std 0.02), where two experts' scores
+    can differ by less than float rounding and the top-k would be decided by
+    summation order."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    for name, p in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
 def vision_config(kind: str, image_size: int = 32, patch_size: int = 8, layers: int = 3, **overrides):

@@ -6,7 +6,8 @@
 
 --checkpoint is a checkpoint root (its newest intact checkpoint) or one step_NNNNNNNN
 directory, saved under any TP/PP/VPP/DP layout (resharded to one process here).
-gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from),
+gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from; MoE
+models MixtralForCausalLM/Qwen2MoeForCausalLM/Qwen3MoeForCausalLM, docs/moe.md),
 llava models LlavaForConditionalGeneration, or LlavaOnevisionForConditionalGeneration with
 vision.image_newline (the vision tower holds the layers up to the feature layer, read with
 vision_feature_layer: -1). The tokenizer, chat template and

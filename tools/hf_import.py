@@ -9,7 +9,9 @@
     python tools/hf_import.py --llm /models/vicuna-7b --vision /models/clip-vit-large-patch14-336 \\
         --feature-layer -2 --out ckpt/llava-stage0
 
-Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM; CLIPVisionModel/CLIPModel,
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, and the MoE decoders
+MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a moe: section in model.yaml,
+docs/moe.md; also as LLaVA's text model); CLIPVisionModel/CLIPModel,
 SiglipVisionModel/SiglipModel; LlavaForConditionalGeneration, LlavaOnevisionForConditionalGeneration
 (SigLIP + Qwen2: its image_newline and video token too; docs/hf.md). OUT gets step_00000000/ (loads
 under any TP/PP/VPP), model.yaml (the model/vision sections and checkpoint.pretrained: OUT)
@@ -42,7 +44,7 @@ from megascale_omni.entry import run_cli
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llm", type=Path, help="HF decoder directory (Llama/Qwen2/Mistral)")
+    p.add_argument("--llm", type=Path, help="HF decoder directory (Llama/Qwen2/Mistral/Mixtral/Qwen2-MoE/Qwen3-MoE)")
     p.add_argument("--vision", type=Path, help="HF CLIP/SigLIP directory (with --llm: LLaVA, fresh projector)")
     p.add_argument("--llava", type=Path,
                    help="HF LlavaForConditionalGeneration or LlavaOnevisionForConditionalGeneration directory")

@@ -105,7 +105,11 @@ def restore_adam_step(optimizer) -> None:
 #: the video pooling stride (no weight depends on it).
 PRETRAINED_FREE_FIELDS = RESUMABLE_MODEL_FIELDS | frozenset(
     {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor",
-     "lr_mult", "video_pool_stride"}
+     "lr_mult", "video_pool_stride",
+     # moe: how the router is trained, not what the weights compute (an imported
+     # Mixtral may fine-tune with a z-loss, another aux-loss coefficient or a capacity).
+     "aux_loss_coeff", "load_balancing", "z_loss_coeff", "capacity_factor", "token_drop_policy", "pad_to_capacity",
+     "bias_update_rate"}
 )
 
 

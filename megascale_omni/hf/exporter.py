@@ -3,7 +3,8 @@
 ``transformers`` loads with ``from_pretrained``.
 
 ``gpt`` models become ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or the
-architecture they were imported from), ``llava`` models
+architecture they were imported from; MoE models ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``), ``llava`` models
 ``LlavaForConditionalGeneration``, or with ``vision.image_newline``
 ``LlavaOnevisionForConditionalGeneration``. The tokenizer, chat template and
 processor files are the ones the checkpoint carries
@@ -87,7 +88,7 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
                           "Hugging Face")
     m = ckpt.cfg.model
     prov = ckpt.provenance
-    text = lm.hf_text_config(m, prov.get("text_config"))
+    text = lm.hf_text_config(m, prov.get("text_config"), ckpt.cfg.moe)
     with one_process():
         state = checkpoint_state(ckpt, field)
     padded = state["language_model.embedding.word_embeddings.weight" if family == "llava"
@@ -95,7 +96,8 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
     vocab = hf_vocab_size(ckpt, padded)
     text["vocab_size"] = vocab
     if family == "gpt":
-        tensors = lm.weights_to_hf(state, m, vocab, body="model.", head="lm_head.weight", src="")
+        tensors = lm.weights_to_hf(state, m, vocab, body="model.", head="lm_head.weight", src="",
+                                   moe=ckpt.cfg.moe, model_type=text["model_type"])
         config = text
     else:
         tensors, config = _llava(ckpt, state, text, vocab, image_token, video_token)
@@ -127,7 +129,7 @@ def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_tok
         raise ConfigError("--image-token-id", None, "this checkpoint was not imported from HF; pass the id of "
                           "the <image> token of its tokenizer")
     tensors = lm.weights_to_hf(state, m, vocab, body="language_model.model.", head="language_model.lm_head.weight",
-                               src="language_model.")
+                               src="language_model.", moe=ckpt.cfg.moe, model_type=text["model_type"])
     tensors.update(vision.tower_to_hf(state, v, "vision_tower.", src="vision_model."))
     tensors.update(vision.projector_to_hf(state, "multi_modal_projector.", src=PROJECTOR_PREFIX))
     base = {k: val for k, val in (ckpt.provenance.get("llava_config") or {}).items()

@@ -30,6 +30,7 @@ import yaml
 from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.hf import lm, vision
+from megascale_omni.hf import moe as hf_moe
 from megascale_omni.hf.directory import HFDirectory, expect_shape, with_defaults
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
     body = d.find_prefix("embed_tokens.weight", exclude=("vision", "text_model"))
     if body is None:
         raise ConfigError(d.field, str(d.path), "has no decoder weights (no *embed_tokens.weight); is it a "
-                          "Llama/Qwen2/Mistral model?")
+                          "Llama/Qwen2/Mistral/MoE decoder?")
     head = None
     if not tied:
         head_prefix = d.find_prefix("lm_head.weight")
@@ -116,27 +117,31 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
 
 
 def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
-    """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
+    """A Llama/Qwen2/Mistral or Mixtral/Qwen2-MoE/Qwen3-MoE causal LM -> the
+    ``gpt`` family (with a ``moe`` section for the MoE ones)."""
     tc = with_defaults(d.config, d.field)
     if tc.get("model_type") not in lm.LM_ARCHITECTURES or (
             d.architecture and d.architecture != lm.LM_ARCHITECTURES[tc["model_type"]]):
-        raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
-                          f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
-    model = {"family": "gpt", **lm.model_section(tc, seq_length, f"{d.path}/config.json")}
-    m = from_dict(JobConfig, {"model": model}).model
+        why = hf_moe.REFUSED.get(tc.get("model_type"))
+        raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model"
+                          + (f" ({why})" if why else "") + f"; --llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
+    sections = lm.text_sections(tc, seq_length, f"{d.path}/config.json", "gpt")
+    cfg = from_dict(JobConfig, sections)
+    m = cfg.model
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="")
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="",
+                               moe=cfg.moe, model_type=tc["model_type"])
     check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights))
     provenance = {"source": str(d.path), "architecture": d.architecture, "text_config": tc,
                   "vocab_size": m.vocab_size}
-    return HFImport({"model": model}, state, provenance, [d.path])
+    return HFImport(sections, state, provenance, [d.path])
 
 
 def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int, where: str) -> dict:
-    model = {"family": "llava", **lm.model_section(text, seq_length, where)}
+    sections = lm.text_sections(text, seq_length, where, "llava")
     vis = vision.vision_section(tower, feature_layer, where)
-    vis.update(projector_type="mlp", projector_hidden_size=model["hidden_size"])
-    return {"model": model, "vision": vis}
+    vis.update(projector_type="mlp", projector_hidden_size=sections["model"]["hidden_size"])
+    return {**sections, "vision": vis}
 
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
@@ -181,7 +186,8 @@ def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
     cfg = from_dict(JobConfig, sections)
     m, v = cfg.model, cfg.vision
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.",
+                               moe=cfg.moe, model_type=text["model_type"])
     tower_prefix = d.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
     projector_prefix = d.find_prefix("linear_1.weight")
     if tower_prefix is None or projector_prefix is None:
@@ -216,7 +222,8 @@ def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Opti
     cfg = from_dict(JobConfig, sections)
     m, v = cfg.model, cfg.vision
     body, head = _lm_prefixes(llm, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(llm.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    state = lm.weights_from_hf(llm.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.",
+                               moe=cfg.moe, model_type=text.get("model_type", ""))
     tower_prefix = tower.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
     if tower_prefix is None:
         raise ConfigError(tower.field, str(tower.path), "has no vision tower weights (*embeddings.patch_embedding)")

@@ -77,7 +77,7 @@ def build_model(cfg: JobConfig, padded_vocab: int, image_token_id: int = -1, vid
     if family == "gpt":
         from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 
-        config = transformer_config(cfg.model, cfg.parallel, torch.float32)
+        config = transformer_config(cfg.model, cfg.parallel, torch.float32, cfg.moe)
         return build_gpt_chunks(cfg.model, config, vocab_size=padded_vocab,
                                 max_sequence_length=cfg.model.seq_length)[0]
     raise ConfigError("model.family", family, "this tool handles the gpt and llava families")
