@@ -193,7 +193,9 @@ class TrainState:
         fields (:func:`replica_config`), the content digests of the training
         data (the task's ``data_identity()``), the DDP gradient buckets and
         those of a distributed optimizer (:func:`check_peer_state`)."""
-        layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
+        # Rank r heals from rank r of a peer: with experts, the same experts only under the same ep and etp.
+        layout = {**self.layout(), "etp": self.dims.etp,
+                  "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
         return {"layout": layout, "config": replica_config(self.cfg), "data": self.task.data_identity(),
                 "optimizer_layout": optimizer_layout(self.optimizer),
                 "grad_buckets": grad_buckets(self.chunks, self.cfg.parallel.ddp_bucket_size)}

@@ -83,6 +83,7 @@ def test_moe_layout_matches_single_process(tmp_path_factory, baselines, name):
     ref = baselines(routing)
     got = _train(tmp_path_factory, name, nproc, ROUTING[routing] + overrides)
     assert_same_routing(ref, got, name)
+    assert [r["moe_tokens_dropped"] for r in got] == [r["moe_tokens_dropped"] for r in ref], name
     assert_same_training(ref, got, name, RTOL, GRAD_RTOL, counters=("loss_tokens",), lr_rtol=1e-9)
     for key in ("moe_aux_loss", "moe_z_loss"):
         if key in ref[0]:
@@ -98,6 +99,8 @@ def test_capacity_routing_drops_tokens_and_dropless_does_not(baselines):
             slots = sum(sum(layer) for layer in r["moe_expert_tokens"])
             full = r["tokens"] * 2 * len(r["moe_expert_tokens"])
             assert (slots < full) if drops else (slots == full), (r["step"], slots, full)
+            # The record's dropped choices are exactly the missing slots.
+            assert sum(r["moe_tokens_dropped"]) == full - slots, (r["step"], r["moe_tokens_dropped"], full - slots)
     # Sigmoid routing with the expert bias and no aux loss records no aux loss.
     assert "moe_aux_loss" not in capacity[0] and dropless[0]["moe_aux_loss"] > 0
 

@@ -142,3 +142,27 @@ def test_constant_labels_on_every_series():
     names = {s.name for s in samples}
     assert {"megascale_loss", "megascale_step_s", "megascale_steps_total"} <= names
     assert all(s.labels == {"replica_group": "r7"} for s in samples)
+
+
+def test_moe_per_layer_lists_are_series_labelled_by_layer_and_expert():
+    """The step record's per-MoE-layer lists become one series per layer (and expert); the
+    scalar router losses are plain gauges."""
+    record = {**FIRST, "moe_expert_tokens": [[10, 30], [20, 20]], "moe_load_max": [1.5, 1.0],
+              "moe_tokens_dropped": [4, 0], "moe_aux_loss": 1.25}
+    exporter = PrometheusExporter("127.0.0.1", 0, labels={"replica_group": "r7"})
+    try:
+        exporter.observe(record)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        exporter.close()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
+    r7 = ("replica_group", "r7")
+    assert got[("megascale_moe_load_max", (("layer", "0"), r7))] == 1.5
+    assert got[("megascale_moe_load_max", (("layer", "1"), r7))] == 1.0
+    assert got[("megascale_moe_tokens_dropped", (("layer", "0"), r7))] == 4.0
+    assert got[("megascale_moe_expert_tokens", (("expert", "1"), ("layer", "0"), r7))] == 30.0
+    assert got[("megascale_moe_expert_tokens", (("expert", "0"), ("layer", "1"), r7))] == 20.0
+    assert len([k for k in got if k[0] == "megascale_moe_expert_tokens"]) == 4
+    assert got[("megascale_moe_aux_loss", (r7,))] == 1.25
