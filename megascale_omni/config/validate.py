@@ -179,13 +179,6 @@ def _validate_experts(cfg: JobConfig, world_size: int) -> None:
     if par.tp > 1 and not par.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", False,
                           "megatron's MoE layer trains under tp > 1 only with sequence parallelism; set it true")
-    for name, value, off, why in (
-        ("parallel.cp", par.cp, 1, "context parallelism with experts is not proven equal to one process yet"),
-        ("parallel.vpp", par.vpp, None, "interleaved pipelines with experts are not proven equal to one process yet"),
-    ):
-        if value != off:
-            raise ConfigError(name, value, f"{why} (moe.num_experts > 0); set {name}: "
-                                           f"{'null' if off is None else str(off).lower()}")
     if cfg.elastic.enabled:
         _validate_elastic_experts(cfg)
 

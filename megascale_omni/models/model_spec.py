@@ -69,7 +69,7 @@ class ModelSpec(ABC):
         group the expert weights as every EP size does
         (:func:`~megascale_omni.models.moe.group_expert_params`). Returns ``chunks``."""
         self.router_stats = RouterStats(chunks, self.cfg.model.num_layers, self.cfg.moe.num_experts,
-                                        tp=self.dims.tp, enabled=self.cfg.moe.enabled, topk=self.cfg.moe.topk)
+                                        shares=self.dims.tp * self.dims.cp, enabled=self.cfg.moe.enabled, topk=self.cfg.moe.topk)
         if self.cfg.moe.enabled:
             group_expert_params(chunks)
         return chunks

@@ -118,15 +118,17 @@ class RouterStats:
 
     Every token of a micro-batch is routed on exactly one rank per layer
     (DP and EP ranks hold other tokens, TP ranks their sequence-parallel
-    share, each layer lives on one pipeline stage), so one all-reduce over
-    the world sums the job's counts. ``enabled=False`` (a dense model):
+    share, CP ranks their part of the sequence, each layer lives on one
+    pipeline stage), so one all-reduce over the world sums the job's counts.
+    ``shares``: the parts each micro-batch is routed in, ``tp x cp`` (TP
+    with sequence parallelism, which MoE requires). ``enabled=False`` (a dense model):
     nothing is hooked and :meth:`read` returns ``{}`` without a collective.
     """
 
-    def __init__(self, chunks=(), num_layers: int = 0, num_experts: int = 0, tp: int = 1, enabled: bool = True,
+    def __init__(self, chunks=(), num_layers: int = 0, num_experts: int = 0, shares: int = 1, enabled: bool = True,
                  topk: int = 1):
         self.enabled = enabled and num_experts > 0
-        self.tp = tp
+        self.shares = shares
         self.topk = topk
         self._counts = None
         self._calls = None
@@ -197,10 +199,10 @@ class RouterStats:
         moe_layers = [i for i in range(layers) if calls[i] > 0]
         if not moe_layers:
             return {}
-        # Each micro-batch is routed by its tp sequence-parallel shares: calls = micro-batches * tp.
-        # The aux loss of a micro-batch is the sum of its tp partial values; the z-loss each
+        # Each micro-batch is routed in its tp x cp sequence shares: calls = micro-batches * shares.
+        # The aux loss of a micro-batch is the sum of its shares' partial values; the z-loss each
         # share's mean over its own tokens.
-        microbatches = calls[moe_layers] / self.tp
+        microbatches = calls[moe_layers] / self.shares
         record = {
             "moe_expert_tokens": [[int(v) for v in counts[i].tolist()] for i in moe_layers],
             "moe_load_max": [round(float(counts[i].max() / counts[i].mean()), 6) if counts[i].sum() else 0.0

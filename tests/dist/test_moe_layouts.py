@@ -45,8 +45,16 @@ LAYOUTS = {
     # Expert data parallelism: every expert lives on two ranks whose gradients megatron's DDP reduces over the
     # expert-DP group; the distributed optimizer shards dense and expert parameters over their own DP groups.
     "ep2-dp2-distopt": ("dropless", 4, ["parallel.ep=2", "parallel.use_distributed_optimizer=true"]),
+    # Context parallelism: each CP rank routes its half of every sequence (the router losses'
+    # coefficients are scaled by cp as for TP, models/moe.py).
+    "cp2": ("dropless", 2, ["parallel.cp=2"]),
+    # Interleaved pipeline: one MoE layer per model chunk, chunks 0 and 2 on stage 0.
+    "pp2-vpp2": ("dropless", 2, ["parallel.pp=2", "parallel.vpp=2"]),
+    # The same with experts split over two EP ranks (4 processes).
+    "ep2-cp2": ("dropless", 4, ["parallel.ep=2", "parallel.cp=2"]),
+    "ep2-pp2-vpp2": ("dropless", 4, ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"]),
 }
-SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt")
+SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt", "cp2", "pp2-vpp2", "ep2-cp2", "ep2-pp2-vpp2")
 ROUTING = {"dropless": [], "capacity": CAPACITY}
 
 

@@ -42,8 +42,6 @@ REFUSED = [
     (["moe.ffn_hidden_size=127", "parallel.expert_tp=2", "parallel.ep=1"], 2, "moe.ffn_hidden_size",
      "divisible by parallel.expert_tp=2"),
     (["model.add_bias_linear=true"], 1, "model.add_bias_linear", "set it false"),
-    (["parallel.cp=2"], 2, "parallel.cp", "not proven"),
-    (["parallel.pp=2", "parallel.vpp=2"], 2, "parallel.vpp", "not proven"),
     ([*ELASTIC, "moe.score_function=sigmoid", "moe.expert_bias=true", "moe.load_balancing=none",
       "moe.aux_loss_coeff=0"], 1, "moe.expert_bias", "not commit-gated"),
     ([*ELASTIC, "parallel.ep=2", "train.global_batch_size=6"], 2, "train.global_batch_size",
@@ -72,7 +70,8 @@ def test_dit_stays_dense():
 def test_valid_layouts_pass():
     for overrides, world in ((["parallel.ep=2"], 2), (["parallel.ep=2", "parallel.pp=2"], 4),
                              (["parallel.ep=4"], 4), (["moe.layer_freq=[1,0,1,1]"], 1),
-                             ([*ELASTIC, "parallel.ep=2", "train.global_batch_size=12"], 2)):
+                             ([*ELASTIC, "parallel.ep=2", "train.global_batch_size=12"], 2),
+                             (["parallel.cp=2"], 2), (["parallel.pp=2", "parallel.vpp=2"], 2)):
         get_family("gpt").validate(_cfg(overrides), world)
 
 
