@@ -14,6 +14,7 @@ from megascale_omni.config.schema import (
     ModelConfig,
     MoeConfig,
     ParallelConfig,
+    PreflightConfig,
     TrainConfig,
     VisionConfig,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ModelConfig",
     "MoeConfig",
     "ParallelConfig",
+    "PreflightConfig",
     "TrainConfig",
     "VisionConfig",
     "apply_overrides",

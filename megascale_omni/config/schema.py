@@ -18,6 +18,7 @@ from megascale_omni.config.constraints import check_fields, checked
 from megascale_omni.config.errors import ConfigError, require_positive
 from megascale_omni.config.model_sections import DitConfig, ModelConfig, VisionConfig
 from megascale_omni.config.moe_section import MoeConfig
+from megascale_omni.config.preflight_section import PreflightConfig
 from megascale_omni.config.runtime_sections import (
     OUTPUT_DIR_PLACEHOLDER,
     CheckpointConfig,
@@ -28,7 +29,8 @@ from megascale_omni.config.runtime_sections import (
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
-    "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
+    "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "PreflightConfig",
+    "TrainConfig",
     "VisionConfig",
 ]
 
@@ -319,6 +321,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     platform: PlatformConfig = field(default_factory=PlatformConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:
         # Checkpoints follow the run directory when a config says so, so
