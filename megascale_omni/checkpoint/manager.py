@@ -48,7 +48,7 @@ from megascale_omni.checkpoint.errors import CheckpointError
 from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.checkpoint.save_strategy import SaveStrategy
 from megascale_omni.checkpoint.staging import HostStaging
-from megascale_omni.checkpoint.state import describe_layout, incompatibilities, shape_mismatches
+from megascale_omni.checkpoint.state import DIST_OPT_FORMAT, describe_layout, incompatibilities, shape_mismatches
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.write_workers import WriteWorkers
@@ -185,14 +185,16 @@ class Checkpointer:
         # Layouts saved before expert parallelism existed had none (ep 1).
         saved_ep = saved_layout.get("ep", 1)
         same_mp = all(saved_layout.get(k, saved_ep if k == "ep" else None) == now[k] for k in ("tp", "pp", "ep"))
-        if saved_ep != now["ep"] and state.cfg.parallel.use_distributed_optimizer:
-            # Its expert state is flattened per EP rank's buffer (megatron's dp_reshardable format).
+        # Written before the format was recorded: megatron's bucket-space dp_reshardable.
+        opt_format = common.get("dist_opt_format", DIST_OPT_FORMAT)
+        if saved_ep != now["ep"] and state.cfg.parallel.use_distributed_optimizer and opt_format == DIST_OPT_FORMAT:
+            # Its expert state is flattened per EP rank's buffer.
             raise ConfigError(
                 "parallel.ep", now["ep"],
                 f"{path} holds distributed-optimizer state of expert buffers laid out for ep={saved_ep}; resume "
                 f"with parallel.ep={saved_ep} (the regular optimizer's checkpoints load under any ep)",
             )
-        template = state.sharded_state_dict(is_loading=True, include_rng=same_mp)
+        template = state.sharded_state_dict(is_loading=True, include_rng=same_mp, opt_format=opt_format)
         # Model and task tensors (e.g. EMA weights) must exist with the same
         # global shapes; optimizer keys follow the model's.
         checked = {k: v for k, v in template.items() if k.startswith("model") or k == "task"}

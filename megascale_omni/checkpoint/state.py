@@ -6,8 +6,9 @@ contract. Every function here is called on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -18,9 +19,21 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from megascale_omni.config import JobConfig, ModelConfig, MoeConfig, VisionConfig, to_dict
 
-#: Distributed-optimizer format: gathers each DP group's shards into whole
-#: tensors on save, so a checkpoint loads under any DP size.
-DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+#: Distributed-optimizer format of a dense model: each DP group's shards in
+#: bucket space, so a checkpoint loads under any DP size (not another model
+#: parallel layout).
+DIST_OPT_FORMAT = "dp_reshardable"
+#: ... of a model with experts: the state unflattened into the parameters'
+#: own shapes (megatron's model-space ``fully_reshardable``), so the expert
+#: state, keyed by global expert index, loads under any EP size. Its gather
+#: at save time is over every DP rank; dense models keep the cheaper format.
+DIST_OPT_FORMAT_EXPERTS = "fully_reshardable"
+
+
+def dist_opt_format(cfg: JobConfig) -> str:
+    """The distributed-optimizer format this run saves (recorded in the
+    checkpoint's common state as ``"dist_opt_format"``)."""
+    return DIST_OPT_FORMAT_EXPERTS if cfg.moe.enabled else DIST_OPT_FORMAT
 
 #: Config fields that may change across a resume without making the
 #: checkpoint incompatible (everything else in ``model``/``vision`` is shape).
@@ -95,6 +108,46 @@ def restore_adam_step(optimizer) -> None:
             for p in group["params"]:
                 if "step" in inner.state[p]:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+@contextlib.contextmanager
+def keep_adam_step(optimizer) -> Iterator[None]:
+    """Within this block, megatron's distributed optimizers load the
+    ``fully_reshardable`` format with torch's Adam (every rank, around
+    ``optimizer.load_state_dict``).
+
+    megatron 0.16.1's ``load_parameter_state_from_fully_reshardable`` skips
+    the per-parameter ``step`` of torch's Adam (the format keeps it in the
+    parameter groups), then ``_set_main_param_and_optimizer_states`` copies
+    every key of the parameter's state from what it loaded and raises
+    ``KeyError: 'step'`` (TE's and apex's Adam keep no such key). Here each
+    distributed optimizer of the chain gets, on the instance and for this
+    block only, a version that keeps the parameter's own step;
+    :func:`restore_adam_step` then sets the checkpoint's step from the
+    parameter groups."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            if "step" not in tensors:
+                group, order = opt.model_param_group_index_map[model_param]
+                state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"].clone()}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 #: Fields a run may also change when it only starts from a checkpoint's

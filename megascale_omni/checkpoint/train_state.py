@@ -32,7 +32,9 @@ import torch
 
 from megascale_omni.checkpoint.hf_assets import HFAssets
 from megascale_omni.checkpoint.state import (
-    DIST_OPT_METADATA,
+    DIST_OPT_FORMAT,
+    dist_opt_format,
+    keep_adam_step,
     prime_adam_state,
     restore_adam_step,
     restore_rng,
@@ -118,7 +120,7 @@ class TrainState:
         return self.dims.layout()
 
     # ------------------------------------------------------------ capture
-    def _capture(self, sharded: bool, is_loading: bool = False) -> dict[str, Any]:
+    def _capture(self, sharded: bool, is_loading: bool = False, opt_format: str = DIST_OPT_FORMAT) -> dict[str, Any]:
         modules = self.modules
         weights = [m.sharded_state_dict() if sharded else m.state_dict() for m in modules]
         state: dict[str, Any] = (
@@ -127,7 +129,7 @@ class TrainState:
         if sharded:
             # megatron maps optimizer state onto the model's sharded keys.
             state["optimizer"] = self.optimizer.sharded_state_dict(
-                dict(state), is_loading=is_loading, metadata=DIST_OPT_METADATA
+                dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": opt_format}
             )
         else:
             state["optimizer"] = peer_optimizer_state(self.optimizer)
@@ -145,7 +147,8 @@ class TrainState:
             for i, m in enumerate(modules):
                 m.load_state_dict(state[f"model{i}"])
         if sharded:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with keep_adam_step(self.optimizer):
+                self.optimizer.load_state_dict(state["optimizer"])
         else:
             load_peer_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -154,13 +157,18 @@ class TrainState:
         self.step = int(state["trainer"]["step"])
 
     # --------------------------------------------------- checkpoint (disk)
-    def sharded_state_dict(self, is_loading: bool = False, include_rng: bool = True) -> dict[str, Any]:
+    def sharded_state_dict(self, is_loading: bool = False, include_rng: bool = True,
+                           opt_format: Optional[str] = None) -> dict[str, Any]:
         """megatron ``dist_checkpointing`` state of this rank (the loading
         template when ``is_loading``). ``include_rng=False`` when the TP/PP
-        layout changed: RNG streams do not map across it."""
+        layout changed: RNG streams do not map across it. ``opt_format``:
+        the distributed optimizer's format (a loading template takes the
+        checkpoint's; None: this run's, :func:`dist_opt_format`)."""
         if is_loading:
             prime_adam_state(self.optimizer)
-        state = self._capture(sharded=True, is_loading=is_loading)
+        opt_format = opt_format or dist_opt_format(self.cfg)
+        state = self._capture(sharded=True, is_loading=is_loading, opt_format=opt_format)
+        state["dist_opt_format"] = opt_format
         if include_rng:
             state["rng"] = rng_object()
         state["config"] = to_dict(self.cfg)
@@ -193,7 +201,9 @@ class TrainState:
         fields (:func:`replica_config`), the content digests of the training
         data (the task's ``data_identity()``), the DDP gradient buckets and
         those of a distributed optimizer (:func:`check_peer_state`)."""
-        layout = {**self.layout(), "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
+        # Rank r heals from rank r of a peer: with experts, the same experts only under the same ep and etp.
+        layout = {**self.layout(), "etp": self.dims.etp,
+                  "distributed_optimizer": bool(self.cfg.parallel.use_distributed_optimizer)}
         return {"layout": layout, "config": replica_config(self.cfg), "data": self.task.data_identity(),
                 "optimizer_layout": optimizer_layout(self.optimizer),
                 "grad_buckets": grad_buckets(self.chunks, self.cfg.parallel.ddp_bucket_size)}

@@ -183,15 +183,31 @@ def _validate_experts(cfg: JobConfig, world_size: int) -> None:
     if par.tp > 1 and not par.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", False,
                           "megatron's MoE layer trains under tp > 1 only with sequence parallelism; set it true")
-    for name, value, off, why in (
-        ("parallel.cp", par.cp, 1, "context parallelism with experts is not proven equal to one process yet"),
-        ("parallel.vpp", par.vpp, None, "interleaved pipelines with experts are not proven equal to one process yet"),
-        ("elastic.enabled", cfg.elastic.enabled, False,
-         "the elastic replica reduction does not know megatron's expert-data-parallel gradients yet"),
-    ):
-        if value != off:
-            raise ConfigError(name, value, f"{why} (moe.num_experts > 0); set {name}: "
-                                           f"{'null' if off is None else str(off).lower()}")
+    if cfg.elastic.enabled:
+        _validate_elastic_experts(cfg)
+
+
+def _validate_elastic_experts(cfg: JobConfig) -> None:
+    """Replica groups whose model has experts (docs/moe.md#elastic-jobs)."""
+    moe, par, train = cfg.moe, cfg.parallel, cfg.train
+    if moe.expert_bias:
+        # megatron moves the bias inside finalize_model_grads from the tokens of
+        # its own TPxDP group, before the commit vote: another replica's tokens
+        # would be missing, and a retried step would move it twice.
+        raise ConfigError("moe.expert_bias", True,
+                          "the aux-loss-free bias update counts one replica group's tokens and is not "
+                          "commit-gated; use moe.load_balancing: aux_loss with elastic.enabled")
+    microbatches = train.global_batch_size // train.micro_batch_size
+    if microbatches % par.ep:
+        # Participants receive whole micro-batches, the first ones one more
+        # (data/balance.microbatch_shares): EP ranks of a group run the same
+        # micro-batches whatever the participant count iff ep divides their number.
+        raise ConfigError(
+            "train.global_batch_size", train.global_batch_size,
+            f"gives {microbatches} micro-batches of {train.micro_batch_size}, not divisible by parallel.ep="
+            f"{par.ep}: every rank of an expert-parallel group must run the same micro-batches (its all-to-all) "
+            f"for any participant count; use a multiple of {par.ep * train.micro_batch_size}",
+        )
 
 
 def sequence_multiple(cfg: JobConfig) -> int:

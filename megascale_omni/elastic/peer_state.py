@@ -88,7 +88,7 @@ def load_peer_optimizer_state(optimizer: Any, states: list[dict]) -> None:
 def replica_config(cfg: JobConfig) -> dict[str, Any]:
     """The config fields every replica group of an elastic job must share,
     as ``{"section.field": value}``: the model (``model.*``, ``vision.*``,
-    ``dit.*``), every setting that decides each step's samples
+    ``dit.*``, ``moe.*``: the expert count, routing and balancing), every setting that decides each step's samples
     (:func:`~megascale_omni.data.plan_record.plan_settings`: ``data.*`` but
     how fast it is read and the bad-sample limit, which groups may set
     differently, ``train.seed``, ``train.global_batch_size``), and
@@ -98,7 +98,7 @@ def replica_config(cfg: JobConfig) -> dict[str, Any]:
     (:mod:`megascale_omni.data.identity`); ``data.blend`` keeps its members'
     weights."""
     plain = to_dict(cfg)
-    fields = {f"{section}.{k}": v for section in ("model", "vision", "dit") for k, v in plain[section].items()}
+    fields = {f"{section}.{k}": v for section in ("model", "vision", "dit", "moe") for k, v in plain[section].items()}
     fields.update(plan_settings(cfg))
     fields.update((f"train.{k}", plain["train"][k]) for k in ("micro_batch_size", "precision"))
     return fields

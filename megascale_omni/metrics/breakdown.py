@@ -7,6 +7,12 @@ as phases of the same clock, fed by the seams below:
 - ``pipeline_wait``: megatron's ``P2PCommunicator._communicate`` (every
   pipeline send/receive, blocking until the peer is ready: the measured
   bubble plus transfer), wrapped once by :func:`install_pipeline_timer`;
+- ``moe_dispatch``: megatron's MoE token dispatchers' ``token_dispatch`` and
+  ``token_combine`` (the all-to-all, or all-gather / reduce-scatter, of
+  tokens to and from their experts' EP ranks) in forward, and in backward
+  from the arrival of the gradient of their output tokens to its arrival at
+  their input tokens (the same collectives transposed), wrapped once by
+  :func:`install_dispatch_timer`;
 - ``grad_sync``: megatron's ``finalize_model_grads`` (DP all-reduce of the
   grad buffers, tied-embedding sync, token-count scaling; elastic: also the
   wait for the per-bucket cross-replica gradient sums), timed by the
@@ -54,6 +60,62 @@ def install_pipeline_timer() -> None:
     if getattr(current, "__wrapped__", None) is not None:
         return
     P2PCommunicator._communicate = timed("pipeline_wait", current)
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity in forward; in backward stamps the clock: at a dispatch's
+    output (``box`` is empty) the start, at its input the end of one
+    ``moe_dispatch`` interval. ``box`` pairs the two marks of one call."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.box:
+            PHASES.interval("moe_dispatch", ctx.box.pop(), PHASES.stamp())
+        else:
+            ctx.box.append(PHASES.stamp())
+        return grad, None
+
+
+def _timed_exchange(fn: Callable) -> Callable:
+    """A dispatcher's ``token_dispatch``/``token_combine`` timed as
+    ``moe_dispatch`` in forward and, through :class:`_BackwardMark` on its
+    first input and first output (the tokens), in backward."""
+
+    def wrapper(self, tokens, *args, **kwargs):
+        marked = torch.is_grad_enabled() and tokens.requires_grad
+        box: list = []
+        if marked:
+            tokens = _BackwardMark.apply(tokens, box)  # its backward runs last: the end
+        with PHASES.phase("moe_dispatch"):
+            out = fn(self, tokens, *args, **kwargs)
+        if marked:
+            first = out[0] if isinstance(out, tuple) else out
+            first = _BackwardMark.apply(first, box)  # its backward runs first: the start
+            out = (first, *out[1:]) if isinstance(out, tuple) else first
+        return out
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install_dispatch_timer() -> None:
+    """Time the MoE token dispatchers' exchanges as ``moe_dispatch``
+    (idempotent; every rank; a dense model never calls them)."""
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher,
+        MoEAlltoAllTokenDispatcher,
+    )
+
+    for cls in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher):
+        for name in ("token_dispatch", "token_combine"):
+            current = getattr(cls, name)
+            if getattr(current, "__wrapped__", None) is None:
+                setattr(cls, name, _timed_exchange(current))
 
 
 def analytic_bubble(pp: int, vpp: int, microbatches: int) -> float:

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Protocol
 import torch
 
 #: Phases timed inside a step's forward/backward (see metrics/breakdown.py).
-PHASE_NAMES = ("pipeline_wait", "grad_sync", "cross_replica")
+PHASE_NAMES = ("pipeline_wait", "moe_dispatch", "grad_sync", "cross_replica")
 
 
 class EventSource(Protocol):
@@ -140,6 +140,17 @@ class PhaseClock:
         finally:
             self._phases.append((name, begin, self._record()))
             self._depth -= 1
+
+    def stamp(self) -> Any:
+        """An opaque timestamp for :meth:`interval` (e.g. from an autograd
+        backward, where a ``with`` block cannot span the work)."""
+        return self._record()
+
+    def interval(self, name: str, begin: Any, end: Any) -> None:
+        """Count ``begin`` to ``end`` (two :meth:`stamp` values) as phase ``name``;
+        ignored inside another phase, as a nested :meth:`phase` is."""
+        if not self._depth:
+            self._phases.append((name, begin, end))
 
     def read(self) -> ClockReading:
         """The step's spans and phase totals: one synchronisation, on the last

@@ -8,7 +8,12 @@ The loss-owning rank of each replica group (the rank whose
   that :data:`~megascale_omni.metrics.schema.STEP_FIELDS` names (help text =
   the schema's meaning and unit; bools as 0/1). A field absent from the last
   record is absent from the scrape, never zero-filled; list values and keys
-  the schema does not name (task counters, ``eval/*``) are not exported.
+  the schema does not name (task counters, ``eval/*``) are not exported,
+  except the per-layer MoE lists below.
+- ``megascale_moe_load_max{layer}``, ``megascale_moe_tokens_dropped{layer}``
+  and ``megascale_moe_expert_tokens{layer,expert}``: the step record's
+  per-MoE-layer lists (:data:`LAYER_FIELDS`), one series per element;
+  ``layer`` counts the MoE layers in order (0 = the first MoE layer).
 - ``megascale_steps_total``: step records this process logged (a counter:
   ``rate()`` is steps per second; it restarts at 0 with the process).
 - ``megascale_last_step_timestamp_seconds``: Unix time of the last step
@@ -66,6 +71,28 @@ def exported_fields(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+#: List fields of the step record exported one series per MoE layer (lists of lists: per layer and expert).
+LAYER_FIELDS = ("moe_load_max", "moe_tokens_dropped", "moe_expert_tokens")
+
+
+def layer_series(record: Mapping[str, Any]) -> dict[str, list[tuple[list[str], float]]]:
+    """The :data:`LAYER_FIELDS` of ``record`` as ``name -> [(label values, value)]``
+    (labels ``[layer]`` or ``[layer, expert]``); absent fields and non-numbers are left out."""
+    out: dict[str, list[tuple[list[str], float]]] = {}
+    for name in LAYER_FIELDS:
+        layers = record.get(name)
+        if not isinstance(layers, list):
+            continue
+        series = []
+        for i, value in enumerate(layers):
+            if isinstance(value, list):
+                series += [([str(i), str(e)], float(v)) for e, v in enumerate(value) if scalar_value(v) is not None]
+            elif scalar_value(value) is not None:
+                series.append(([str(i)], float(value)))
+        out[name] = series
+    return out
+
+
 def _help(name: str) -> str:
     unit, meaning = STEP_FIELDS[name]
     return f"{meaning} [{unit}]" if unit else meaning
@@ -79,19 +106,25 @@ class StepRecordCollector(Collector):
         self._label_names = list(labels or {})
         self._label_values = [str(v) for v in (labels or {}).values()]
         # Replaced whole on every step, never mutated: a scrape sees one record.
-        self._snapshot: tuple[dict[str, float], int, Optional[float]] = ({}, 0, None)
+        self._snapshot: tuple[dict[str, float], dict, int, Optional[float]] = ({}, {}, 0, None)
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Take ``record`` if it is a step record (see :func:`is_step_record`)."""
         if not is_step_record(record):
             return
-        _, steps, _ = self._snapshot
-        self._snapshot = (exported_fields(record), steps + 1, time.time())
+        _, _, steps, _ = self._snapshot
+        self._snapshot = (exported_fields(record), layer_series(record), steps + 1, time.time())
 
     def collect(self) -> Iterator[Metric]:
-        fields, steps, at = self._snapshot
+        fields, layered, steps, at = self._snapshot
         for name, value in fields.items():
             yield self._one(GaugeMetricFamily(PREFIX + name, _help(name), labels=self._label_names), value)
+        for name, series in layered.items():
+            per = ["layer", "expert"] if series and len(series[0][0]) == 2 else ["layer"]
+            family = GaugeMetricFamily(PREFIX + name, _help(name), labels=[*self._label_names, *per])
+            for labels, value in series:
+                family.add_metric([*self._label_values, *labels], value)
+            yield family
         yield self._one(CounterMetricFamily(PREFIX + "steps", "step records logged by this process",
                                             labels=self._label_names), steps)
         if at is not None:

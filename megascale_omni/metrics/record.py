@@ -18,8 +18,8 @@ from megascale_omni.metrics.flops import throughput_fields
 from megascale_omni.parallel.batch_shape import BatchShape
 
 #: Breakdown fields, in the order they happen within a step.
-BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
-             "metrics_s", "checkpoint_s", "control_s")
+BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "moe_dispatch_s", "grad_sync_s", "cross_replica_s",
+             "optimizer_s", "metrics_s", "checkpoint_s", "control_s")
 
 
 @dataclass
@@ -68,11 +68,12 @@ class StepRecorder:
         data stats, membership fields; ``batch``: what its global batch held,
         for the model FLOPs, None: not counted)."""
         step_s = timing.step_s
-        waits = stats.pipeline_wait_s + stats.grad_sync_s + stats.cross_replica_s
+        waits = stats.pipeline_wait_s + stats.moe_dispatch_s + stats.grad_sync_s + stats.cross_replica_s
         parts = {
             "data_s": timing.data_s,
             "compute_s": max(stats.fwd_bwd_s - waits, 0.0),
             "pipeline_wait_s": stats.pipeline_wait_s,
+            "moe_dispatch_s": stats.moe_dispatch_s,
             "grad_sync_s": stats.grad_sync_s,
             "cross_replica_s": stats.cross_replica_s + timing.membership_s,
             "optimizer_s": stats.optimizer_s,
@@ -121,7 +122,7 @@ def format_line(r: dict, total: int) -> str:
         flags += f" | STRAGGLERS {r['stragglers']}"
     mem = (f" | mem {r['mem_allocated_gib']:.1f}/{r['mem_reserved_gib']:.1f} GiB" if "mem_reserved_gib" in r
            else f" | rss {r['rss_gib']:.2f} GiB" if "rss_gib" in r else "")
-    waits = r["pipeline_wait_s"] + r["grad_sync_s"] + r["cross_replica_s"]
+    waits = r["pipeline_wait_s"] + r.get("moe_dispatch_s", 0.0) + r["grad_sync_s"] + r["cross_replica_s"]
     return (
         f"step {r['step']}/{total} | loss {loss} | lr {r['lr']:.2e} | grad_norm {gn} | "
         f"tok/s {r['tokens_per_s']:.0f} | samples/s {r['samples_per_s']:.1f}{mfu} | "

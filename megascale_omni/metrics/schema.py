@@ -31,6 +31,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
                                     "(list of lists; top-k: a token counts once per chosen expert)"),
     "moe_load_max": ("ratio", "per MoE layer, tokens of the busiest expert / mean tokens per expert "
                               "(1 = balanced; list)"),
+    "moe_tokens_dropped": ("tokens", "per MoE layer, routing choices the expert capacity dropped (token x "
+                                     "chosen expert; 0 when dropless; list)"),
     "moe_aux_loss": ("", "load-balancing loss without its coefficient, mean over MoE layers and micro-batches "
                          "(moe.load_balancing: aux_loss)"),
     "moe_z_loss": ("", "router z-loss without its coefficient, mean over MoE layers and micro-batches "
@@ -40,6 +42,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "data_s": ("s", "waiting for this rank's micro-batches"),
     "compute_s": ("s", "forward and backward compute (fwd/bwd minus the waits below)"),
     "pipeline_wait_s": ("s", "blocked in pipeline send/receive (measured bubble + transfer)"),
+    "moe_dispatch_s": ("s", "MoE token dispatch and combine (all-to-all or all-gather/reduce-scatter over the EP "
+                            "group), forward and backward; 0 for a dense model"),
     "bubble_analytic": ("fraction", "1F1B bubble share (pp-1)/(m+pp-1) of the pipeline schedule"),
     "grad_sync_s": ("s", "gradient reduction inside the replica group (DP all-reduce, tied embeddings; "
                          "elastic: with the wait for the per-bucket cross-replica gradient sums)"),
@@ -49,7 +53,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
     "control_s": ("s", "the step boundary's exchanges: metrics (record, rank rows) and control commands"),
     "other_s": ("s", "step_s minus every component above"),
-    "fwd_bwd_s": ("s", "compute_s + pipeline_wait_s + grad_sync_s + cross_replica_s"),
+    "fwd_bwd_s": ("s", "compute_s + pipeline_wait_s + moe_dispatch_s + grad_sync_s + cross_replica_s"),
     # throughput and efficiency
     "tokens_per_s": ("tokens/s", "tokens / step_s"),
     "samples_per_s": ("samples/s", "samples / step_s"),

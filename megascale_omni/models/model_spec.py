@@ -69,7 +69,7 @@ class ModelSpec(ABC):
         group the expert weights as every EP size does
         (:func:`~megascale_omni.models.moe.group_expert_params`). Returns ``chunks``."""
         self.router_stats = RouterStats(chunks, self.cfg.model.num_layers, self.cfg.moe.num_experts,
-                                        tp=self.dims.tp, enabled=self.cfg.moe.enabled)
+                                        shares=self.dims.tp * self.dims.cp, enabled=self.cfg.moe.enabled, topk=self.cfg.moe.topk)
         if self.cfg.moe.enabled:
             group_expert_params(chunks)
         return chunks
@@ -79,6 +79,12 @@ class ModelSpec(ABC):
         docs/moe.md). Every rank after each committed step: a collective
         when the model has MoE layers."""
         return self.router_stats.read()
+
+    def discard_step_stats(self) -> None:
+        """Drop what :meth:`step_stats` would count so far (every rank, no
+        collective; before each step attempt: a recomputed or uncommitted
+        attempt's forwards must not count)."""
+        self.router_stats.discard()
 
     def after_step(self, step: int) -> None:
         """Called on every rank after each committed optimizer step; ``step``

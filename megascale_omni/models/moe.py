@@ -118,16 +118,21 @@ class RouterStats:
 
     Every token of a micro-batch is routed on exactly one rank per layer
     (DP and EP ranks hold other tokens, TP ranks their sequence-parallel
-    share, each layer lives on one pipeline stage), so one all-reduce over
-    the world sums the job's counts. ``enabled=False`` (a dense model):
+    share, CP ranks their part of the sequence, each layer lives on one
+    pipeline stage), so one all-reduce over the world sums the job's counts.
+    ``shares``: the parts each micro-batch is routed in, ``tp x cp`` (TP
+    with sequence parallelism, which MoE requires). ``enabled=False`` (a dense model):
     nothing is hooked and :meth:`read` returns ``{}`` without a collective.
     """
 
-    def __init__(self, chunks=(), num_layers: int = 0, num_experts: int = 0, tp: int = 1, enabled: bool = True):
+    def __init__(self, chunks=(), num_layers: int = 0, num_experts: int = 0, shares: int = 1, enabled: bool = True,
+                 topk: int = 1):
         self.enabled = enabled and num_experts > 0
-        self.tp = tp
+        self.shares = shares
+        self.topk = topk
         self._counts = None
         self._calls = None
+        self._dropped = None
         if not self.enabled:
             return
         from megatron.core.transformer.moe.router import TopKRouter
@@ -136,6 +141,7 @@ class RouterStats:
         device = next(iter(chunks[0].parameters())).device
         self._counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self._calls = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self._dropped = torch.zeros(num_layers, dtype=torch.float64, device=device)
         for router in routers:
             router.register_forward_hook(self._count)
 
@@ -146,11 +152,29 @@ class RouterStats:
     def _count(self, router, inputs, outputs) -> None:
         if not (router.training and torch.is_grad_enabled()):
             return
-        _, routing_map = outputs
+        probs, routing_map = outputs
         layer = router.layer_number - 1
         with torch.no_grad():
             self._counts[layer] += routing_map.sum(dim=0).to(self._counts.dtype)
             self._calls[layer] += 1
+            # Every token picks topk experts; the capacity drops some of those
+            # choices (their probability is zeroed; pad_to_capacity adds
+            # zero-probability slots, which are not tokens).
+            kept = torch.count_nonzero(probs * routing_map).to(self._dropped.dtype)
+            self._dropped[layer] += routing_map.shape[0] * self.topk - kept
+
+    def discard(self) -> None:
+        """Forget what the routers did since the last :meth:`read` (every
+        rank, no collective): a step attempt that is computed again (an
+        elastic membership change, an uncommitted step) must not count twice."""
+        if not self.enabled:
+            return
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self._counts.zero_()
+        self._calls.zero_()
+        self._dropped.zero_()
+        clear_aux_losses_tracker()
 
     def read(self) -> dict:
         """This step's router fields of the step record (docs/moe.md, metrics/schema.py),
@@ -158,36 +182,32 @@ class RouterStats:
         if not self.enabled:
             return {}
         import torch.distributed as dist
-        from megatron.core.transformer.moe.moe_utils import (
-            clear_aux_losses_tracker,
-            get_moe_layer_wise_logging_tracker,
-        )
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker()
         layers = self._calls.numel()
         zeros = torch.zeros(layers, dtype=torch.float64, device=self._calls.device)
         losses = [tracker[name]["values"].to(torch.float64) if name in tracker else zeros
                   for name in ("load_balancing_loss", "z_loss")]
-        packed = torch.cat([self._counts.flatten(), self._calls, *losses])
+        packed = torch.cat([self._counts.flatten(), self._calls, self._dropped, *losses])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
         packed = packed.cpu()
         counts = packed[: self._counts.numel()].view_as(self._counts)
-        calls, aux, z = packed[self._counts.numel():].view(3, layers)
-        self._counts.zero_()
-        self._calls.zero_()
-        clear_aux_losses_tracker()
+        calls, dropped, aux, z = packed[self._counts.numel():].view(4, layers)
+        self.discard()
         moe_layers = [i for i in range(layers) if calls[i] > 0]
         if not moe_layers:
             return {}
-        # Each micro-batch is routed by its tp sequence-parallel shares: calls = micro-batches * tp.
-        # The aux loss of a micro-batch is the sum of its tp partial values; the z-loss each
+        # Each micro-batch is routed in its tp x cp sequence shares: calls = micro-batches * shares.
+        # The aux loss of a micro-batch is the sum of its shares' partial values; the z-loss each
         # share's mean over its own tokens.
-        microbatches = calls[moe_layers] / self.tp
+        microbatches = calls[moe_layers] / self.shares
         record = {
             "moe_expert_tokens": [[int(v) for v in counts[i].tolist()] for i in moe_layers],
             "moe_load_max": [round(float(counts[i].max() / counts[i].mean()), 6) if counts[i].sum() else 0.0
                              for i in moe_layers],
+            "moe_tokens_dropped": [int(dropped[i]) for i in moe_layers],
         }
         if aux.any():
             record["moe_aux_loss"] = float((aux[moe_layers] / microbatches).mean())

@@ -63,6 +63,9 @@ class ComponentCost:
     trainable_params: int
     activation_bytes: float
     seconds: Optional[float] = None
+    #: Bytes this rank sends to other ranks for the MoE token dispatch
+    #: (forward + backward, :func:`dispatch_bytes`); 0 for a dense component.
+    dispatch_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,34 @@ def mlp_widths(cfg: JobConfig) -> tuple[float, float, float]:
     return dense + share * active, dense + share * stored, share * moe.num_experts
 
 
+def dispatch_bytes(cfg: JobConfig, tokens: float, dtype_bytes: int) -> float:
+    """Bytes one rank sends to the other ranks of its expert group for the
+    MoE token dispatch of the average language-model layer, per micro-batch,
+    forward + backward, for ``tokens`` tokens of this CP rank (before the
+    sequence-parallel split), assuming the router spreads the tokens evenly.
+
+    Per MoE layer the dispatcher moves each of the rank's ``topk`` routed
+    copies of a hidden state to its expert's rank and the expert output back
+    (combine); backward moves the gradients of both the other way. Under
+    ``alltoall`` a copy stays on the rank when its expert is local:
+    ``(ep - 1) / ep`` of them leave. Under ``allgather`` every rank gathers
+    the hidden states of the whole expert group of ``n = ep * expert_tp``
+    ranks and reduce-scatters the outputs: ``n - 1`` times its own tokens
+    each way, whatever the routing. The routing probabilities (fp32, a few
+    per token) are left out. Dense layers (``moe.layer_freq``) move nothing."""
+    moe, par = cfg.moe, cfg.parallel
+    if not moe.enabled:
+        return 0.0
+    share = sum(moe.layer_pattern(cfg.model.num_layers)) / cfg.model.num_layers
+    local = tokens / (par.tp if par.sequence_parallel else 1)
+    if moe.token_dispatcher == "alltoall":
+        copies = local * moe.topk * (par.ep - 1) / par.ep
+    else:
+        copies = local * (par.ep * par.expert_tp_size - 1)
+    # dispatch + combine, each in forward and again (transposed) in backward
+    return share * 4 * copies * cfg.model.hidden_size * dtype_bytes
+
+
 def fused_attention(cfg: JobConfig, cuda: bool) -> bool:
     """Whether attention is transformer-engine's fused kernel, which keeps no
     score matrix: ``model.layer_impl`` other than ``local`` on CUDA (``auto``
@@ -302,14 +333,14 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             trainable_params=emb_params if lm_trainable else 0,
             activation_bytes=tokens * h * nbytes * sp_share,
         ),
-        LM_LAYER: _transformer_layer(
+        LM_LAYER: dataclasses.replace(_transformer_layer(
             all_tokens, pairs, h, active_ffn, m.num_attention_heads, m.query_groups, nbytes, m.recompute,
             # Input gradients flow through every layer when earlier layers, the
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
             sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
             fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router, head_dim=m.head_dim,
-        ),
+        ), dispatch_bytes=dispatch_bytes(cfg, tokens, nbytes)),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
             # + softmax/cross-entropy (~5 ops per logit).

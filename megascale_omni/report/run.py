@@ -31,8 +31,8 @@ from megascale_omni.metrics.schema import STEP_FIELDS
 #: Throughput series, one panel each (MFU goes on the first panel's right axis).
 RATES = ("tokens_per_s", "samples_per_s", "images_per_s", "tflops_per_device")
 #: The schema's step-time breakdown, in stacking order; they sum to step_s.
-FINE_BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "grad_sync_s", "cross_replica_s", "optimizer_s",
-                  "checkpoint_s", "control_s", "other_s")
+FINE_BREAKDOWN = ("data_s", "compute_s", "pipeline_wait_s", "moe_dispatch_s", "grad_sync_s", "cross_replica_s",
+                  "optimizer_s", "checkpoint_s", "control_s", "other_s")
 #: Today's coarser split; fwd_bwd_s covers compute + pipeline wait + gradient sync.
 COARSE_BREAKDOWN = ("data_s", "fwd_bwd_s", "optimizer_s")
 #: Name of the computed component step_s minus the others (when other_s is absent).

@@ -90,6 +90,7 @@ def summary_markdown(run: Run, plots: list[tuple[str, str]], notes: list[str]) -
             f"; most often slowest: rank {ranks.most_common(1)[0][0]}" if ranks else ""))
     else:
         lacks.append("stragglers: no busy_s_median / busy_s_max / stragglers")
+    rows += _moe_rows(run)
     if run.checkpoints:
         blocking = np.array([_number(c.get("blocking_s")) for c in run.checkpoints])
         total = np.array([_number(c.get("total_s")) for c in run.checkpoints])
@@ -140,6 +141,28 @@ def summary_markdown(run: Run, plots: list[tuple[str, str]], notes: list[str]) -
     lines += [f"- {x}" for x in notes] or ["- none"]
     lines += ["", "## Plots", ""] + [f"- [{name}]({name}): {what}" for name, what in plots]
     return "\n".join(lines) + "\n"
+
+
+def _moe_rows(run: Run) -> list[tuple[str, str]]:
+    """Routing of an MoE model (docs/moe.md): expert load, dropped choices, router losses; none for a dense run."""
+    routed = [(int(r["step"]), [float(v) for v in r["moe_load_max"]]) for r in run.steps
+              if isinstance(r.get("moe_load_max"), list) and r["moe_load_max"]]
+    if not routed:
+        return []
+    mean_load = [float(np.mean(v)) for _, v in routed]
+    last_step, last = routed[-1]
+    worst = int(np.argmax(last))
+    rows = [("MoE expert load max/mean (mean over MoE layers)",
+             f"first {fmt(mean_load[0])} (step {routed[0][0]}), median {fmt(median(np.array(mean_load)))}, "
+             f"last {fmt(mean_load[-1])} (step {last_step}; busiest layer {worst}: {fmt(last[worst])})")]
+    dropped = [sum(r["moe_tokens_dropped"]) for r in run.steps if isinstance(r.get("moe_tokens_dropped"), list)]
+    if dropped:
+        rows.append(("MoE routing choices dropped (capacity)",
+                     f"{sum(dropped)} over {len(dropped)} steps ({sum(1 for d in dropped if d)} steps with drops)"))
+    for key in ("moe_aux_loss", "moe_z_loss"):
+        if run.has(key):
+            rows.append((f"median {key}", fmt(median(run.values(key)))))
+    return rows
 
 
 def _list(values: list[int], limit: int = 20) -> str:

@@ -107,6 +107,10 @@ class Task:
         """The model's fields of the step record (MoE routing); every rank, a collective for MoE models."""
         return self.model.step_stats()
 
+    def discard_model_stats(self) -> None:
+        """Forget the model's step-record counts so far (every rank, before each step attempt)."""
+        self.model.discard_step_stats()
+
     def data_identity(self) -> dict[str, dict]:
         """Content digests of the training data (no I/O; torchft's quorum thread calls it)."""
         return self.data.data_identity()

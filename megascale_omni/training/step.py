@@ -31,9 +31,10 @@ class StepStats:
     #: Seconds in the optimizer step (including grad-norm collectives), same clock.
     optimizer_s: float
     num_microbatches: int
-    #: Parts of ``fwd_bwd_s``: blocked in pipeline p2p, DP gradient sync,
+    #: Parts of ``fwd_bwd_s``: blocked in pipeline p2p, MoE token dispatch, DP gradient sync,
     #: cross-replica reductions and commit (see metrics/breakdown.py).
     pipeline_wait_s: float = 0.0
+    moe_dispatch_s: float = 0.0
     grad_sync_s: float = 0.0
     cross_replica_s: float = 0.0
 
@@ -116,6 +117,7 @@ def train_step(
         optimizer_s=times.spans["optimizer"],
         num_microbatches=len(microbatches),
         pipeline_wait_s=phases["pipeline_wait"],
+        moe_dispatch_s=phases["moe_dispatch"],
         grad_sync_s=phases["grad_sync"],
         cross_replica_s=phases["cross_replica"],
     )

@@ -30,7 +30,7 @@ from megascale_omni.config import JobConfig, to_dict, validate_platform
 from megascale_omni.control.plane import ControlPlane
 from megascale_omni.elastic.service import build_membership
 from megascale_omni.metrics import MetricSink
-from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
+from megascale_omni.metrics.breakdown import PHASES, install_dispatch_timer, install_pipeline_timer
 from megascale_omni.metrics.clock import events_for
 from megascale_omni.metrics.exchange import MetricsExchange
 from megascale_omni.metrics.flops import StepFlops, device_peak
@@ -113,6 +113,7 @@ class Trainer:
         # Every rank, before the model, the data and any quorum: a bad node exits 44 (docs/preflight.md).
         preflight_before_training(cfg, self.platform)
         install_pipeline_timer()
+        install_dispatch_timer()
         # The step's clock: CUDA events on CUDA (kernels run asynchronously), host time elsewhere.
         PHASES.use(events_for(self.platform.device))
         if cfg.logging.memory_fraction_cap:
@@ -275,6 +276,8 @@ class Trainer:
             raise
 
     def _train_step(self, mbs: list[dict], progress: StepProgress) -> StepStats:
+        # An elastic step may be attempted again (membership change, no commit): count its last attempt only.
+        self.task.discard_model_stats()
         return train_step(self.state.chunks, self.state.optimizer, self.state.scheduler, self.task.forward_step, mbs,
                           *self.task.pipeline_shape(), progress, cross_replica=self.membership.cross_replica)
 

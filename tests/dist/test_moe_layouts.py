@@ -45,8 +45,16 @@ LAYOUTS = {
     # Expert data parallelism: every expert lives on two ranks whose gradients megatron's DDP reduces over the
     # expert-DP group; the distributed optimizer shards dense and expert parameters over their own DP groups.
     "ep2-dp2-distopt": ("dropless", 4, ["parallel.ep=2", "parallel.use_distributed_optimizer=true"]),
+    # Context parallelism: each CP rank routes its half of every sequence (the router losses'
+    # coefficients are scaled by cp as for TP, models/moe.py).
+    "cp2": ("dropless", 2, ["parallel.cp=2"]),
+    # Interleaved pipeline: one MoE layer per model chunk, chunks 0 and 2 on stage 0.
+    "pp2-vpp2": ("dropless", 2, ["parallel.pp=2", "parallel.vpp=2"]),
+    # The same with experts split over two EP ranks (4 processes).
+    "ep2-cp2": ("dropless", 4, ["parallel.ep=2", "parallel.cp=2"]),
+    "ep2-pp2-vpp2": ("dropless", 4, ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"]),
 }
-SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt")
+SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt", "cp2", "pp2-vpp2", "ep2-cp2", "ep2-pp2-vpp2")
 ROUTING = {"dropless": [], "capacity": CAPACITY}
 
 
@@ -83,6 +91,7 @@ def test_moe_layout_matches_single_process(tmp_path_factory, baselines, name):
     ref = baselines(routing)
     got = _train(tmp_path_factory, name, nproc, ROUTING[routing] + overrides)
     assert_same_routing(ref, got, name)
+    assert [r["moe_tokens_dropped"] for r in got] == [r["moe_tokens_dropped"] for r in ref], name
     assert_same_training(ref, got, name, RTOL, GRAD_RTOL, counters=("loss_tokens",), lr_rtol=1e-9)
     for key in ("moe_aux_loss", "moe_z_loss"):
         if key in ref[0]:
@@ -98,6 +107,8 @@ def test_capacity_routing_drops_tokens_and_dropless_does_not(baselines):
             slots = sum(sum(layer) for layer in r["moe_expert_tokens"])
             full = r["tokens"] * 2 * len(r["moe_expert_tokens"])
             assert (slots < full) if drops else (slots == full), (r["step"], slots, full)
+            # The record's dropped choices are exactly the missing slots.
+            assert sum(r["moe_tokens_dropped"]) == full - slots, (r["step"], r["moe_tokens_dropped"], full - slots)
     # Sigmoid routing with the expert bias and no aux loss records no aux loss.
     assert "moe_aux_loss" not in capacity[0] and dropless[0]["moe_aux_loss"] > 0
 

@@ -123,6 +123,16 @@ EXPECTED = {
         r"^device: cpu, peak unknown \(MFU n/a\)$",
         r"^\| 2 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.e+-]+ \| [\d.e+-]+ \| n/a \|$",
     ],
+    "moe_routing": [
+        r"^dispatcher at EP2 \(2 processes, gloo\), 8 steps per run, median over steps 6\.\.8, "
+        r"1 run\(s\) each in turn:$",
+        r"^\| alltoall \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 1\.000 \|$",
+        r"^\| allgather \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$",
+        r"^expert load max/mean \(mean over the 4 MoE layers\), 1 process, 6 steps of 8 x 32 tokens",
+        *(rf"^\| {name} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"
+          for name in (r"softmax, no balancing \(baseline\)", "softmax, aux loss",
+                       r"sigmoid, no balancing \(baseline\)", "sigmoid, aux-loss-free bias")),
+    ],
     "attention_path": [
         r"^rounds 1 \(alternating order, after one warm-up step per path\), step = fwd \+ bwd, "
         r"median of process CPU time$",
@@ -179,19 +189,22 @@ TIMEOUT_S = {
     "gpu_mfu": 300,
     "ingest_jpeg": 240,
     "video_decode": 240,
+    "moe_routing": 900,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
-        "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport"}
+        "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "moe_routing"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
 #: import megatron, over 20 s; elastic_shard 4 torchrun jobs and 2
 #: lighthouses; heal_transport 6 processes and 2 lighthouses, about 30 s;
-#: gpu_mfu builds and trains a LLaVA, 30-80 s); `make test-all` runs them.
+#: gpu_mfu builds and trains a LLaVA, 30-80 s; moe_routing 2 torchrun jobs and 4
+#: training runs, minutes on a loaded host); `make test-all` runs them.
 #: The other single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
-        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "gpu_mfu"}
+        "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "gpu_mfu",
+        "moe_routing"}
 
 
 def documented_commands() -> dict[str, list[str]]:

@@ -55,7 +55,7 @@ def _fmt(v: float) -> str:
 def _step_record(step: int) -> dict:
     """A record with every schema field; the breakdown sums to step_s; 2 replica groups until step 25, then 1."""
     step_s = 0.5 + 0.01 * (step % 7)
-    parts = {"data_s": 0.02, "compute_s": 0.3, "pipeline_wait_s": 0.05, "grad_sync_s": 0.04,
+    parts = {"data_s": 0.02, "compute_s": 0.3, "pipeline_wait_s": 0.05, "moe_dispatch_s": 0.01, "grad_sync_s": 0.04,
              "cross_replica_s": 0.03, "optimizer_s": 0.03, "checkpoint_s": 0.0, "control_s": 0.001}
     parts["other_s"] = step_s - sum(parts.values())
     rec = {key: 1.0 for key in STEP_FIELDS}  # any field added to the schema later still appears
@@ -67,7 +67,8 @@ def _step_record(step: int) -> dict:
                mem_peak_gib=11.0 + 0.01 * step, mem_fragmentation=1 / 6, rss_gib=3.0,
                busy_s_median=step_s, busy_s_max=step_s * 1.1, slowest_rank=1,
                stragglers=[1] if step % 10 == 0 else [], participants=2 if step < 25 else 1,
-               healed=step == 3)
+               healed=step == 3, moe_expert_tokens=[[30, 10], [20, 20]], moe_load_max=[1.5, 1.0 + 0.01 * step],
+               moe_tokens_dropped=[2, 0] if step % 4 == 0 else [0, 0], moe_aux_loss=1.1, moe_z_loss=0.5)
     return rec
 
 
@@ -115,6 +116,14 @@ def test_every_schema_field(tmp_path):
     assert "| skipped steps | 1 (steps 17) |" in summary
     assert "| steps with stragglers flagged | 4; most often slowest: rank 1 |" in summary
     assert f"| last evaluation (step 40) | eval/loss {_fmt(5.0 / 40 + 1.2)} |" in summary
+    loads = [(1.5 + 1.0 + 0.01 * s) / 2 for s in range(1, STEPS + 1)]
+    assert (f"| MoE expert load max/mean (mean over MoE layers) | first {_fmt(loads[0])} (step 1), median "
+            f"{_fmt(float(np.median(loads)))}, last {_fmt(loads[-1])} (step {STEPS}; busiest layer 0: 1.5) |"
+            ) in summary
+    dropped = f"{2 * (STEPS // 4)} over {STEPS} steps ({STEPS // 4} steps with drops)"
+    assert f"| MoE routing choices dropped (capacity) | {dropped} |" in summary
+    assert "| median moe_aux_loss | 1.1 |" in summary and "| median moe_z_loss | 0.5 |" in summary
+    assert "| moe_dispatch_s | " in summary
     compute_share = float(np.median(0.3 / step_s))
     assert f"| compute_s | {100 * compute_share:.1f}% |" in summary
     assert "fwd_bwd_s |" not in summary  # the fine split replaces the coarse one

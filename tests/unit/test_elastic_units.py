@@ -200,3 +200,36 @@ def test_run_step_recomputes_a_step_whose_assumed_quorum_changed_for_the_share_i
         membership.run_step(assumed, [], changes)
     static = StaticMembership(SimpleNamespace(task=task, dims=SimpleNamespace(dp=2), step=5), dp_rank=1)
     assert static.run_step(StepShare(5, 1, 2), ["mb"], lambda mbs: mbs) == (StepShare(5, 1, 2), ["mb"])
+
+
+MOE_LAYOUT = {**LAYOUT, "ep": 2, "etp": 1}
+MOE_CONFIG = {**CONFIG, "moe.num_experts": 4, "moe.topk": 2}
+
+
+@pytest.mark.parametrize(
+    "peer, field, fragment",
+    [
+        ({"layout": {**MOE_LAYOUT, "ep": 1}}, "parallel",
+         "'tp=1 pp=1 cp=1 dp=2 vpp=1 world_size=2 distributed_optimizer=True ep=2 etp=1': differs from the "
+         "running job's replica groups (tp=1 pp=1 cp=1 dp=2 vpp=1 world_size=2 distributed_optimizer=True ep=1 etp=1)"),
+        ({"layout": MOE_LAYOUT, "config": {**MOE_CONFIG, "moe.num_experts": 8}}, "moe.num_experts",
+         "moe.num_experts=4: differs from the running job's (8)"),
+        ({"layout": MOE_LAYOUT, "config": {**MOE_CONFIG, "moe.topk": 1}}, "moe.topk",
+         "start this group with the running job's moe.topk"),
+    ],
+)
+def test_a_joiner_with_another_ep_size_or_expert_count_is_refused_in_one_line(peer, field, fragment):
+    """Rank r heals its experts from rank r of a peer group: only under the same EP layout and experts."""
+    own = {"layout": MOE_LAYOUT, "config": MOE_CONFIG, "optimizer_layout": BUCKETS}
+    check_peer_state(own, own)
+    with pytest.raises(ConfigError) as err:
+        check_peer_state(own, {**own, **peer})
+    assert err.value.field == field
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_replica_config_carries_the_moe_section():
+    """A joiner's expert count and routing are compared field by field."""
+    cfg = from_dict(JobConfig, {"moe": {"num_experts": 4, "topk": 2}})
+    fields = replica_config(cfg)
+    assert fields["moe.num_experts"] == 4 and fields["moe.topk"] == 2 and "moe.token_dispatcher" in fields

@@ -16,6 +16,8 @@ def _cfg(overrides: list[str], base: str = MOE) -> JobConfig:
     return from_dict(JobConfig, apply_overrides(load_yaml(base), overrides))
 
 
+ELASTIC = ["elastic.enabled=true", "elastic.lighthouse=http://127.0.0.1:29510", "elastic.replica_id=r1"]
+
 # (overrides, world size, field named, fragment of the hint)
 REFUSED = [
     (["moe.topk=5"], 1, "moe.topk", "<= moe.num_experts=4"),
@@ -40,11 +42,10 @@ REFUSED = [
     (["moe.ffn_hidden_size=127", "parallel.expert_tp=2", "parallel.ep=1"], 2, "moe.ffn_hidden_size",
      "divisible by parallel.expert_tp=2"),
     (["model.add_bias_linear=true"], 1, "model.add_bias_linear", "set it false"),
-    (["parallel.cp=2"], 2, "parallel.cp", "not proven"),
-    (["parallel.pp=2", "parallel.vpp=2"], 2, "parallel.vpp", "not proven"),
-    (["elastic.enabled=true", "elastic.lighthouse=http://127.0.0.1:29510", "elastic.replica_id=r1"], 1,
-     "elastic.enabled",
-     "expert-data-parallel"),
+    ([*ELASTIC, "moe.score_function=sigmoid", "moe.expert_bias=true", "moe.load_balancing=none",
+      "moe.aux_loss_coeff=0"], 1, "moe.expert_bias", "not commit-gated"),
+    ([*ELASTIC, "parallel.ep=2", "train.global_batch_size=6"], 2, "train.global_batch_size",
+     "3 micro-batches of 2, not divisible by parallel.ep=2"),
     (["moe.num_experts=0", "parallel.ep=2"], 2, "parallel.ep", "applies to MoE models only"),
     (["moe.num_experts=0", "parallel.expert_tp=1"], 1, "parallel.expert_tp", "applies to MoE models only"),
 ]
@@ -68,7 +69,9 @@ def test_dit_stays_dense():
 
 def test_valid_layouts_pass():
     for overrides, world in ((["parallel.ep=2"], 2), (["parallel.ep=2", "parallel.pp=2"], 4),
-                             (["parallel.ep=4"], 4), (["moe.layer_freq=[1,0,1,1]"], 1)):
+                             (["parallel.ep=4"], 4), (["moe.layer_freq=[1,0,1,1]"], 1),
+                             ([*ELASTIC, "parallel.ep=2", "train.global_batch_size=12"], 2),
+                             (["parallel.cp=2"], 2), (["parallel.pp=2", "parallel.vpp=2"], 2)):
         get_family("gpt").validate(_cfg(overrides), world)
 
 
@@ -150,6 +153,26 @@ def test_model_flops_count_the_active_experts():
         assert step_model_flops(_cfg(["moe.ffn_hidden_size=96", "moe.shared_expert_ffn_hidden_size=32",
                                       "moe.layer_freq=[1,0,1,1]", *overrides]), lm_cost_model, batch) == \
             step_model_flops(moe, lm_cost_model, batch)
+
+
+def test_the_cost_model_counts_the_token_dispatch():
+    """The decoder layer's dispatch bytes, by hand: tiny_moe (hidden 64, top-2, every
+    layer MoE), one micro-batch of 2 x 32 tokens, fp32; 4 = dispatch + combine, forward + backward."""
+    from megascale_omni.parallel.pipeline_cost import LM_LAYER, lm_cost_model
+
+    def moved(overrides, world):
+        cfg = _cfg(overrides)
+        return lm_cost_model(cfg, cuda=False, world_size=world).components[LM_LAYER].dispatch_bytes
+
+    tokens, h = 2 * 32, 64
+    assert moved(["parallel.ep=2"], 2) == 4 * tokens * 2 * (1 / 2) * h * 4  # half the copies leave the rank
+    assert moved(["parallel.ep=4"], 4) == 4 * tokens * 2 * (3 / 4) * h * 4
+    assert moved([], 1) == 0.0 and moved(["moe.num_experts=0"], 1) == 0.0  # EP1: every expert is local
+    assert moved(["parallel.ep=2", "moe.token_dispatcher=allgather"], 2) == 4 * tokens * 1 * h * 4
+    assert moved(["parallel.ep=2", "moe.layer_freq=[1,0,0,1]"], 2) == 0.5 * moved(["parallel.ep=2"], 2)
+    # Sequence parallelism: each TP rank dispatches its 1/tp of the tokens.
+    assert moved(["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"],
+                 4) == 0.5 * moved(["parallel.ep=2"], 2)
 
 
 def test_expert_tp_is_refused_on_cpu():

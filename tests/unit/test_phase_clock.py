@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from megascale_omni.entry import parse_for_family
-from megascale_omni.metrics.breakdown import PHASES, install_pipeline_timer
+from megascale_omni.metrics.breakdown import PHASES, install_dispatch_timer, install_pipeline_timer
 from megascale_omni.metrics.clock import CudaEvents, HostEvents, PhaseClock, events_for
 from megascale_omni.metrics.replica_group import rank_row
 from megascale_omni.training.trainer import Trainer
@@ -65,7 +65,8 @@ def test_marks_and_phases_are_read_after_one_synchronisation():
     assert fake.syncs == [8]
     assert reading.spans == pytest.approx({"fwd_bwd": (32 - 1) * US, "optimizer": (256 - 32) * US}, rel=1e-12)
     assert reading.phases == pytest.approx(
-        {"pipeline_wait": (16 - 8 + 128 - 64) * US, "grad_sync": (4 - 2) * US, "cross_replica": 0.0}, rel=1e-12)
+        {"pipeline_wait": (16 - 8 + 128 - 64) * US, "moe_dispatch": 0.0, "grad_sync": (4 - 2) * US,
+         "cross_replica": 0.0}, rel=1e-12)
     # A new step forgets the old one's marks and phases.
     clock.start()
     assert clock.read().spans == {} and clock.read().phases["pipeline_wait"] == 0.0
@@ -100,6 +101,41 @@ def test_the_pipeline_hook_feeds_the_same_clock(monkeypatch):
     assert calls == [{"tensor_send_next": None}]
     assert reading.phases["pipeline_wait"] == pytest.approx((4 - 2) * US, rel=1e-12)
     assert fake.syncs == [3]
+
+
+@pytest.mark.parametrize("dispatcher", ["MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"])
+def test_the_moe_dispatch_is_timed_in_forward_and_backward(monkeypatch, dispatcher):
+    """A dispatcher's token exchange counts as ``moe_dispatch`` in forward (the
+    call) and in backward (from its output tokens' gradient to its input's)."""
+    import torch
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = getattr(token_dispatcher, dispatcher)
+    monkeypatch.setattr(cls, "token_dispatch", lambda self, tokens, probs: (tokens * 2, probs))
+    install_dispatch_timer()
+    fake = FakeEvents()
+    previous = PHASES.use(fake)
+    try:
+        PHASES.start()  # 0
+        x = torch.ones(3, requires_grad=True)
+        tokens, _ = cls.token_dispatch(None, x, None)  # forward: 1 .. 2
+        tokens.sum().backward()  # backward: 3 (gradient reaches the output) .. 4 (reaches the input)
+        PHASES.mark("fwd_bwd")  # 5
+        reading = PHASES.read()
+    finally:
+        PHASES.use(previous)
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert reading.phases["moe_dispatch"] == pytest.approx((4 - 2 + 16 - 8) * US, rel=1e-12)
+    with torch.no_grad():  # no autograd: the forward call only, nothing left pending
+        PHASES.use(fake)
+        try:
+            PHASES.start()  # 6
+            cls.token_dispatch(None, torch.ones(3), None)  # 7 .. 8
+            PHASES.mark("fwd_bwd")  # 9
+            reading = PHASES.read()
+        finally:
+            PHASES.use(previous)
+    assert reading.phases["moe_dispatch"] == pytest.approx((2**8 - 2**7) * US, rel=1e-12)
 
 
 @pytest.fixture

@@ -129,16 +129,37 @@ def test_a_rank_local_config_error_is_printed_by_the_rank_that_raised_it(monkeyp
         assert e.value.code == 2 and capsys.readouterr().err == printed
 
 
-def test_constant_labels_on_every_series():
-    """An elastic replica group's endpoint labels every series with its replica_group."""
+def labelled_samples(record: dict) -> list:
+    """The samples of one scrape of an exporter labelled ``replica_group="r7"`` that observed ``record``."""
     exporter = PrometheusExporter("127.0.0.1", 0, labels={"replica_group": "r7"})
     try:
-        exporter.observe(FIRST)
+        exporter.observe(record)
         with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
             text = r.read().decode()
     finally:
         exporter.close()
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def test_constant_labels_on_every_series():
+    """An elastic replica group's endpoint labels every series with its replica_group."""
+    samples = labelled_samples(FIRST)
     names = {s.name for s in samples}
     assert {"megascale_loss", "megascale_step_s", "megascale_steps_total"} <= names
     assert all(s.labels == {"replica_group": "r7"} for s in samples)
+
+
+def test_moe_per_layer_lists_are_series_labelled_by_layer_and_expert():
+    """The step record's per-MoE-layer lists become one series per layer (and expert); the
+    scalar router losses are plain gauges."""
+    record = {**FIRST, "moe_expert_tokens": [[10, 30], [20, 20]], "moe_load_max": [1.5, 1.0],
+              "moe_tokens_dropped": [4, 0], "moe_aux_loss": 1.25}
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in labelled_samples(record)}
+    r7 = ("replica_group", "r7")
+    assert got[("megascale_moe_load_max", (("layer", "0"), r7))] == 1.5
+    assert got[("megascale_moe_load_max", (("layer", "1"), r7))] == 1.0
+    assert got[("megascale_moe_tokens_dropped", (("layer", "0"), r7))] == 4.0
+    assert got[("megascale_moe_expert_tokens", (("expert", "1"), ("layer", "0"), r7))] == 30.0
+    assert got[("megascale_moe_expert_tokens", (("expert", "0"), ("layer", "1"), r7))] == 20.0
+    assert len([k for k in got if k[0] == "megascale_moe_expert_tokens"]) == 4
+    assert got[("megascale_moe_aux_loss", (r7,))] == 1.25
