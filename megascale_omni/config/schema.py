@@ -262,6 +262,15 @@ class DataConfig:
     #: one tower input preprocessed by ``image_mode`` (anyres: its overview).
     #: The llava model refuses video samples until it consumes them (issue 32).
     video_frames: int = checked(8, ge=0)
+    #: LLaVA: vision-tower tokens (image views and video frames, each
+    #: ``vision.tokens_per_image``) one micro-batch may hold, so a long clip
+    #: cannot blow the tower's activation memory. The plan packs each row
+    #: with at most this / ``train.micro_batch_size`` of them and defers a
+    #: sample a row has no room for to another row (counted as
+    #: ``vision_deferred`` in the step record); a sample over a row's share
+    #: on its own is excluded from the plan and counted as a bad sample, with
+    #: its reason in the log (docs/video.md). ``0``: no budget.
+    max_vision_tokens_per_microbatch: int = checked(0, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
     #: their ``train/`` splits, in the step-indexed plan (docs/data.md). The

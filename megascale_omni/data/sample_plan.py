@@ -151,6 +151,9 @@ class PackedEpochPlan:
         order: ``epoch -> item ids`` fed to the packer (e.g. a
             :class:`~megascale_omni.data.blend.BlendedOrder`); default: a
             permutation of every item per epoch (:func:`epoch_permutation`).
+        vision: vision-tower tokens per sample; with ``max_vision`` > 0 no
+            packed row holds more (see :func:`pack_samples`).
+        max_vision: vision tokens a row may hold; 0: unbounded.
     """
 
     def __init__(
@@ -166,6 +169,8 @@ class PackedEpochPlan:
         drop_last: bool = True,
         cache_epochs: int = 2,
         order: Optional[Callable[[int], np.ndarray]] = None,
+        vision: Optional[Sequence[int] | np.ndarray] = None,
+        max_vision: int = 0,
     ) -> None:
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
@@ -179,6 +184,10 @@ class PackedEpochPlan:
         )
         if self._costs.shape != self._lengths.shape:
             raise ValueError(f"costs {self._costs.shape} must match lengths {self._lengths.shape}")
+        self._vision = np.zeros_like(self._lengths) if vision is None else np.asarray(vision, dtype=np.int64)
+        if self._vision.shape != self._lengths.shape:
+            raise ValueError(f"vision {self._vision.shape} must match lengths {self._lengths.shape}")
+        self.max_vision = max_vision
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -227,6 +236,8 @@ class PackedEpochPlan:
             costs=self._costs[order],
             overlong=self.overlong,
             window=self.window,
+            vision=self._vision[order],
+            max_vision=self.max_vision,
         )
         logger.debug("packed epoch %d: %d samples -> %d packs", epoch, order.size, len(packs))
         return tuple(packs)

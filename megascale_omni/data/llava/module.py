@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.config.validate import sequence_multiple
+from megascale_omni.config.validate import row_vision_budget, sequence_multiple
 from megascale_omni.data.bad_samples import BadSampleAccount
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
@@ -35,6 +35,7 @@ from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
 from megascale_omni.data.llava.preflight import HOW_TO_MAKE, blend_train_split, check_vocab_size, tokenizer_dir
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
+from megascale_omni.data.modality import batch_mix, modality_codes
 from megascale_omni.data.module import DataModule
 from megascale_omni.data.packing import Pack, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -126,6 +127,7 @@ class ConversationData(DataModule):
             self.encoder, cfg.vision.tokens_per_image, self.seq_length, self.multiple,
             num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
             truncates=cfg.data.format == "chat", video_frames=cfg.data.video_frames,
+            max_vision=row_vision_budget(cfg),
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -139,8 +141,10 @@ class ConversationData(DataModule):
         self.train_ids, lengths, self.train_images = scan.ids, scan.lengths, scan.images
         #: Usable training samples with videos (the model says whether it takes them).
         self.video_samples = scan.video_samples
-        #: Tower inputs per usable sample (anyres: its images' views), for the model FLOPs.
-        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64)
+        #: Modality code per usable sample (:mod:`megascale_omni.data.modality`), for the step record.
+        self.train_modality = modality_codes(scan.images, scan.frames)
+        #: Tower inputs per usable sample (anyres: its images' views; each video frame), for the model FLOPs.
+        self.train_views = scan.tower_inputs
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:
@@ -148,7 +152,8 @@ class ConversationData(DataModule):
                                  cfg.train.seed)
             logger.info("blend: %s samples per epoch from %s", order.counts, [b.path for b in cfg.data.blend])
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed,
-                                    costs=scan.costs, order=order)
+                                    costs=scan.costs, order=order, vision=scan.vision,
+                                    max_vision=self.scanner.max_vision)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
             counter=self.bad_samples.counter, preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
@@ -177,6 +182,10 @@ class ConversationData(DataModule):
 
     def images_of(self, step: int) -> int:
         return int(sum(self.train_images[sid] for p in self.plan.global_batch(step) for sid in p.sample_ids))
+
+    def batch_stats(self, step: int) -> dict[str, int]:
+        """Modality mix and vision-token load of global batch ``step`` (:func:`batch_mix`)."""
+        return batch_mix(self.plan.global_batch(step), self.train_modality)
 
     def batch_shape(self, step: int) -> BatchShape:
         """Every packed sample of global batch ``step`` and the tower inputs of its images."""
