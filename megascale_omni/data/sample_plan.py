@@ -148,8 +148,9 @@ class PackedEpochPlan:
         overlong: overlong-sample policy, see :func:`pack_samples`.
         drop_last: drop a trailing partial global batch in each epoch.
         cache_epochs: how many epochs' pack lists to keep.
-        order: ``epoch -> item ids`` fed to the packer (e.g. a
-            :class:`~megascale_omni.data.blend.BlendedOrder`); default: a
+        order: ``(epoch, first steps of epochs 0..epoch) -> item ids`` fed
+            to the packer (e.g. a :class:`~megascale_omni.data.blend.BlendedOrder`,
+            whose weights may change by step); default: a
             permutation of every item per epoch (:func:`epoch_permutation`).
         vision: vision-tower tokens per sample; with ``max_vision`` > 0 no
             packed row holds more (see :func:`pack_samples`).
@@ -224,7 +225,9 @@ class PackedEpochPlan:
         """Read-only sample ids fed to the packer in ``epoch`` (a permutation of
         all of them unless an ``order`` was given)."""
         if self._order is not None:
-            return self._order(epoch)
+            if epoch:
+                self.steps_in_epoch(epoch - 1)  # the first steps of epochs 0..epoch, for a scheduled blend
+            return self._order(epoch, tuple(self._epoch_start[:epoch + 1]))
         return epoch_permutation(self.num_samples, self.seed, epoch)
 
     def _pack_epoch(self, epoch: int) -> tuple[Pack, ...]:

@@ -149,8 +149,11 @@ class ConversationData(DataModule):
         order = None
         if cfg.data.blend:
             order = BlendedOrder(self.train_reader.source_of(self.train_ids), [b.weight for b in cfg.data.blend],
-                                 cfg.train.seed)
-            logger.info("blend: %s samples per epoch from %s", order.counts, [b.path for b in cfg.data.blend])
+                                 cfg.train.seed, cfg.data.blend_epoch_size or None,
+                                 [(stage.step, stage.weights) for stage in cfg.data.blend_schedule])
+            logger.info("blend: %s samples per epoch from %s%s", order.counts, [b.path for b in cfg.data.blend],
+                        "".join(f"; from step {stage.step}: {counts}" for stage, counts
+                                in zip(cfg.data.blend_schedule, order.stage_counts[1:])))
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed,
                                     costs=scan.costs, order=order, vision=scan.vision,
                                     max_vision=self.scanner.max_vision)
