@@ -135,3 +135,32 @@ def test_budget_is_validated_and_decides_the_plan():
         f"least {2 * per_input}, or 0 for no budget")
     with pytest.raises(ConfigError, match="max_vision_tokens_per_microbatch"):
         _cfg("data.max_vision_tokens_per_microbatch=-1")
+
+
+def test_video_frames_are_tower_inputs_and_video_samples_in_the_mix(tmp_path):
+    """Demo clips (8 frames) among image samples: the scan counts each frame read
+    as a tower input of the FLOPs batch shape and as vision tokens, and the mix
+    counts the clips as video."""
+    from megascale_omni.data.shard_writer import write_shards
+    from megascale_omni.data.tokenizer import build_word_tokenizer
+    from megascale_omni.demo.shapes import dataset_vocabulary, generate_samples
+    from megascale_omni.demo.video_shapes import clip_vocabulary, generate_clip
+
+    tok = build_word_tokenizer(sorted(set(dataset_vocabulary()) | set(clip_vocabulary())), tmp_path / "tok.json")
+    encoder = LlavaEncoder(tok, 4)
+    images = list(generate_samples(8, seed=1))
+    clips = [generate_clip(8 + i, seed=1) for i in range(2)]
+    write_shards(images + clips, tmp_path / "train", samples_per_shard=5, coster=encoder)
+    reader = ShardedSampleReader(tmp_path / "train")
+    per_image = [s.num_images for s in images]
+    for frames in (0, 3):  # every stored frame, or data.video_frames=3
+        scan = PlanScanner(encoder, 4, 512, 1, video_frames=frames).scan(reader)
+        read = frames or 8
+        assert scan.frames.tolist() == [0] * 8 + [read, read] and scan.video_samples == 2
+        assert scan.tower_inputs.tolist() == per_image + [read, read]
+        assert scan.vision.tolist() == [4 * n for n in per_image + [read, read]]
+        codes = modality_codes(scan.images, scan.frames)
+        packs = pack_samples(scan.lengths, 512, vision=scan.vision)
+        mix = batch_mix(packs, codes)
+        assert mix["samples_video"] == 2 and mix["vision_tokens"] == int(scan.vision.sum())
+        assert mix["samples_text"] + mix["samples_image"] + mix["samples_multi_image"] == 8
