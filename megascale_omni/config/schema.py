@@ -223,6 +223,16 @@ class BlendSource:
 
 
 @dataclass
+class BlendStage:
+    """One stage of ``data.blend_schedule``: the blend's weights from ``step`` on."""
+
+    #: First global step (0-based, the step counter a checkpoint records) of the stage.
+    step: int = 0
+    #: One weight per ``data.blend`` source, in its order (>= 0, not all 0; any scale).
+    weights: list[float] = field(default_factory=list)
+
+
+@dataclass
 class DataConfig:
     """Where training data comes from."""
 
@@ -268,11 +278,32 @@ class DataConfig:
     #: one tower input preprocessed by ``image_mode`` (anyres: its overview),
     #: pooled by ``vision.video_pool_stride`` (docs/video.md).
     video_frames: int = checked(8, ge=0)
+    #: LLaVA: vision-tower tokens (image views and video frames, each
+    #: ``vision.tokens_per_image``) one micro-batch may hold, so a long clip
+    #: cannot blow the tower's activation memory. The plan packs each row
+    #: with at most this / ``train.micro_batch_size`` of them and defers a
+    #: sample a row has no room for to another row (counted as
+    #: ``vision_deferred`` in the step record); a sample over a row's share
+    #: on its own is excluded from the plan and counted as a bad sample, with
+    #: its reason in the log (docs/video.md). ``0``: no budget.
+    max_vision_tokens_per_microbatch: int = checked(0, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
     #: their ``train/`` splits, in the step-indexed plan (docs/data.md). The
     #: tokenizer and the ``val/`` split still come from ``path``. Empty: ``path``'s train split.
     blend: list[BlendSource] = field(default_factory=list)
+    #: LLaVA: change the blend's weights during training, e.g. ``[{step: 2000,
+    #: weights: [0.6, 0.4]}, {step: 5000, weights: [0.3, 0.7]}]`` (steps strictly
+    #: increasing): from each stage's ``step`` on its weights replace the
+    #: ``blend`` weights, at the first blended epoch that starts there or later
+    #: (``blend_epoch_size``). Part of the sample plan: a resume continues the
+    #: mix where it was (docs/data.md). Empty: the ``blend`` weights throughout.
+    blend_schedule: list[BlendStage] = field(default_factory=list)
+    #: LLaVA blends: samples per blended epoch, the unit the mix is exact over
+    #: and changes by (a schedule's stage starts at an epoch's first step); a
+    #: trailing partial global batch of each epoch is not trained.
+    #: ``0``: every usable sample of the sources.
+    blend_epoch_size: int = checked(0, ge=0)
     #: LLaVA: worker processes that read, decode and collate the micro-batches
     #: of the next steps while the current one trains (in plan order; each
     #: training process starts its own). ``0``: built in the training process
@@ -295,8 +326,31 @@ class DataConfig:
             if not source.path.strip():
                 raise ConfigError(f"data.blend[{i}].path", source.path, "must name a dataset directory")
             require_positive("data", f"blend[{i}].weight", source.weight)
+        self._check_blend_schedule()
         if not self.image_token.strip():
             raise ConfigError("data.image_token", self.image_token, "must name a token of the tokenizer")
+
+    def _check_blend_schedule(self) -> None:
+        """ConfigError (one line, naming the stage's field) for a schedule
+        without a blend, steps not increasing, or a weight row that does not
+        give every source a weight >= 0 with a positive sum."""
+        if self.blend_schedule and not self.blend:
+            raise ConfigError("data.blend_schedule", f"{len(self.blend_schedule)} stages",
+                              "changes the weights of data.blend, which is empty; list the blend's sources")
+        previous = -1
+        for i, stage in enumerate(self.blend_schedule):
+            name = f"data.blend_schedule[{i}]"
+            if isinstance(stage.step, bool) or not isinstance(stage.step, int) or stage.step <= previous:
+                raise ConfigError(f"{name}.step", stage.step, "must be an int >= 0" if i == 0 else
+                                  f"must be an int > {previous}, the step of the stage before (steps strictly increase)")
+            previous = stage.step
+            w = stage.weights
+            if len(w) != len(self.blend):
+                raise ConfigError(f"{name}.weights", w, f"needs one weight per data.blend source ({len(self.blend)})")
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf") for x in w):
+                raise ConfigError(f"{name}.weights", w, "must be finite numbers >= 0 (0 pauses a source)")
+            if not sum(w) > 0:
+                raise ConfigError(f"{name}.weights", w, "must not all be 0 (some source must supply the samples)")
 
 
 @dataclass

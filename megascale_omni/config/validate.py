@@ -85,6 +85,22 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         )
     if cfg.control.enabled:
         _validate_control(cfg)
+    row_vision_budget(cfg)
+
+
+def row_vision_budget(cfg: JobConfig) -> int:
+    """Vision-tower tokens one packed row may hold:
+    ``data.max_vision_tokens_per_microbatch // train.micro_batch_size`` (0:
+    no budget). ConfigError when that is below one tower input (LLaVA)."""
+    budget, mbs = cfg.data.max_vision_tokens_per_microbatch, cfg.train.micro_batch_size
+    per_input = cfg.vision.tokens_per_image
+    if budget and cfg.model.family == "llava" and budget // mbs < per_input:
+        raise ConfigError(
+            "data.max_vision_tokens_per_microbatch", budget,
+            f"leaves {budget // mbs} per packed row (train.micro_batch_size={mbs}), less than one image or frame "
+            f"(vision.tokens_per_image={per_input}); use at least {mbs * per_input}, or 0 for no budget",
+        )
+    return budget // mbs
 
 
 def validate_paths(cfg: JobConfig) -> None:

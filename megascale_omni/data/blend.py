@@ -21,13 +21,24 @@
   ``(i + 0.5) / count_d``), so every window of the order, hence every global
   batch, carries the mix, not only the epoch.
 
-Everything is a pure function of (item sources, weights, seed, epoch): the
-global batch of a step stays a function of (seed, step) whatever the number
-of data-parallel participants.
+A schedule (``data.blend_schedule``) changes the weights during training:
+stage ``k`` gives the weights from step ``s_k`` on. A blended epoch takes
+the weights in effect at its first step, so the mix changes at the first
+epoch boundary at or after ``s_k`` (``data.blend_epoch_size`` sets how
+often there is one); the plan hands each epoch the first steps of it and of
+the epochs before (:meth:`BlendedOrder.__call__`). Each source's stream
+position is the sum of its counts over the epochs before, so a source is
+still never repeated before a full pass, whatever the weights did.
+
+Everything is a pure function of (item sources, weights, schedule, seed,
+epoch, epoch start steps): the global batch of a step stays a function of
+(seed, step) whatever the number of data-parallel participants, and a resumed
+run continues the mix where it was.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -62,28 +73,56 @@ class BlendedOrder:
         weights: one positive weight per source (any scale).
         seed: non-negative seed.
         epoch_size: items per blended epoch (default: ``num_items``).
+        schedule: ``(step, weights)`` stages, steps strictly increasing: from
+            ``step`` on, ``weights`` (one per source, >= 0, not all 0) replace
+            ``weights`` (see the module docstring). Empty: fixed weights.
     """
 
     def __init__(self, source_of_item: Sequence[int] | np.ndarray, weights: Sequence[float], seed: int,
-                 epoch_size: Optional[int] = None):
+                 epoch_size: Optional[int] = None, schedule: Sequence[tuple[int, Sequence[float]]] = ()):
         sources = np.asarray(source_of_item, dtype=np.int64)
         if len(weights) == 0 or any(not w > 0 for w in weights):
             raise ValueError(f"weights must be positive, got {list(weights)}")
+        steps = [int(step) for step, _ in schedule]
+        if any(b <= a for a, b in zip(steps, steps[1:])) or any(s < 0 for s in steps):
+            raise ValueError(f"schedule steps must be non-negative and strictly increasing, got {steps}")
+        rows = [list(weights)] + [list(w) for _, w in schedule]
+        for row in rows[1:]:
+            if len(row) != len(weights) or any(not w >= 0 for w in row) or not sum(row) > 0:
+                raise ValueError(f"schedule weights {row} must be {len(weights)} values >= 0 with a positive sum")
         self.pools = [np.flatnonzero(sources == d) for d in range(len(weights))]
-        empty = [d for d, pool in enumerate(self.pools) if pool.size == 0]
+        empty = [d for d, pool in enumerate(self.pools) if pool.size == 0 and any(row[d] > 0 for row in rows)]
         if empty:
             raise ValueError(f"blend source(s) {empty} have no usable samples")
         self.seed = seed
         self.epoch_size = int(sources.size if epoch_size is None else epoch_size)
-        self.counts = split_counts(self.epoch_size, weights)
+        self._steps = steps
+        #: Items per source per epoch, one list per stage (the first: ``weights``).
+        self.stage_counts = [split_counts(self.epoch_size, row) for row in rows]
+        #: Items per source per epoch before the first scheduled stage.
+        self.counts = self.stage_counts[0]
+        self._patterns = [self._pattern_of(counts) for counts in self.stage_counts]
+
+    @staticmethod
+    def _pattern_of(counts: Sequence[int]) -> np.ndarray:
+        """Source of each position of an epoch with ``counts`` items per source, evenly interleaved."""
         keys, items = [], []
-        for d, count in enumerate(self.counts):
+        for d, count in enumerate(counts):
             keys.append((np.arange(count) + 0.5) / max(count, 1))
             items.append(np.full(count, d))
-        # Stable merge by (key, source): the interleaving pattern, the same every epoch.
+        # Stable merge by (key, source): the interleaving pattern, the same every epoch of a stage.
         key = np.concatenate(keys)
         source = np.concatenate(items)
-        self._pattern = source[np.lexsort((source, key))]
+        return source[np.lexsort((source, key))]
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the weights change during training (the order needs the epochs' first steps)."""
+        return bool(self._steps)
+
+    def stage_at(self, step: int) -> int:
+        """Index into :attr:`stage_counts` of the weights in effect at ``step``."""
+        return bisect.bisect_right(self._steps, step)
 
     def _pass(self, source: int, k: int) -> np.ndarray:
         return _source_pass(self.pools[source].size, self.seed, source, k)
@@ -100,11 +139,25 @@ class BlendedOrder:
             done += take
         return out
 
-    def __call__(self, epoch: int) -> np.ndarray:
-        """Item ids of ``epoch`` in order (``[epoch_size]``, read-only)."""
+    def __call__(self, epoch: int, epoch_starts: Optional[Sequence[int]] = None) -> np.ndarray:
+        """Item ids of ``epoch`` in order (``[epoch_size]``, read-only).
+        ``epoch_starts``: the first global step of epochs ``0..epoch`` (what
+        :class:`~megascale_omni.data.sample_plan.PackedEpochPlan` passes);
+        needed only with a schedule."""
+        if self.scheduled and (epoch_starts is None or len(epoch_starts) <= epoch):
+            raise ValueError(f"a scheduled blend needs the first steps of epochs 0..{epoch}, got {epoch_starts}")
+        if self.scheduled:
+            stages = np.asarray([self.stage_at(s) for s in epoch_starts[:epoch + 1]], dtype=np.int64)
+            table = np.asarray(self.stage_counts, dtype=np.int64)  # [stages, sources]
+            starts = table[stages[:-1]].sum(axis=0) if epoch else np.zeros(len(self.pools), dtype=np.int64)
+            counts, pattern = self.stage_counts[stages[-1]], self._patterns[stages[-1]]
+        else:
+            counts, pattern = self.counts, self._patterns[0]
+            starts = [epoch * count for count in counts]
         order = np.empty(self.epoch_size, dtype=np.int64)
-        for d, count in enumerate(self.counts):
-            order[self._pattern == d] = self._take(d, epoch * count, count)
+        for d, count in enumerate(counts):
+            if count:
+                order[pattern == d] = self._take(d, int(starts[d]), count)
         order.setflags(write=False)
         return order
 

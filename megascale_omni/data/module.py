@@ -75,6 +75,12 @@ class DataModule(ABC):
         elastic sample ledger. Modules that support elastic jobs implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not report sample ids (elastic.ledger_dir)")
 
+    def batch_stats(self, step: int) -> dict[str, int]:
+        """Step-record fields of what global batch ``step`` holds (LLaVA: its
+        modality mix and vision-token load, :mod:`megascale_omni.data.modality`);
+        every rank, no I/O. Empty: none."""
+        return {}
+
     def data_stats(self) -> dict[str, float]:
         """Cumulative data-health counters for the step record."""
         return dict(self.bad_samples.stats()) if self.bad_samples is not None else {}

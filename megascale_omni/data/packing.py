@@ -58,12 +58,18 @@ class Pack:
             sample's length unless it was truncated to ``seq_length``.
         cost: sum of member costs (token-equivalents, see
             :func:`megascale_omni.data.balance.sample_cost`).
+        vision: sum of member vision-tower tokens (0 when not given).
+        deferred: members that a fuller row had room for in tokens but not
+            in vision tokens (``max_vision`` of :func:`pack_samples`), so they
+            opened or joined a later row.
     """
 
     sample_ids: tuple[int, ...]
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     cost: float = 0.0
+    vision: int = 0
+    deferred: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -105,27 +111,40 @@ def _validate_inputs(
     return ids, cost_arr
 
 
-def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def _best_fit_decreasing(lengths: np.ndarray, capacity: int, vision: Optional[np.ndarray] = None,
+                         max_vision: int = 0) -> tuple[list[list[int]], list[int]]:
     """Best-fit-decreasing over one window.
 
     Args:
         lengths: int array ``[w]`` of lengths, each ``<= capacity``.
         capacity: bin capacity in tokens.
+        vision: int array ``[w]`` of vision tokens per item, each ``<=
+            max_vision``; with ``max_vision`` > 0 a bin's vision tokens stay
+            within ``max_vision`` (an item goes to the tightest bin, by
+            tokens, that has room for both).
+        max_vision: the bins' vision-token capacity; 0: unbounded.
 
     Returns:
-        Bins as lists of window-local positions, each list sorted ascending,
-        bins ordered by their first member's position.
+        ``(bins, deferred)``: bins as lists of window-local positions, each
+        list sorted ascending, bins ordered by their first member's position;
+        per bin, its members that a tighter bin had token room for but not
+        vision room (0 without ``max_vision``).
     """
     # Stable sort on (-length, position): ties keep stream order, which makes
     # the result a pure function of the input sequence.
     order = np.argsort(-lengths, kind="stable")
     bins: list[list[int]] = []
+    bin_vision: list[int] = []
+    deferred: list[int] = []
     # Open bins keyed by (remaining_capacity, bin_index); bisect finds the
     # tightest bin that still fits, lowest bin index on ties.
     open_bins: list[tuple[int, int]] = []
     for pos in order.tolist():
         length = int(lengths[pos])
-        k = bisect.bisect_left(open_bins, (length, -1))
+        v = int(vision[pos]) if max_vision else 0
+        k = first = bisect.bisect_left(open_bins, (length, -1))
+        while max_vision and k < len(open_bins) and bin_vision[open_bins[k][1]] + v > max_vision:
+            k += 1  # a tighter bin is full of vision tokens: the next tightest
         if k < len(open_bins):
             remaining, b = open_bins.pop(k)
             bins[b].append(pos)
@@ -133,13 +152,17 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
         else:
             b = len(bins)
             bins.append([pos])
+            bin_vision.append(0)
+            deferred.append(0)
             remaining = capacity - length
+        bin_vision[b] += v
+        deferred[b] += k > first
         if remaining > 0:
             bisect.insort(open_bins, (remaining, b))
     for members in bins:
         members.sort()
-    bins.sort(key=lambda members: members[0])
-    return bins
+    ranks = sorted(range(len(bins)), key=lambda b: bins[b][0])
+    return [bins[b] for b in ranks], [deferred[b] for b in ranks]
 
 
 def pack_samples(
@@ -150,6 +173,8 @@ def pack_samples(
     costs: Optional[Sequence[float]] = None,
     overlong: OverlongPolicy = "error",
     window: Optional[int] = DEFAULT_PACKING_WINDOW,
+    vision: Optional[Sequence[int]] = None,
+    max_vision: int = 0,
 ) -> list[Pack]:
     """Pack samples into rows of at most ``seq_length`` tokens.
 
@@ -171,6 +196,14 @@ def pack_samples(
             ``"drop"`` skips the sample and logs a warning with the count.
         window: look-ahead window in samples; ``None`` packs the whole input
             as one window (best efficiency, but packs become sorted by length).
+        vision: vision-tower tokens per sample (frames and image views times
+            the tower's tokens per input); defaults to zeros.
+        max_vision: vision tokens a row may hold (a micro-batch's activation
+            budget, ``data.max_vision_tokens_per_microbatch``); 0: unbounded.
+            A sample that a fuller row cannot take is deferred to another
+            row, never dropped (:attr:`Pack.deferred` counts it); a sample
+            over ``max_vision`` on its own raises ``ValueError`` (the plan
+            excludes those first, with their reason).
 
     Returns:
         Packs in emission order. Every kept sample appears in exactly one pack.
@@ -181,6 +214,14 @@ def pack_samples(
     """
     length_arr = np.asarray(lengths, dtype=np.int64)
     ids, cost_arr = _validate_inputs(length_arr, sample_ids, costs, seq_length, overlong, window)
+    vision_arr = np.zeros(length_arr.shape, dtype=np.int64) if vision is None else np.asarray(vision, np.int64)
+    if vision_arr.shape != length_arr.shape or (vision_arr < 0).any() or max_vision < 0:
+        raise ValueError(f"vision {vision_arr.shape} must be non-negative counts matching lengths "
+                         f"{length_arr.shape}, max_vision={max_vision} >= 0")
+    if max_vision and (over := np.flatnonzero(vision_arr > max_vision)).size:
+        i = int(over[0])
+        raise ValueError(f"sample {int(ids[i])} has {int(vision_arr[i])} vision tokens > max_vision {max_vision} "
+                         f"({over.size} such sample(s)); exclude them before packing")
 
     too_long = np.flatnonzero(length_arr > seq_length)
     if too_long.size:
@@ -196,7 +237,7 @@ def pack_samples(
                 too_long.size, seq_length, int(ids[too_long[0]]),
             )
             keep = length_arr <= seq_length
-            length_arr, ids, cost_arr = length_arr[keep], ids[keep], cost_arr[keep]
+            length_arr, ids, cost_arr, vision_arr = length_arr[keep], ids[keep], cost_arr[keep], vision_arr[keep]
         else:
             logger.info("truncating %d sample(s) to seq_length=%d", too_long.size, seq_length)
             length_arr = np.minimum(length_arr, seq_length)
@@ -206,7 +247,9 @@ def pack_samples(
     packs: list[Pack] = []
     for start in range(0, n, max(step, 1)):
         stop = min(start + step, n)
-        for members in _best_fit_decreasing(length_arr[start:stop], seq_length):
+        bins, deferred = _best_fit_decreasing(length_arr[start:stop], seq_length, vision_arr[start:stop],
+                                              max_vision)
+        for members, late in zip(bins, deferred):
             idx = np.asarray(members, dtype=np.int64) + start
             member_lengths = length_arr[idx]
             offsets = np.concatenate(([0], np.cumsum(member_lengths)[:-1]))
@@ -216,6 +259,8 @@ def pack_samples(
                     offsets=tuple(offsets.tolist()),
                     lengths=tuple(member_lengths.tolist()),
                     cost=float(cost_arr[idx].sum()),
+                    vision=int(vision_arr[idx].sum()),
+                    deferred=late,
                 )
             )
     return packs

@@ -23,6 +23,8 @@ The settings (:func:`plan_settings`, ``{"section.field": value}``):
   8; the other families do not pad samples);
 - ``model.seq_length`` (row capacity), ``train.seed`` (sample order),
   ``train.global_batch_size`` (rows or samples per step);
+- ``train.micro_batch_size`` when ``data.max_vision_tokens_per_microbatch``
+  is set (a row's vision-token share is the budget divided by it);
 - in a DiT run, ``dit.patch_size``, ``dit.buckets`` and ``dit.token_budget``
   (which images share a micro-batch package).
 
@@ -65,6 +67,8 @@ def _settings(plain: Mapping[str, Any], pad_multiple: int) -> dict[str, Any]:
     else:
         out.pop("data.pad_to_multiple_of", None)
     fields = OTHER_FIELDS + (tuple(("dit", f) for f in DIT_FIELDS) if plain["model"].get("family") == "dit" else ())
+    if data.get("max_vision_tokens_per_microbatch"):
+        fields += (("train", "micro_batch_size"),)
     for section, name in fields:
         if name in plain.get(section, {}):
             out[f"{section}.{name}"] = plain[section][name]

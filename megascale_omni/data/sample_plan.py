@@ -148,9 +148,13 @@ class PackedEpochPlan:
         overlong: overlong-sample policy, see :func:`pack_samples`.
         drop_last: drop a trailing partial global batch in each epoch.
         cache_epochs: how many epochs' pack lists to keep.
-        order: ``epoch -> item ids`` fed to the packer (e.g. a
-            :class:`~megascale_omni.data.blend.BlendedOrder`); default: a
+        order: ``(epoch, first steps of epochs 0..epoch) -> item ids`` fed
+            to the packer (e.g. a :class:`~megascale_omni.data.blend.BlendedOrder`,
+            whose weights may change by step); default: a
             permutation of every item per epoch (:func:`epoch_permutation`).
+        vision: vision-tower tokens per sample; with ``max_vision`` > 0 no
+            packed row holds more (see :func:`pack_samples`).
+        max_vision: vision tokens a row may hold; 0: unbounded.
     """
 
     def __init__(
@@ -166,6 +170,8 @@ class PackedEpochPlan:
         drop_last: bool = True,
         cache_epochs: int = 2,
         order: Optional[Callable[[int], np.ndarray]] = None,
+        vision: Optional[Sequence[int] | np.ndarray] = None,
+        max_vision: int = 0,
     ) -> None:
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
@@ -179,6 +185,10 @@ class PackedEpochPlan:
         )
         if self._costs.shape != self._lengths.shape:
             raise ValueError(f"costs {self._costs.shape} must match lengths {self._lengths.shape}")
+        self._vision = np.zeros_like(self._lengths) if vision is None else np.asarray(vision, dtype=np.int64)
+        if self._vision.shape != self._lengths.shape:
+            raise ValueError(f"vision {self._vision.shape} must match lengths {self._lengths.shape}")
+        self.max_vision = max_vision
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -215,7 +225,9 @@ class PackedEpochPlan:
         """Read-only sample ids fed to the packer in ``epoch`` (a permutation of
         all of them unless an ``order`` was given)."""
         if self._order is not None:
-            return self._order(epoch)
+            if epoch:
+                self.steps_in_epoch(epoch - 1)  # the first steps of epochs 0..epoch, for a scheduled blend
+            return self._order(epoch, tuple(self._epoch_start[:epoch + 1]))
         return epoch_permutation(self.num_samples, self.seed, epoch)
 
     def _pack_epoch(self, epoch: int) -> tuple[Pack, ...]:
@@ -227,6 +239,8 @@ class PackedEpochPlan:
             costs=self._costs[order],
             overlong=self.overlong,
             window=self.window,
+            vision=self._vision[order],
+            max_vision=self.max_vision,
         )
         logger.debug("packed epoch %d: %d samples -> %d packs", epoch, order.size, len(packs))
         return tuple(packs)

@@ -25,6 +25,15 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "samples": ("samples", "samples in the global batch"),
     "images": ("images", "images in the global batch (LLaVA, DiT)"),
     "microbatches": ("", "micro-batches this rank ran"),
+    # modality mix (LLaVA, docs/video.md): a sample with a video counts as video, else by its images
+    "samples_text": ("samples", "text-only samples in the global batch"),
+    "samples_image": ("samples", "single-image samples in the global batch"),
+    "samples_multi_image": ("samples", "samples with two or more images (interleaved) in the global batch"),
+    "samples_video": ("samples", "samples with a video in the global batch"),
+    "vision_tokens": ("tokens", "vision-tower tokens of the global batch (image views and video frames times "
+                                "vision.tokens_per_image)"),
+    "vision_deferred": ("samples", "samples the vision-token budget (data.max_vision_tokens_per_microbatch) "
+                                   "moved from a fuller packed row to another in the global batch"),
     # MoE routing (docs/moe.md): over the step's training forwards, all micro-batches of the
     # job, each MoE layer in layer order
     "moe_expert_tokens": ("tokens", "per MoE layer, tokens routed to each expert after capacity dropping "

@@ -19,7 +19,7 @@ class BatchShape:
 
     ``segments``: non-padding tokens of every language-model sample; each is
     one causal segment of its packed row (image placeholder tokens included).
-    ``tower_inputs``: images through the vision tower (anyres: its views).
+    ``tower_inputs``: images and video frames through the vision tower (anyres: its views).
     ``dit_packages``: ``(image tokens per image, images)`` of every DiT
     package (padding slots excluded). Padding is computed but is not model work.
     """

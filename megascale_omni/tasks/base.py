@@ -103,6 +103,10 @@ class Task:
         """Cumulative data-health counters for the step record."""
         return self.data.data_stats()
 
+    def batch_stats(self, step: int) -> dict[str, int]:
+        """Step-record fields of what global batch ``step`` holds (modality mix, vision load)."""
+        return self.data.batch_stats(step)
+
     def model_stats(self) -> dict:
         """The model's fields of the step record (MoE routing); every rank, a collective for MoE models."""
         return self.model.step_stats()

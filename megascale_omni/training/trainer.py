@@ -304,6 +304,7 @@ class Trainer:
             self.state.sync_params()
         self.task.after_step(self.state.step)
         extra: dict = self.task.data_stats()
+        extra.update(self.task.batch_stats(self.state.step - 1))
         extra.update(self.task.model_stats())
         self.membership.annotate(extra, share)
         if not self._optimizer_state_bytes:

@@ -166,6 +166,11 @@ EXPECTED = {
         r"^read per sample: stored frames [\d.]+ ms, from the clip [\d.]+ ms \(cpu\); ratio [\d.]+x$",
         r"^bytes: clips [\d.]+ MB, shards [\d.]+ MB, shards / clips [\d.]+x$",
     ],
+    "video_mix_plan": [
+        r"^\| video \| budget / micro-batch \| packing efficiency \| rows \| deferred \|",
+        r"^\| 0% \| off \| [\d.]+% \| \d+ \| 0 \| \d+ \| [\d.]+ \([\d.]+\) vs [\d.]+ \([\d.]+\) \|",
+        r"^\| 20% \| 32 inputs \| [\d.]+% \| \d+ \| \d+ \| \d+ \|",
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -190,6 +195,7 @@ TIMEOUT_S = {
     "ingest_jpeg": 240,
     "video_decode": 240,
     "moe_routing": 900,
+    "video_mix_plan": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",

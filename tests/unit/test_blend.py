@@ -108,3 +108,63 @@ def test_blend_pieces_cross_to_loader_workers(tmp_path):
     copy = pickle.loads(pickle.dumps(reader))
     assert len(copy) == 12 and copy.read_metadata(7) == reader.read_metadata(7)
     assert copy[7].conversation == reader[7].conversation and copy.locate(7) == (1, 1)
+
+
+def test_scheduled_blend_changes_the_mix_at_epoch_starts_and_resumes_mid_run():
+    """A stage applies from the first blended epoch starting at or after its
+    step; sources never repeat before a full pass across stages; a fresh
+    plan (a resumed run) and a loader worker's copy serve every step alike."""
+    import pickle
+
+    sources = _sources([3000, 3000])
+
+    def plan():
+        # 16 samples of 100 tokens per step (4 rows of 4), 320 per epoch: epoch e starts at step 20 e.
+        order = BlendedOrder(sources, [3, 1], seed=9, epoch_size=320, schedule=[(30, [1, 3]), (60, [0, 1])])
+        return PackedEpochPlan(np.full(6000, 100), 400, 4, seed=9, order=order, window=None)
+
+    a = plan()
+    share = []
+    for step in range(100):
+        ids = [s for p in a.global_batch(step) for s in p.sample_ids]
+        share.append(float(np.mean(sources[ids] == 0)))
+    per_epoch = [np.mean(share[e * 20:(e + 1) * 20]) for e in range(5)]
+    assert per_epoch == [0.75, 0.75, 0.25, 0.0, 0.0]  # stage 30 waits for epoch 2 (step 40), stage 60 starts epoch 3
+    seen = [s for step in range(100) for p in a.global_batch(step) for s in p.sample_ids if sources[s] == 1]
+    assert len(seen) == len(set(seen)) == 80 + 80 + 240 + 320 + 320  # stream positions carry across stages
+    fresh = plan()
+    for step in (87, 3, 45):  # a resumed run asks for a late step first
+        assert fresh.global_batch(step) == a.global_batch(step)
+    worker = pickle.loads(pickle.dumps(a))
+    assert worker.global_batch(61) == a.global_batch(61)
+    with pytest.raises(ValueError, match="needs the first steps of epochs 0..2"):
+        BlendedOrder(sources, [1, 1], seed=0, schedule=[(5, [1, 0])])(2)
+
+
+def test_blend_schedule_is_validated_and_recorded_in_the_plan():
+    from megascale_omni.data.plan_record import CHECKPOINT_KEY, check_resumed_plan, plan_record, plan_settings
+
+    def cfg(schedule, blend=({"path": "a"}, {"path": "b"})):
+        return from_dict(JobConfig, {"model": {"family": "llava"},
+                                     "data": {"blend": list(blend), "blend_schedule": schedule}})
+
+    good = cfg([{"step": 0, "weights": [1, 0]}, {"step": 100, "weights": [0.5, 2]}])
+    assert [(s.step, s.weights) for s in good.data.blend_schedule] == [(0, [1, 0]), (100, [0.5, 2])]
+    for schedule, blend, field, why in (
+        ([{"step": 5, "weights": [1]}], (), "data.blend_schedule", "data.blend, which is empty"),
+        ([{"step": -1, "weights": [1, 1]}], None, r"data.blend_schedule\[0\].step", "must be an int >= 0"),
+        ([{"step": 5, "weights": [1, 1]}, {"step": 5, "weights": [1, 1]}], None, r"data.blend_schedule\[1\].step",
+         "must be an int > 5"),
+        ([{"step": 5, "weights": [1]}], None, r"data.blend_schedule\[0\].weights", "one weight per data.blend source"),
+        ([{"step": 5, "weights": [1, -1]}], None, r"data.blend_schedule\[0\].weights", "finite numbers >= 0"),
+        ([{"step": 5, "weights": [0, 0]}], None, r"data.blend_schedule\[0\].weights", "must not all be 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^config error: {field}=.*{why}") as err:
+            cfg(schedule, *(() if blend is None else (blend,)))
+        assert "\n" not in str(err.value)
+    settings = plan_settings(good)
+    assert settings["data.blend_schedule"] == [{"step": 0, "weights": [1, 0]}, {"step": 100, "weights": [0.5, 2]}]
+    assert settings["data.blend_epoch_size"] == 0
+    common = {CHECKPOINT_KEY: plan_record(good, {})}
+    with pytest.raises(ConfigError, match=r"^config error: data.blend_schedule=.*the checkpoint's run planned with"):
+        check_resumed_plan(common, cfg([{"step": 0, "weights": [1, 0]}]), {})

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from megascale_omni.config import ConfigError, JobConfig
-from megascale_omni.config.validate import sequence_multiple
+from megascale_omni.config.validate import row_vision_budget, sequence_multiple
 from megascale_omni.data.bad_samples import BadSampleAccount
 from megascale_omni.data.blend import BlendedOrder, ConcatReader
 from megascale_omni.data.broadcast import batch_broadcast
@@ -35,6 +35,7 @@ from megascale_omni.data.llava.plan_scan import PlanScanner, check_exact_sizes
 from megascale_omni.data.llava.preflight import HOW_TO_MAKE, blend_train_split, check_vocab_size, tokenizer_dir
 from megascale_omni.data.llava.steps import LlavaSteps
 from megascale_omni.data.loader import StepLoader
+from megascale_omni.data.modality import batch_mix, modality_codes
 from megascale_omni.data.module import DataModule
 from megascale_omni.data.packing import Pack, packing_efficiency, pad_to_max_efficiency
 from megascale_omni.data.sample_plan import PackedEpochPlan
@@ -130,6 +131,7 @@ class ConversationData(DataModule):
             num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
             truncates=cfg.data.format == "chat", video_frames=cfg.data.video_frames,
             video_tokens=cfg.vision.video_tokens, tower_tokens=cfg.vision.tokens_per_image,
+            max_vision=row_vision_budget(cfg),
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -149,17 +151,22 @@ class ConversationData(DataModule):
             raise ConfigError("data.video_token", cfg.data.video_token, f"is not in the tokenizer's vocabulary, and "
                               f"{self.video_samples} training samples have videos: add it to the tokenizer (a "
                               "special token, or a word of a word-level vocabulary) or name the one it has")
-        #: Tower inputs per usable sample (its images' views, anyres: tiles too, and its
-        #: video frames), for the model FLOPs.
-        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64) + scan.frames
+        #: Modality code per usable sample (:mod:`megascale_omni.data.modality`), for the step record.
+        self.train_modality = modality_codes(scan.images, scan.frames)
+        #: Tower inputs per usable sample (anyres: its images' views; each video frame), for the model FLOPs.
+        self.train_views = scan.tower_inputs
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:
             order = BlendedOrder(self.train_reader.source_of(self.train_ids), [b.weight for b in cfg.data.blend],
-                                 cfg.train.seed)
-            logger.info("blend: %s samples per epoch from %s", order.counts, [b.path for b in cfg.data.blend])
+                                 cfg.train.seed, cfg.data.blend_epoch_size or None,
+                                 [(stage.step, stage.weights) for stage in cfg.data.blend_schedule])
+            logger.info("blend: %s samples per epoch from %s%s", order.counts, [b.path for b in cfg.data.blend],
+                        "".join(f"; from step {stage.step}: {counts}" for stage, counts
+                                in zip(cfg.data.blend_schedule, order.stage_counts[1:])))
         self.plan = PackedEpochPlan(lengths, self.seq_length, cfg.train.global_batch_size, cfg.train.seed,
-                                    costs=scan.costs, order=order)
+                                    costs=scan.costs, order=order, vision=scan.vision,
+                                    max_vision=self.scanner.max_vision)
         self.train_batcher = LlavaBatcher(
             self.train_reader, self.encoder, self.seq_length, self.tokenizer.pad_id, cfg.vision.image_size,
             counter=self.bad_samples.counter, preprocess=self.preprocess, pad_to_multiple_of=self.multiple,
@@ -188,6 +195,10 @@ class ConversationData(DataModule):
 
     def images_of(self, step: int) -> int:
         return int(sum(self.train_images[sid] for p in self.plan.global_batch(step) for sid in p.sample_ids))
+
+    def batch_stats(self, step: int) -> dict[str, int]:
+        """Modality mix and vision-token load of global batch ``step`` (:func:`batch_mix`)."""
+        return batch_mix(self.plan.global_batch(step), self.train_modality)
 
     def batch_shape(self, step: int) -> BatchShape:
         """Every packed sample of global batch ``step`` and the tower inputs of its images."""

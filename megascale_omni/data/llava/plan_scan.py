@@ -16,6 +16,12 @@ rule the model lays them out by: pooled frames plus the newline), from the
 index's frame counts in both ways (a video sample whose index entry has
 none is excluded); the balance cost counts each frame as a tower input. :attr:`PlanScan.video_samples` counts the usable samples with videos.
 
+Vision-token budget (``data.max_vision_tokens_per_microbatch``): a sample
+whose tower tokens (image views and frames, ``tokens_per_image`` each)
+exceed a packed row's share of it cannot share a micro-batch with anything
+and would blow it alone: it is excluded like an over-long sample, counted
+as bad, with the reason and the fix in the log.
+
 anyres: a sample's view count comes from the index's image sizes in both
 ways; a format-1 index has none, which is fatal (re-ingest or re-index).
 
@@ -91,8 +97,17 @@ class PlanScan:
     from_index: int
     #: Usable samples that have videos.
     video_samples: int = 0
-    #: Video frames read per usable sample (tower inputs besides its image views).
+    #: Vision-tower tokens per sample ((image views + video frames) * tokens per input).
+    vision: Optional[np.ndarray] = None
+    #: Video frames read per sample.
     frames: Optional[np.ndarray] = None
+    #: Samples excluded for having more vision tokens than a row's budget.
+    over_vision_budget: int = 0
+
+    @property
+    def tower_inputs(self) -> np.ndarray:
+        """int64 ``[n]``: tower inputs per sample, its image views and its video frames."""
+        return np.asarray([sum(v) for v in self.views], dtype=np.int64) + self.frames
 
 
 class PlanScanner:
@@ -110,13 +125,15 @@ class PlanScanner:
         video_tokens: frames of a video -> its LM placeholders (``vision.video_tokens``;
             needed when the data has videos).
         tower_tokens: features of one tower input (``vision.tokens_per_image``;
-            default ``tokens_per_image``), for the balance cost.
+            default ``tokens_per_image``), for the balance cost and the vision budget.
+        max_vision: vision tokens a packed row may hold
+            (:func:`~megascale_omni.config.validate.row_vision_budget`); 0: unbounded.
     """
 
     def __init__(self, encoder, tokens_per_image: int, seq_length: int, multiple: int,
                  num_views: Optional[Callable[[tuple[int, int]], int]] = None, truncates: bool = False,
                  video_frames: int = 0, video_tokens: Optional[Callable[[int], int]] = None,
-                 tower_tokens: Optional[int] = None):
+                 tower_tokens: Optional[int] = None, max_vision: int = 0):
         self.encoder = encoder
         self.tokens_per_image = tokens_per_image
         self.seq_length = seq_length
@@ -126,6 +143,7 @@ class PlanScanner:
         self.video_frames = video_frames
         self.video_tokens = video_tokens
         self.tower_tokens = tower_tokens or tokens_per_image
+        self.max_vision = max_vision
         #: ``encoder.cost_basis()``: the index token counts this run can use.
         self.basis = encoder.cost_basis()
 
@@ -195,8 +213,8 @@ class PlanScanner:
 
     def scan(self, reader) -> PlanScan:
         """Plan every sample of ``reader`` (a split or a blend of splits)."""
-        ids, lengths, costs, images, views, frame_counts = [], [], [], [], [], []
-        bad = from_index = video_samples = 0
+        ids, lengths, costs, images, views, vision, frame_counts = [], [], [], [], [], [], []
+        bad = from_index = video_samples = over_budget = 0
         use_index: dict[int, bool] = {}
         for i in range(len(reader)):
             try:
@@ -210,6 +228,14 @@ class PlanScanner:
                 bad += 1
                 logger.warning("excluding sample %d: %d tokens > model.seq_length %d", i, n, self.seq_length)
                 continue
+            tower = (sum(sample_views) + frames) * self.tower_tokens
+            if self.max_vision and tower > self.max_vision:
+                bad += 1
+                over_budget += 1
+                logger.warning("excluding sample %d: %d vision tokens > a packed row's budget %d "
+                               "(data.max_vision_tokens_per_microbatch / train.micro_batch_size); raise the budget "
+                               "or lower data.video_frames", i, tower, self.max_vision)
+                continue
             from_index += indexed
             video_samples += frames > 0
             ids.append(i)
@@ -217,7 +243,12 @@ class PlanScanner:
             costs.append(sample_cost(n, sum(sample_views) + frames, self.tower_tokens))
             images.append(kept)
             views.append(sample_views)
+            vision.append(tower)
             frame_counts.append(frames)
+        if over_budget:
+            logger.warning("excluded %d samples of %s over the vision-token budget of %d per packed row",
+                           over_budget, reader.root, self.max_vision)
         logger.info("planned %d of %d samples of %s from index.json alone", from_index, len(reader), reader.root)
         return PlanScan(np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images), views, bad,
-                        from_index, video_samples, np.asarray(frame_counts, dtype=np.int64))
+                        from_index, video_samples, np.asarray(vision, dtype=np.int64),
+                        np.asarray(frame_counts, dtype=np.int64), over_budget)
