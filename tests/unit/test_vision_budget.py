@@ -147,14 +147,15 @@ def test_video_frames_are_tower_inputs_and_video_samples_in_the_mix(tmp_path):
     from megascale_omni.demo.video_shapes import clip_vocabulary, generate_clip
 
     tok = build_word_tokenizer(sorted(set(dataset_vocabulary()) | set(clip_vocabulary())), tmp_path / "tok.json")
-    encoder = LlavaEncoder(tok, 4)
+    per_frame = lambda frames: frames * 4  # noqa: E731  (LM tokens of a video: 4 a frame, no newline)
+    encoder = LlavaEncoder(tok, 4, tok.token_to_id("<video>"), per_frame)
     images = list(generate_samples(8, seed=1))
     clips = [generate_clip(8 + i, seed=1) for i in range(2)]
     write_shards(images + clips, tmp_path / "train", samples_per_shard=5, coster=encoder)
     reader = ShardedSampleReader(tmp_path / "train")
     per_image = [s.num_images for s in images]
     for frames in (0, 3):  # every stored frame, or data.video_frames=3
-        scan = PlanScanner(encoder, 4, 512, 1, video_frames=frames).scan(reader)
+        scan = PlanScanner(encoder, 4, 512, 1, video_frames=frames, video_tokens=per_frame).scan(reader)
         read = frames or 8
         assert scan.frames.tolist() == [0] * 8 + [read, read] and scan.video_samples == 2
         assert scan.tower_inputs.tolist() == per_image + [read, read]
