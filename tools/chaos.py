@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="", help="a LLaVA shard set (default: the shapes demo set, made in the run dir)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for every group and the reference (e.g. watchdog.enabled=true)")
+    p.add_argument("--spares", type=int, default=1, help="warm standby groups kept ready (default 1)")
+    p.add_argument("--cut-off", action="store_true",
+                   help="stop firing at --duration even if planned faults are left (default: fire them all)")
     p.add_argument("--json", default="", help="also write the result here")
     args = p.parse_args(argv)
     kinds = [k for k in args.classes.split(",") if k] or None
@@ -53,6 +57,8 @@ def main(argv=None) -> int:
             raise ConfigError("--classes", k, f"unknown fault class; use some of {', '.join(FAULT_CLASSES)}")
     if args.groups not in (2, 3):
         raise ConfigError("--groups", args.groups, "use 2 or 3 replica groups (2 cores run 3 at most)")
+    if args.spares < 0:
+        raise ConfigError("--spares", args.spares, "must be >= 0 (0: replace lost groups by cold starts)")
     if not args.duration > 0:
         raise ConfigError("--duration", args.duration, "must be > 0 seconds")
     if any("=" not in s for s in args.set):
@@ -68,8 +74,11 @@ def main(argv=None) -> int:
     from megascale_omni.chaos.run import ChaosConfig, run_chaos, summary
 
     logging.basicConfig(level=logging.WARNING, format="chaos: %(message)s")
+    # SIGTERM (a CI timeout, kill) unwinds through run_chaos, which kills every process of the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = ChaosConfig(run_dir=run_dir, data_dir=data, duration_s=args.duration, seed=args.seed,
-                      slots=args.groups, faults=args.faults, kinds=kinds, overrides=list(args.set))
+                      slots=args.groups, faults=args.faults, kinds=kinds, overrides=list(args.set),
+                      cut_off=args.cut_off, spares=args.spares)
     result = run_chaos(cfg)
     print(summary(result))
     if args.json:

@@ -12,6 +12,13 @@ left on disk, so each can be tested with a planted failure).
   ``tools/ckpt.py verify``).
 * :func:`intervention_problems`: the run's action log holds nothing but the
   planned faults and the supervisor's restarts.
+
+Records and ledger lines may carry an ``epoch`` (default 0): the lighthouse
+incarnation their group trained under. When every group is lost at once (a
+lighthouse kill ends every group's quorum request on torchft 0.2.0), the
+job falls back to its newest checkpoint and trains the steps after it again
+under the next epoch, whose quorum ids start over: for each step only its
+latest epoch counts, and :func:`rolled_back_steps` counts the steps redone.
 Leftover processes: :func:`megascale_omni.chaos.supervisor.processes_of_run`.
 """
 
@@ -29,18 +36,38 @@ ALLOWED_ACTIONS = frozenset({"start lighthouse", "lighthouse exited", "start gro
                              "join standby", "fault", "fault over", "stop"})
 
 
+def _latest_epoch(items: Iterable[dict], committed) -> dict[int, int]:
+    """Step -> the latest epoch in which ``committed(item)`` items have it."""
+    out: dict[int, int] = {}
+    for r in items:
+        if committed(r):
+            out[r["step"]] = max(out.get(r["step"], 0), r.get("epoch", 0))
+    return out
+
+
+def rolled_back_steps(records: Iterable[dict]) -> int:
+    """Steps committed in more than one epoch (redone after a fall-back to a checkpoint)."""
+    epochs: dict[int, set[int]] = {}
+    for r in records:
+        epochs.setdefault(r["step"], set()).add(r.get("epoch", 0))
+    return sum(len(e) > 1 for e in epochs.values())
+
+
 def merge_step_records(groups: Iterable[list[dict]]) -> tuple[dict[int, dict], list[str]]:
-    """Step -> first record seen of it, over every group incarnation's
-    committed step records; problems: two groups disagreeing on one step's
-    loss (relative 1e-12: one quorum reduces one loss), a gap in 1..last, a
-    non-finite loss."""
+    """Step -> first record seen of it in its latest epoch, over every group
+    incarnation's committed step records; problems: two groups disagreeing
+    on one step's loss in one epoch (relative 1e-12: one quorum reduces one
+    loss), a gap in 1..last, a non-finite loss."""
+    everything = [r for records in groups for r in records]
+    latest = _latest_epoch(everything, lambda r: True)
     merged: dict[int, dict] = {}
     problems = []
-    for records in groups:
-        for r in records:
-            seen = merged.setdefault(r["step"], r)
-            if not math.isclose(r["loss"], seen["loss"], rel_tol=1e-12):
-                problems.append(f"step {r['step']}: groups report losses {seen['loss']!r} and {r['loss']!r}")
+    for r in everything:
+        if r.get("epoch", 0) != latest[r["step"]]:
+            continue
+        seen = merged.setdefault(r["step"], r)
+        if not math.isclose(r["loss"], seen["loss"], rel_tol=1e-12):
+            problems.append(f"step {r['step']}: groups report losses {seen['loss']!r} and {r['loss']!r}")
     if merged and sorted(merged) != list(range(1, max(merged) + 1)):
         missing = sorted(set(range(1, max(merged) + 1)) - set(merged))
         problems.append(f"committed steps have gaps: missing {missing[:20]}")
@@ -76,7 +103,10 @@ def ledger_problems(chaos: list[dict], reference: list[dict], last_step: int) ->
     ``0 .. last_step - 1`` (step record ``s`` is ledger step ``s - 1``).
     Names each committed step whose consumed samples lack one of the
     reference's (lost) or hold one more often (repeated), a step committed
-    twice, and a step missing from either ledger."""
+    twice in one epoch, and a step missing from either ledger."""
+    latest = _latest_epoch(chaos, lambda r: r["event"] == "commit" and r["committed"])
+    chaos = [{**r, "quorum": f"{r.get('epoch', 0)}:{r['quorum']}"} for r in chaos
+             if r.get("epoch", 0) == latest.get(r["step"], r.get("epoch", 0))]
     try:
         got = consumed_samples(chaos)
     except ValueError as exc:  # one step's update applied twice

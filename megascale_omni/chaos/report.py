@@ -12,10 +12,13 @@ from megascale_omni.chaos.plan import FAULT_CLASSES
 
 def uncommitted_attempts(ledger: list[dict]) -> dict[int, int]:
     """Ledger step -> number of (step, quorum) attempts that never committed."""
-    committed = {(r["step"], r["quorum"]) for r in ledger if r["event"] == "commit" and r["committed"]}
-    attempts = {(r["step"], r["quorum"]) for r in ledger if r["event"] == "attempt"}
+    def key(r: dict) -> tuple:
+        return r["step"], r.get("epoch", 0), r["quorum"]
+
+    committed = {key(r) for r in ledger if r["event"] == "commit" and r["committed"]}
+    attempts = {key(r) for r in ledger if r["event"] == "attempt"}
     out: dict[int, int] = {}
-    for step, _ in attempts - committed:
+    for step, _, _ in attempts - committed:
         out[step] = out.get(step, 0) + 1
     return out
 

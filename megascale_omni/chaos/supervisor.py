@@ -131,7 +131,8 @@ class Supervisor:
         #: What the supervisor did, with monotonic times: the only actions besides the planned faults.
         self.actions: list[dict] = []
         self._counts: dict[int, int] = {}
-        self._lighthouse_restarts = 0
+        #: Monotonic start time of each lighthouse incarnation: epoch i began at lighthouse_starts[i].
+        self.lighthouse_starts: list[float] = []
 
     # ----------------------------------------------------------- processes
     def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
@@ -147,6 +148,7 @@ class Supervisor:
             [binary, "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms", "60000",
              "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
             self.run_dir / "lighthouse.log")
+        self.lighthouse_starts.append(time.monotonic())
         self.actions.append({"t": time.monotonic(), "action": "start lighthouse", "port": self.port})
 
     def start_group(self, slot: int, extra: tuple[str, ...] = (), name: str = "") -> Incarnation:
@@ -229,7 +231,6 @@ class Supervisor:
         now = time.monotonic()
         if self.lighthouse is not None and self.lighthouse.poll() is not None:
             self.actions.append({"t": now, "action": "lighthouse exited", "code": self.lighthouse.returncode})
-            self._lighthouse_restarts += 1
             self.start_lighthouse()
         exited = []
         for slot, inc in list(self.current.items()):
@@ -301,12 +302,33 @@ class Supervisor:
         assert self.lighthouse is not None
         self.lighthouse.send_signal(signal.SIGKILL)
 
+    def drain_all(self, timeout_s: float = 120.0) -> None:
+        """End the job the normal way: ``drain`` every training group (each
+        stops after the step it committed and exits 0), wait up to
+        ``timeout_s`` for them to exit; :meth:`stop` kills what is left."""
+        from megascale_omni.control.client import ControlClient, endpoint_of_run
+
+        live = [inc for inc in self.current.values() if inc.proc.poll() is None]
+        for inc in live:
+            try:
+                with ControlClient(endpoint_of_run(inc.output_dir), timeout_s=10) as client:
+                    client.request("drain", {})
+            except OSError:
+                pass  # not serving (starting, or gone): killed by stop()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(inc.proc.poll() is None for inc in live):
+            time.sleep(0.2)
+
     def stop(self) -> None:
         """SIGKILL every process of the run (groups, standbys, lighthouse) and reap them."""
         for inc in [*self.current.values(), *self.standbys]:
             kill_process_tree(inc.proc)
         if self.lighthouse is not None:
             kill_process_tree(self.lighthouse)
+
+    def epoch_at(self, t: float) -> int:
+        """The lighthouse incarnation (0, 1, ...) that was running at monotonic time ``t``."""
+        return max(sum(start <= t for start in self.lighthouse_starts) - 1, 0)
 
     def write_actions(self, path: Path) -> None:
         path.write_text("".join(json.dumps(a) + "\n" for a in self.actions))

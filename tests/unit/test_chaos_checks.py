@@ -90,7 +90,7 @@ def test_ledger_catches_a_lost_step_and_a_step_committed_twice():
     twice = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]}) + [
         {"event": "commit", "step": 1, "quorum": 5, "replica": "r1", "committed": True}]
     [problem] = checks.ledger_problems(twice, REFERENCE, 2)
-    assert "step 1 committed under quorums 1 and 5" in problem
+    assert "step 1 committed under quorums 0:1 and 0:5" in problem
 
 
 def test_losses_equal_within_tolerance_and_a_planted_mismatch_is_caught():
@@ -151,3 +151,19 @@ def test_steps_lost_and_ettr():
     ratio, typical = report.ettr([0.1] * 9 + [5.0], span_s=1.9)
     assert typical == 0.1 and ratio == pytest.approx(1.0 / 2.0)
     assert json.dumps(report.class_table([], {"kill_scheduler": "why"}))
+
+
+def test_a_fall_back_to_a_checkpoint_counts_only_the_latest_epoch():
+    """Epoch 0 committed ledger steps 0-1; every group was lost and epoch 1
+    redid step 1 from the checkpoint (quorum ids start over): exactly-once
+    holds over the latest epoch, and step 2 is counted as rolled back."""
+    old = [{**r, "epoch": 0} for r in _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]})]
+    new = [{**r, "epoch": 1} for r in _ledger({1: [[5, 6], [7, 8]]})]
+    assert checks.ledger_problems(old + new, REFERENCE, 2) == []
+    wrong = [{**r, "epoch": 1} for r in _ledger({1: [[5, 6], [7]]})]
+    assert checks.ledger_problems(old + wrong, REFERENCE, 2) == ["ledger step 1: samples lost [8]"]
+    records = [{"step": 1, "loss": 4.0, "epoch": 0}, {"step": 2, "loss": 3.0, "epoch": 0},
+               {"step": 2, "loss": 3.1, "epoch": 1}, {"step": 3, "loss": 2.0, "epoch": 1}]
+    merged, problems = checks.merge_step_records([records])
+    assert problems == [] and merged[2]["loss"] == 3.1
+    assert checks.rolled_back_steps(records) == 1
