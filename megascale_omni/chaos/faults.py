@@ -151,10 +151,17 @@ class HangDataWorker(HangRank):
 
 class KillLighthouse(Injector):
     """SIGKILL the lighthouse; the supervisor restarts it on the same port
-    at its next poll (detection: that poll)."""
+    at its next poll (detection: that poll). Recovered once the restarted
+    lighthouse formed a quorum and a step with every slot committed after
+    that (a step committed right after the kill may still ride on a quorum
+    of the old one)."""
 
     def fire(self, ctx: Context) -> None:
         self.old = ctx.sup.lighthouse
+        self.log = ctx.sup.run_dir / "lighthouse.log"
+        self.tail = LogTail()
+        self.tail.mark([self.log])
+        self.quorum: Optional[float] = None
         self.fired = time.monotonic()
         ctx.sup.kill_lighthouse()
         self.target = f"lighthouse (pid {self.old.pid})"
@@ -164,9 +171,12 @@ class KillLighthouse(Injector):
             self._detected = time.monotonic()
         return self._detected
 
+    def tick(self, ctx: Context) -> None:
+        if self.quorum is None and self.detected(ctx) is not None and self.tail.grep([self.log], "Quorum!"):
+            self.quorum = time.monotonic()
+
     def recovered(self, ctx: Context) -> bool:
-        t = self.detected(ctx)
-        return t is not None and self.full_membership_since(ctx, t)
+        return self.quorum is not None and self.full_membership_since(ctx, self.quorum)
 
 
 class Straggler(Injector):
