@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -156,7 +156,7 @@ class ChaosRun:
                 "--master-addr=127.0.0.1", f"--master-port={free_port()}", "pretrain_llava.py", "--config",
                 JOB_CONFIG, *self.reference_overrides, f"logging.output_dir={out}",
                 f"elastic.ledger_dir={self.run_dir / 'reference-ledger'}"]
-        self.reference = self.sup._spawn(argv, self.run_dir / "reference.log")
+        self.reference = self.sup.spawn(argv, self.run_dir / "reference.log")
 
     def execute(self) -> dict:
         cfg = self.cfg
@@ -228,21 +228,17 @@ class ChaosRun:
     # -------------------------------------------------------------- proofs
     def _stop_reference(self, last: int) -> dict[int, float]:
         """Wait until the reference run has passed ``last``; stop it; its step -> loss."""
-        ref_dir = self.run_dir / "reference"
+        ref = SimpleNamespace(replica_id="reference", output_dir=str(self.run_dir / "reference"))
         probe = Progress()
-
-        class _Ref:  # the reference as an incarnation for Progress
-            replica_id, output_dir = "reference", str(ref_dir)
-
         deadline = time.monotonic() + 900
         while probe.last_step() < last and time.monotonic() < deadline:
             if self.reference.poll() is not None:
                 break
-            probe.scan([_Ref])
+            probe.scan([ref])
             time.sleep(0.5)
-        probe.scan([_Ref])
+        probe.scan([ref])
         kill_process_tree(self.reference)
-        return {s: c["loss"] for c in probe.records.get("reference", []) for s in [c["step"]]}
+        return {r["step"]: r["loss"] for r in probe.records.get("reference", [])}
 
     def _epochs(self) -> dict[str, int]:
         """Replica id -> the lighthouse incarnation it trained under: the one

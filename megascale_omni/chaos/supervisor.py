@@ -135,7 +135,8 @@ class Supervisor:
         self.lighthouse_starts: list[float] = []
 
     # ----------------------------------------------------------- processes
-    def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+    def spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+        """Start ``argv`` in a session of its own with the run's marker; output appended to ``log_path``."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, RUN_MARKER: self.token}
         with open(log_path, "ab") as log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
@@ -144,7 +145,7 @@ class Supervisor:
     def start_lighthouse(self) -> None:
         binary = str(Path(self.command.python).parent / "torchft_lighthouse")
         # join_timeout: a quorum waits this long for heartbeating groups that have not asked yet.
-        self.lighthouse = self._spawn(
+        self.lighthouse = self.spawn(
             [binary, "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms", "60000",
              "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
             self.run_dir / "lighthouse.log")
@@ -157,7 +158,7 @@ class Supervisor:
         rid = f"{name or f'g{slot}'}-{n}"
         out = self.run_dir / rid
         out.mkdir(parents=True, exist_ok=True)
-        proc = self._spawn(self.command.argv(rid, self.lighthouse_addr, str(out), extra), self.run_dir / f"{rid}.log")
+        proc = self.spawn(self.command.argv(rid, self.lighthouse_addr, str(out), extra), self.run_dir / f"{rid}.log")
         proc.output_dir = str(out)  # type: ignore[attr-defined]
         inc = Incarnation(slot, rid, proc, time.monotonic(), extra)
         if not name:
