@@ -325,6 +325,7 @@ def summary(result: dict) -> str:
              f"steps committed: {result['last_step']} ({result['committed_steps_in_window']} in the "
              f"{result['chaos_s']:.0f} s fault window; start-up {result['startup_s']:.0f} s); "
              f"faults fired {len(result['faults'])} of {result['faults_planned']} planned; "
+             f"steps redone after a fall-back to a checkpoint {result['rolled_back_steps']}; "
              f"ETTR {result['ettr']:.3f} (typical step {result['typical_step_s']:.3f} s)",
              f"loss vs fault-free reference: worst relative difference {result['worst_loss_rel_diff']:.1e} "
              f"(tolerance {result['rtol']:.0e}): {loss}",
