@@ -75,8 +75,9 @@ class ChaosConfig:
     #: groups with "Timed out waiting 10000ms for recv".
     elastic_timeout_s: float = 30.0
     #: elastic.quorum_timeout_s: a quorum request sent to a lighthouse that
-    #: was killed hangs this long before it fails and is retried against the
-    #: restarted one (measured), so it bounds recovery from a lighthouse kill.
+    #: was killed hangs this long, then fails and its group exits (torchft
+    #: 0.2.0, measured); the supervisor replaces the groups, which resume from
+    #: the checkpoint: this bounds recovery from a lighthouse kill.
     quorum_timeout_s: float = 30.0
     heartbeat_timeout_ms: int = 3000
     checkpoint_interval: int = 25
