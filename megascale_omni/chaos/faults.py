@@ -407,15 +407,23 @@ class ShardCorrupt(ProbeGroup):
 
     def tick(self, ctx: Context) -> None:
         if self.restored is None and self.probe_exit(ctx, self.shard.name) is not None:
-            os.replace(self.pristine, self.shard)
-            self.restored = time.monotonic()
+            self._restore(ctx)
+
+    def _restore(self, ctx: Context) -> None:
+        """Put the pristine shard back and let the supervisor restart every
+        slot it held for a data error meanwhile (a standby started while the
+        shard was bad refuses it too when it joins)."""
+        os.replace(self.pristine, self.shard)
+        self.restored = time.monotonic()
+        for slot in range(ctx.slots):
+            ctx.sup.release(slot)
 
     def recovered(self, ctx: Context) -> bool:
         return self.restored is not None and self.ok and self.full_membership_since(ctx, self.restored)
 
     def cleanup(self, ctx: Context) -> None:
         if hasattr(self, "pristine") and self.pristine.exists():
-            os.replace(self.pristine, self.shard)
+            self._restore(ctx)
         super().cleanup(ctx)
 
 
