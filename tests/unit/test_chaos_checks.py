@@ -1,0 +1,169 @@
+"""The chaos harness's fault plan and its end-of-run proofs, each shown to
+catch a planted failure: a lost sample, a repeated sample, a step committed
+twice, a loss mismatch, a broken checkpoint, a leftover process, an
+unplanned action (tools/chaos.py; docs/operations.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from megascale_omni.chaos import checks, report
+from megascale_omni.chaos.plan import FAULT_CLASSES, make_plan
+from megascale_omni.chaos.supervisor import RUN_MARKER, processes_of_run
+
+KINDS = ["kill_rank", "kill_group", "straggler", "control_flood"]
+
+
+def test_plan_is_seeded_covers_every_class_and_spreads_the_faults():
+    plan = make_plan(seed=7, duration_s=100, kinds=KINDS, slots=2, count=10, first_s=5)
+    assert plan == make_plan(seed=7, duration_s=100, kinds=KINDS, slots=2, count=10, first_s=5)
+    assert plan != make_plan(seed=8, duration_s=100, kinds=KINDS, slots=2, count=10, first_s=5)
+    counts = Counter(f.kind for f in plan)
+    assert set(counts) == set(KINDS) and min(counts.values()) >= 10 // len(KINDS)
+    assert [f.at_s for f in plan] == [5 + 9.5 * i for i in range(10)]
+    assert {f.slot for f in plan} <= {0, 1} and [f.index for f in plan] == list(range(10))
+    assert [f.kind for f in make_plan(1, 50, KINDS, 3)] and len(make_plan(1, 50, KINDS, 3)) == len(KINDS)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kinds=["nosuch"]), "unknown fault class"),
+    (dict(kinds=[]), "no fault class"),
+    (dict(count=2), "below the 4 classes"),
+    (dict(slots=0), "at least one replica group"),
+    (dict(duration_s=3.0), "first_s < duration_s"),
+])
+def test_plan_refuses_bad_arguments(kwargs, message):
+    args = {**dict(seed=0, duration_s=60.0, kinds=KINDS, slots=2, first_s=5.0), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        make_plan(**args)
+
+
+def test_every_fault_class_has_an_injector():
+    from megascale_omni.chaos.faults import INJECTORS
+
+    assert set(FAULT_CLASSES) - set(INJECTORS) == {"kill_scheduler"}  # needs the live scheduler (capabilities)
+
+
+def _ledger(steps: dict[int, list[list[int]]], uncommitted: tuple = ()) -> list[dict]:
+    """Ledger lines: step -> one sample list per participant, all committed under quorum 1."""
+    lines = []
+    for step, shares in steps.items():
+        for p, samples in enumerate(shares):
+            lines.append({"event": "attempt", "step": step, "quorum": 1, "replica": f"r{p}", "participant": p,
+                          "participants": len(shares), "dp_rank": p, "dp_size": len(shares), "samples": samples})
+        lines.append({"event": "commit", "step": step, "quorum": 1, "replica": "r0", "committed": True})
+    for step, samples in uncommitted:  # an attempt under quorum 9 that never committed
+        lines.append({"event": "attempt", "step": step, "quorum": 9, "replica": "r1", "participant": 1,
+                      "participants": 2, "dp_rank": 1, "dp_size": 2, "samples": samples})
+    return lines
+
+
+REFERENCE = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]})
+
+
+def test_ledger_exactly_once_passes_a_re_split_and_ignores_uncommitted_attempts():
+    chaos = _ledger({0: [[1, 2], [3, 4]], 1: [[7, 5, 6, 8]]}, uncommitted=[(1, [5, 6])])
+    assert checks.ledger_problems(chaos, REFERENCE, last_step=2) == []
+    assert report.uncommitted_attempts(chaos) == {1: 1}
+
+
+def test_ledger_catches_a_planted_lost_sample():
+    chaos = _ledger({0: [[1, 2], [3]], 1: [[5, 6, 7, 8]]})
+    assert checks.ledger_problems(chaos, REFERENCE, 2) == ["ledger step 0: samples lost [4]"]
+
+
+def test_ledger_catches_a_planted_repeated_sample():
+    chaos = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6], [6, 7, 8]]})
+    assert checks.ledger_problems(chaos, REFERENCE, 2) == ["ledger step 1: samples repeated or foreign [6]"]
+
+
+def test_ledger_catches_a_lost_step_and_a_step_committed_twice():
+    assert checks.ledger_problems(_ledger({0: [[1, 2, 3, 4]]}), REFERENCE, 2) == [
+        "ledger step 1: no committed consumption in the chaos ledger (its samples lost)"]
+    twice = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]}) + [
+        {"event": "commit", "step": 1, "quorum": 5, "replica": "r1", "committed": True}]
+    [problem] = checks.ledger_problems(twice, REFERENCE, 2)
+    assert "step 1 committed under quorums 0:1 and 0:5" in problem
+
+
+def test_losses_equal_within_tolerance_and_a_planted_mismatch_is_caught():
+    merged, problems = checks.merge_step_records([[{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0}],
+                                                  [{"step": 2, "loss": 3.0}]])
+    assert problems == []
+    assert checks.loss_mismatches(merged, {1: 4.0, 2: 3.0 * (1 + 5e-5)}, rtol=1e-4) == []
+    [line] = checks.loss_mismatches(merged, {1: 4.0, 2: 3.03}, rtol=1e-4)
+    assert line.startswith("step 2: loss 3.0 vs reference 3.03")
+    assert checks.worst_loss_difference(merged, {1: 4.0, 2: 3.03}) == pytest.approx(0.03 / 3.03)
+
+
+def test_records_that_disagree_or_skip_a_step_are_caught():
+    _, problems = checks.merge_step_records([[{"step": 1, "loss": 4.0}, {"step": 3, "loss": 2.0}],
+                                             [{"step": 1, "loss": 4.1}]])
+    assert problems == ["step 1: groups report losses 4.0 and 4.1", "committed steps have gaps: missing [2]"]
+
+
+def test_a_planted_broken_checkpoint_is_caught(tmp_path):
+    from megascale_omni.checkpoint import layout
+
+    step = tmp_path / layout.step_dir_name(10)
+    step.mkdir()
+    (step / "model.bin").write_bytes(b"x" * 100)
+    layout.write_commit(step, 10, {"reason": "interval"})
+    (tmp_path / layout.step_dir_name(20)).mkdir()  # an unfinished save: not a checkpoint
+    assert checks.checkpoint_problems(tmp_path) == (1, [])
+    (step / "model.bin").write_bytes(b"y" * 100)  # same size, other bytes
+    n, problems = checks.checkpoint_problems(tmp_path)
+    assert n == 1 and len(problems) == 1 and "BROKEN" in problems[0], problems
+    (step / "commit.json").write_text("{not json")
+    n, problems = checks.checkpoint_problems(tmp_path)
+    assert n == 0 and len(problems) == 1 and str(step) in problems[0], problems
+
+
+def test_a_planted_leftover_process_is_found_by_the_run_marker():
+    token = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, RUN_MARKER: token})
+    try:
+        assert processes_of_run(token) == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert processes_of_run(token) == []
+
+
+def test_an_unplanned_action_is_caught():
+    actions = [{"action": "start group"}, {"action": "fault"}, {"action": "group exited"}]
+    assert checks.intervention_problems(actions) == []
+    assert checks.intervention_problems([*actions, {"action": "drain", "replica_id": "g0-1"}]) == [
+        "unplanned action: {'action': 'drain', 'replica_id': 'g0-1'}"]
+
+
+def test_steps_lost_and_ettr():
+    lost = {4: 1, 5: 2, 30: 1}
+    assert report.steps_lost({"step_fired": 5, "step_recovered": 8}, lost) == 3
+    ratio, typical = report.ettr([0.1] * 9 + [5.0], span_s=1.9)
+    assert typical == 0.1 and ratio == pytest.approx(1.0 / 2.0)
+    assert json.dumps(report.class_table([], {"kill_scheduler": "why"}))
+
+
+def test_a_fall_back_to_a_checkpoint_counts_only_the_latest_epoch():
+    """Epoch 0 committed ledger steps 0-1; every group was lost and epoch 1
+    redid step 1 from the checkpoint (quorum ids start over): exactly-once
+    holds over the latest epoch, and step 2 is counted as rolled back."""
+    old = [{**r, "epoch": 0} for r in _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]})]
+    new = [{**r, "epoch": 1} for r in _ledger({1: [[5, 6], [7, 8]]})]
+    assert checks.ledger_problems(old + new, REFERENCE, 2) == []
+    wrong = [{**r, "epoch": 1} for r in _ledger({1: [[5, 6], [7]]})]
+    assert checks.ledger_problems(old + wrong, REFERENCE, 2) == ["ledger step 1: samples lost [8]"]
+    records = [{"step": 1, "loss": 4.0, "epoch": 0}, {"step": 2, "loss": 3.0, "epoch": 0},
+               {"step": 2, "loss": 3.1, "epoch": 1}, {"step": 3, "loss": 2.0, "epoch": 1}]
+    merged, problems = checks.merge_step_records([records])
+    assert problems == [] and merged[2]["loss"] == 3.1
+    assert checks.rolled_back_steps(records) == 1
