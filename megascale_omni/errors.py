@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Exit code of a rank whose replica group the progress watchdog tore down
+#: (a rank of it was stuck; docs/hang-detection.md). ``omni-run`` passes it
+#: on; ``torchrun --max-restarts`` and the elastic scheduler restart the group.
+EXIT_HUNG = 43
+
 
 class ConfigError(ValueError):
     """An invalid setting: names the field, the offending value and the fix.

@@ -16,6 +16,7 @@ from megascale_omni.config.schema import (
     ParallelConfig,
     TrainConfig,
     VisionConfig,
+    WatchdogConfig,
 )
 from megascale_omni.config.validate import (
     control_socket_path,
@@ -39,6 +40,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "VisionConfig",
+    "WatchdogConfig",
     "apply_overrides",
     "coerce_field",
     "control_socket_path",

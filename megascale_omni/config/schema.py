@@ -24,12 +24,13 @@ from megascale_omni.config.runtime_sections import (
     ControlConfig,
     ElasticConfig,
     LoggingConfig,
+    WatchdogConfig,
 )
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
     "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
-    "VisionConfig",
+    "VisionConfig", "WatchdogConfig",
 ]
 
 
@@ -318,6 +319,7 @@ class JobConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     platform: PlatformConfig = field(default_factory=PlatformConfig)
 
     def __post_init__(self) -> None:
