@@ -254,9 +254,10 @@ class WatchdogConfig:
     #: gradient sync, the cross-replica sums and commit) while a peer is not
     #: in one names that peer; the whole group waiting this long names the
     #: collective; a peer whose heartbeat stopped (its process does not run,
-    #: e.g. SIGSTOP) for this long is named by the others. Above NCCL's usual
-    #: 600 s so that a slow collective is the backend's to report first.
-    collective_timeout_s: float = checked(900.0, gt=0)
+    #: e.g. SIGSTOP) for this long is named by the others. Below the process
+    #: groups' own timeout (300 s, ``MEGASCALE_DIST_TIMEOUT_S``), past which a
+    #: blocked collective raises without naming anyone.
+    collective_timeout_s: float = checked(240.0, gt=0)
     #: A rank waiting this long for its micro-batches (a wedged data read or loader worker).
     data_wait_timeout_s: float = checked(600.0, gt=0)
     #: Seconds between two checks (and heartbeat publications) of the watchdog

@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from megascale_omni.control.client import ControlClient, ControlError
 from megascale_omni.control.protocol import ProtocolError
+from megascale_omni.errors import EXIT_HUNG
 from megascale_omni.scheduler.launchers import GroupSpec, ReplicaLauncher
 from megascale_omni.scheduler.live import Observation, observe
 
@@ -146,7 +147,8 @@ class LiveActuator:
             if code is not None:
                 self.groups.pop(rid)
                 how = "left after its drain" if group.state == "draining" else "exited unexpectedly"
-                self._log(f"{group.spec.job} {rid} {how} (exit code {code})")
+                why = ": a rank hung and the watchdog tore the group down" if code == EXIT_HUNG else ""
+                self._log(f"{group.spec.job} {rid} {how} (exit code {code}{why})")
                 continue
             live = group.state not in ("starting", "draining")
             address = self.launcher.address(group.spec)

@@ -46,6 +46,7 @@ from megascale_omni.parallel import (
 )
 from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_partition
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
+from megascale_omni.platform.device import dist_timeout_s
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.training.optimizer import (
     build_optimizer,
@@ -169,6 +170,7 @@ class Trainer:
             cfg.watchdog, rank, world_size, cfg.elastic.replica_id if cfg.elastic.enabled else "job",
             elastic=cfg.elastic.enabled, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), held=lambda: self.control.paused,
+            dist_timeout_s=dist_timeout_s(),
         )
         PHASES.listen(self.watchdog.heartbeat)
         self._teardown.callback(PHASES.listen, None)

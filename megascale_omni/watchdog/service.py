@@ -130,12 +130,16 @@ class Watchdog:
     :meth:`start` when it begins stepping and :meth:`close` when it ends.
     Disabled (``watchdog.enabled=false``): no thread, nothing published.
     ``held``: the job is held on purpose (``omni-ctl pause``), no limit runs.
+    ``dist_timeout_s``: the process groups' collective timeout (a warning at
+    start when ``collective_timeout_s`` is not below it: a blocked collective
+    would raise before the watchdog names the rank).
     ``store``, ``clock``, ``exit``, ``kill``: the real ones unless a test
     passes its own.
     """
 
     def __init__(self, cfg: WatchdogConfig, rank: int, world_size: int, group: str, elastic: bool,
                  local_rank: int = 0, local_world_size: int = 1, held: Callable[[], bool] = lambda: False,
+                 dist_timeout_s: Optional[float] = None,
                  store: Optional[Callable[[], Store]] = None, clock: Callable[[], float] = time.monotonic,
                  exit: Callable[[], None] = _exit_hung, kill: Callable[[Beat], bool] = kill_if_here):
         self.cfg = cfg
@@ -145,6 +149,7 @@ class Watchdog:
         self.peers = watched_ranks(rank, world_size, local_rank, local_world_size) if world_size > 1 else []
         self.tracker = PeerTracker(clock)
         self.held = held
+        self.dist_timeout_s = dist_timeout_s
         self._store_factory = store if store is not None else (lambda: group_store(max(cfg.poll_s, 1.0)))
         self._store: Optional[Store] = None
         self._clock, self._exit, self._kill = clock, exit, kill
@@ -168,6 +173,10 @@ class Watchdog:
         logger.info("watchdog: watching ranks %s every %g s (limits: step %g s, collective %g s, data %g s)",
                     self.peers, self.cfg.poll_s, self.cfg.step_timeout_s, self.cfg.collective_timeout_s,
                     self.cfg.data_wait_timeout_s)
+        if self.dist_timeout_s is not None and self.cfg.collective_timeout_s >= self.dist_timeout_s:
+            logger.warning("watchdog: watchdog.collective_timeout_s=%g is not below the process groups' timeout "
+                           "(%g s, MEGASCALE_DIST_TIMEOUT_S): a blocked collective raises before a stuck rank is "
+                           "named; lower it", self.cfg.collective_timeout_s, self.dist_timeout_s)
 
     def close(self) -> None:
         """Stop watching; tell the peers this rank left the loop (every rank; idempotent)."""
