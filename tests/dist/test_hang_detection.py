@@ -1,7 +1,8 @@
 """Hang detection on real processes: a rank SIGSTOPped mid-run is named by
 its peer within the configured limit, killed, and its replica group exits
-43 (``EXIT_HUNG``) through ``omni-run``; in an elastic job the other replica
-group carries on alone (docs/hang-detection.md)."""
+43 (``EXIT_HUNG``) through ``omni-run``; a rank whose data read never returns
+names itself and dumps its stack; in an elastic job the other replica group
+carries on alone (docs/hang-detection.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from megascale_omni.errors import EXIT_HUNG
 from tests.dist.test_elastic_membership import Job, ctl
-from tests.launcher import finish, free_port, kill_group, spawn, wait_for_record
+from tests.launcher import finish, free_port, kill_group, read_metrics, spawn, wait_for_record
 
 POLL_S = 0.25
 
@@ -50,6 +51,15 @@ def _stop(launcher_pid: int, rank: int) -> tuple[psutil.Process, float]:
     return worker, time.monotonic()
 
 
+def _omni_run(out, *args: str, inject: tuple[str, ...] = ()) -> list[str]:
+    """``omni-run`` of the tiny GPT at PP2 (through tests/fault_injection.py with ``inject``)."""
+    entry = ["-m", "tests.fault_injection", *inject, "megascale_omni.smoke"] if inject else ["-m", "megascale_omni.smoke"]
+    return [sys.executable, "-m", "megascale_omni.launch", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *entry, "--config", "examples/gpt/tiny.yaml", "parallel.pp=2",
+            "train.steps=100000", f"logging.output_dir={out}", "logging.tensorboard=false",
+            "logging.progress_bar=false", *args]
+
+
 def _check_named(stderr: str, group: str, collective_s: int) -> None:
     match = re.search(rf"watchdog: rank 1 \(replica group {group}, host \S+\) stuck in phase \S+ at step \d+ "
                       rf"for ([\d.]+) s \(limit {collective_s} s; watchdog\.collective_timeout_s\)", stderr)
@@ -63,12 +73,8 @@ def _check_named(stderr: str, group: str, collective_s: int) -> None:
 @pytest.mark.timeout(240)
 def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megascale_omni.launch", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml",
-           "parallel.pp=2", "train.steps=100000", f"logging.output_dir={out}", "logging.tensorboard=false",
-           "logging.progress_bar=false", *watchdog_args(2)]
     started = time.monotonic()
-    proc = spawn(cmd, timeout=230)
+    proc = spawn(_omni_run(out, *watchdog_args(2)), timeout=230)
     try:
         wait_for_record(out, 1, proc, timeout=180)
         worker, stopped_at = _stop(proc.pid, 1)
@@ -82,6 +88,29 @@ def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
     assert "no checkpoint saved" in res.stderr
     assert ended_s <= deadline_s(2), ended_s
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # make test-all: ~40 s on 2 cores; the SIGSTOP case above is make test's
+@pytest.mark.timeout(240)
+def test_a_wedged_data_read_is_named_by_the_rank_itself_with_its_stack(tmp_path):
+    out = tmp_path / "run"
+    # Rank 1's micro-batches never come from step 3 on (a read that does not return).
+    inject = ("--slow-rank", "1", "--slow-from-step", "3", "--delay-s", "3600")
+    args = [f"watchdog.poll_s={POLL_S}", "watchdog.data_wait_timeout_s=2", "watchdog.collective_timeout_s=60",
+            "watchdog.step_timeout_s=120"]
+    res = finish(spawn(_omni_run(out, *args, inject=inject), timeout=230), 220)
+    assert res.returncode == EXIT_HUNG, res.stderr[-4000:]
+    match = re.search(r"watchdog: rank 1 \(replica group job, host \S+\) stuck in phase data-wait at step 2 for "
+                      r"([\d.]+) s \(limit 2 s; watchdog\.data_wait_timeout_s\)", res.stderr)
+    assert match, res.stderr[-4000:]
+    assert 2.0 <= float(match.group(1)) <= 2.0 + 2 * POLL_S + 5.0
+    # Its own stack, every thread: the training thread inside the wedged read.
+    stack = res.stderr[res.stderr.index("watchdog: stack of rank 1 (stuck in phase data-wait at step 2)"):]
+    assert "Current thread" in stack and "Thread 0x" in stack  # faulthandler's dump of every thread
+    assert "in slow_microbatches" in stack and "in _step" in stack
+    assert "killed rank" not in res.stderr  # it could run: nobody kills it
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 @pytest.mark.dist
