@@ -189,6 +189,8 @@ class Watchdog:
         self._publish(self._beat())
 
     def _run(self) -> None:
+        # Published at once: a rank stopped before its first poll is still known to its peers.
+        self._publish(self._beat())
         while not self._stop.wait(self.cfg.poll_s):
             verdict = self.check()
             if verdict is not None:

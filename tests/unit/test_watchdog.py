@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 
@@ -283,3 +284,22 @@ def test_elastic_survivors_are_not_torn_down_before_torchft_abandons_the_step():
         validate_job(cfg, 1)
     cfg.watchdog = WatchdogConfig(collective_timeout_s=61.0)
     validate_job(cfg, 1)
+
+
+def test_the_thread_publishes_at_once_and_says_exited_on_close():
+    store = FakeStore()
+    cfg = WatchdogConfig(step_timeout_s=100.0, collective_timeout_s=10.0, data_wait_timeout_s=20.0, poll_s=0.05)
+    dog = Watchdog(cfg, 1, 2, "job", elastic=False, local_rank=1, local_world_size=2, store=lambda: store)
+    dog.heartbeat.step_ended(7)
+    dog.start()
+    try:
+        deadline = time.monotonic() + 30  # a hang guard only
+        while "beat/1" not in store.data:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert Beat.decode(store.data["beat/1"]).step == 7
+    finally:
+        dog.close()
+    last = Beat.decode(store.data["beat/1"])
+    assert last.phase == "exited" and dog._thread is None
+    dog.close()  # idempotent
