@@ -7,7 +7,7 @@ from typing import Any
 
 #: Exit code of a rank whose replica group the progress watchdog tore down
 #: (a rank of it was stuck; docs/hang-detection.md). ``omni-run`` passes it
-#: on; ``torchrun --max-restarts`` and the elastic scheduler restart the group.
+#: on; a requeue (or ``torchrun --max-restarts``) and the elastic scheduler restart the group.
 EXIT_HUNG = 43
 
 

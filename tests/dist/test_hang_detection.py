@@ -51,11 +51,12 @@ def _stop(launcher_pid: int, rank: int) -> tuple[psutil.Process, float]:
     return worker, time.monotonic()
 
 
-def _omni_run(out, *args: str, inject: tuple[str, ...] = ()) -> list[str]:
-    """``omni-run`` of the tiny GPT at PP2 (through tests/fault_injection.py with ``inject``)."""
+def _omni_run(out, *args: str, inject: tuple[str, ...] = (), launcher: tuple[str, ...] = ()) -> list[str]:
+    """``omni-run`` (with ``launcher`` flags) of the tiny GPT at PP2 (through
+    tests/fault_injection.py with ``inject``); ``args`` override the config."""
     entry = ["-m", "tests.fault_injection", *inject, "megascale_omni.smoke"] if inject else ["-m", "megascale_omni.smoke"]
     return [sys.executable, "-m", "megascale_omni.launch", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", *entry, "--config", "examples/gpt/tiny.yaml", "parallel.pp=2",
+            f"--master-port={free_port()}", *launcher, *entry, "--config", "examples/gpt/tiny.yaml", "parallel.pp=2",
             "train.steps=100000", f"logging.output_dir={out}", "logging.tensorboard=false",
             "logging.progress_bar=false", *args]
 
@@ -88,6 +89,35 @@ def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
     assert "no checkpoint saved" in res.stderr
     assert ended_s <= deadline_s(2), ended_s
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # make test-all: two attempts of the job, ~1 min on 2 cores
+@pytest.mark.timeout(400)
+# Found with this test (2026-12-02): a restarted attempt of our entry points fails in
+# init_process_group (gloo connectFullMesh: connection refused), with or without the
+# watchdog (also after `--fail-at-step`); a plain torch script restarts under plain
+# torchrun but not under omni-run. docs/hang-detection.md; passes once that is fixed.
+@pytest.mark.xfail(strict=True, reason="torchrun --max-restarts: the restarted attempt cannot form its gloo group")
+def test_max_restarts_restarts_a_hung_job_from_its_newest_checkpoint(tmp_path):
+    out, steps = tmp_path / "run", 8
+    args = [*watchdog_args(2), f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2",
+            "checkpoint.async_save=false", f"train.steps={steps}"]
+    proc = spawn(_omni_run(out, *args, launcher=("--max-restarts=1",)), timeout=390)
+    try:
+        wait_for_record(out, 3, proc, timeout=300)
+        _stop(proc.pid, 1)
+        res = finish(proc, 380)
+    finally:
+        kill_group(proc)
+    assert res.returncode == 0, res.stderr[-4000:]
+    _check_named(res.stderr, "job", 2)
+    # The second attempt reads no verdict of the first (its own store keys) and resumes from a save.
+    resumed = re.search(r"resumed from \S+ at step (\d+)", res.stderr)
+    assert resumed and 2 <= int(resumed.group(1)) < steps, res.stderr[-4000:]
+    records = read_metrics(out)
+    assert records[-1]["step"] == steps and {r["step"] for r in records} == set(range(1, steps + 1))
+    assert res.stderr.count("watchdog: rank") == 1 + res.stderr.count("watchdog: rank 0 exits")
 
 
 @pytest.mark.dist
