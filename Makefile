@@ -1,6 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv if missing, install the exact versions of constraints.txt, run the demo job
 #   make test   - same set-up, then the test suite without the slow cases (about 25 min on 2 CPU cores)
+#   make slurm-up / slurm-down - a single-host Slurm for the Slurm tests and demos (installs
+#                   slurmctld, slurmd, slurm-client, munge with apt when missing; root); then
+#                   export SLURM_CONF=$(SLURM_DIR)/slurm.conf (docs/scheduler.md, "A real Slurm")
 #   make test-gpu - tests/gpu on a CUDA host, against GPU_PYTHON's own torch (no .venv, no CPU torch):
 #                   installs build/gpu-wheels when present (tools/gpu_ci/run.sh --tests-only)
 PYTHON ?= python3.11
@@ -12,8 +15,9 @@ PIP    := $(PY) -m pip
 # Re-install only when the dependency ranges or the pinned versions change.
 STAMP  := $(VENV)/.installed-$(shell cat setup.py constraints.txt | cksum | cut -d' ' -f1)
 NPROC  ?= 2
+SLURM_DIR ?= /tmp/omni-slurm
 
-.PHONY: demo test test-all test-gpu install smoke clean
+.PHONY: demo test test-all test-gpu install smoke clean slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -45,6 +49,13 @@ test-all: install
 # No `install`: the host's interpreter keeps its own (CUDA) torch.
 test-gpu:
 	PYTHON=$(GPU_PYTHON) tools/gpu_ci/run.sh --tests-only $(GPU_WHEELS)
+
+# Standard library only: runs before (and without) the venv.
+slurm-up:
+	$(PYTHON) tools/slurm_local.py up --dir $(SLURM_DIR)
+
+slurm-down:
+	$(PYTHON) tools/slurm_local.py down --dir $(SLURM_DIR)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -59,7 +59,8 @@ EXTRAS = {
     # flash-attn 2 that TE 2.11 accepts (its max_version 2.8.3). Both build against the local CUDA torch.
     # NVIDIA apex is not on the package index and not needed (TE provides the fused kernels);
     # docs/gpu.md shows its source build.
-    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.8,<2.9"],
+    # nvidia-ml-py (import name pynvml): NVML's ECC and XID counters for the pre-flight checks (docs/preflight.md).
+    "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.8,<2.9", "nvidia-ml-py>=12,<14"],
 }
 
 setup(
@@ -78,6 +79,7 @@ setup(
             "omni-ctl=megascale_omni.control.cli:cli",
             "omni-run=megascale_omni.launch:main",
             "omni-sched=megascale_omni.scheduler.cli:cli",
+            "omni-preflight=megascale_omni.preflight.cli:cli",
         ]
     },
 )

@@ -4,7 +4,8 @@ turn the errors a user can fix into one line and an exit code.
     python pretrain_x.py --config file.yaml [section.field=value ...]
 
 Exit codes: 2 config error, 3 data error (too many bad samples), 4
-checkpoint error (none intact); 43 comes from the hang watchdog's own thread
+checkpoint error (none intact), 44 failed pre-flight check
+(docs/preflight.md); 43 comes from the hang watchdog's own thread
 (``EXIT_HUNG``, docs/hang-detection.md). Everything else is a bug and keeps
 its traceback.
 """
@@ -44,10 +45,12 @@ def run_cli(main: Callable[[], object]) -> None:
     """Run ``main``; a ConfigError becomes one stderr line (on rank 0, or on
     the rank that raised it when it is ``rank_local``) and exit code 2,
     a DataQualityError one line and exit code 3, a CheckpointError one line
-    and exit code 4 (no traceback)."""
+    and exit code 4, a PreflightFailed one line per failed check and exit
+    code 44 (no traceback)."""
     from megascale_omni.checkpoint.errors import CheckpointError
     from megascale_omni.config import ConfigError
     from megascale_omni.data.errors import DataQualityError
+    from megascale_omni.errors import EXIT_PREFLIGHT_FAILED, PreflightFailed
     from megascale_omni.platform.logging_setup import silence_import_warnings
 
     silence_import_warnings()
@@ -66,3 +69,7 @@ def run_cli(main: Callable[[], object]) -> None:
         if rank == "0":
             sys.stderr.write(f"checkpoint error: {e}\n")
         sys.exit(4)
+    except PreflightFailed as e:
+        if rank == "0":
+            sys.stderr.write("".join(f"{line}\n" for line in e.lines))
+        sys.exit(EXIT_PREFLIGHT_FAILED)

@@ -11,13 +11,14 @@ parsed and validated for the launched world size (``nnodes * nproc_per_node``)
 first, so a bad config exits 2 with the same one line as a one-process run
 and nothing starts. Then torchrun's own launcher runs the workers, and a
 worker failure is summed up in one line with the worker's exit code passed on
-(2 config, 3 data, 4 checkpoint, 43 a rank hung: docs/hang-detection.md;
-1 otherwise) instead of a traceback; the
+(2 config, 3 data, 4 checkpoint, 44 failed pre-flight check, 43 a rank hung:
+docs/hang-detection.md; 1 otherwise) instead of a traceback; the
 workers' own messages stay above it.
 
 Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
-``-m megascale_omni.smoke``) are validated for their model family; any other
-script is launched unchecked.
+``-m megascale_omni.smoke``) are validated for their model family;
+``-m megascale_omni.preflight`` (docs/preflight.md) has its config parsed and
+range-checked; any other script is launched unchecked.
 
 Inside a Slurm allocation, run once per node (``srun --ntasks-per-node=1
 omni-run ...``): the node count, workers per node and a c10d rendezvous
@@ -35,21 +36,27 @@ import sys
 from typing import Optional, Sequence
 
 from megascale_omni.config import ConfigError
-from megascale_omni.errors import EXIT_HUNG
+from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
 
 logger = logging.getLogger(__name__)
 
 #: Entry script (file name, or module with -m) -> the model family it trains.
 FAMILY_OF_ENTRY = {"pretrain_llava.py": "llava", "pretrain_dit.py": "dit", "megascale_omni.smoke": "gpt"}
+#: Entry modules that read a job config but train no family (docs/preflight.md): their
+#: config is parsed and range-checked before launch, without a family's validation.
+CONFIG_ONLY_ENTRIES = ("megascale_omni.preflight",)
 #: Worker exit codes that mean "the user can fix this" (see megascale_omni.entry.run_cli).
-USER_ERROR_CODES = (2, 3, 4)
+USER_ERROR_CODES = (2, 3, 4, EXIT_PREFLIGHT_FAILED)
 #: Worker exit codes passed on as they are: the user errors and a hang torn down by the watchdog.
 PASSED_ON_CODES = (*USER_ERROR_CODES, EXIT_HUNG)
 
 
+def _entry_of(args) -> str:
+    return args.training_script if args.module else os.path.basename(args.training_script)
+
+
 def _family_of(args) -> Optional[str]:
-    script = args.training_script if args.module else os.path.basename(args.training_script)
-    return FAMILY_OF_ENTRY.get(script)
+    return FAMILY_OF_ENTRY.get(_entry_of(args))
 
 
 def _world_size(args) -> Optional[int]:
@@ -80,6 +87,11 @@ def check_job(args) -> None:
     from megascale_omni.tasks.registry import get_family
 
     family = _family_of(args)
+    if family is None and _entry_of(args) in CONFIG_ONLY_ENTRIES:
+        from megascale_omni.config import load_job_config
+
+        load_job_config(args.training_script_args)
+        return
     if family is None:
         logger.warning("omni-run: %s is not a megascale-omni entry point; launching it unchecked",
                        args.training_script)

@@ -31,17 +31,50 @@ def text_config(kind: str, vocab: int = VOCAB, **overrides):
         return T.Qwen2Config(**{**common, "tie_word_embeddings": True, "rope_theta": 20000.0, **overrides})
     if kind == "mistral":
         return T.MistralConfig(**{**common, "sliding_window": None, **overrides})
+    # MoE decoders: 4 experts, top 2, 3 layers (hidden 64 as above).
+    moe = dict(common, num_hidden_layers=3, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    if kind == "mixtral":
+        return T.MixtralConfig(**{**moe, "num_local_experts": 4, "intermediate_size": 48, "sliding_window": None,
+                                  **overrides})
+    if kind == "qwen2_moe":  # a gated shared expert, raw top-k probabilities, layer 1 dense
+        return T.Qwen2MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48,
+                                   "shared_expert_intermediate_size": 80, "norm_topk_prob": False,
+                                   "mlp_only_layers": [1], **overrides})
+    if kind == "qwen3_moe":  # q/k norms, renormalised top-k, layers 0 and 2 dense (decoder_sparse_step 2),
+        # heads twice as wide as hidden / heads (Qwen3-30B-A3B: 128 at hidden 2048, 32 heads)
+        return T.Qwen3MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                   "decoder_sparse_step": 2, "head_dim": 32, **overrides})
     raise ValueError(kind)
+
+
+#: HF model types of the MoE decoders above.
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def causal_lm(kind: str, path: Path, seed: int = 0, **overrides):
     import transformers as T
 
     torch.manual_seed(seed)
-    cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM}[kind]
+    cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM,
+           "mixtral": T.MixtralForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
+           "qwen3_moe": T.Qwen3MoeForCausalLM}[kind]
     model = cls(text_config(kind, **overrides))
     _perturb_norms(model, seed)
+    if kind in MOE_KINDS:
+        _spread_routers(model, seed)
     return _save(model, path)
+
+
+@torch.no_grad()
+def _spread_routers(model, seed: int) -> None:
+    """Router weights large enough that routing decisions are far from ties:
+    HF initialises them like any linear (std 0.02), where two experts' scores
+    can differ by less than float rounding and the top-k would be decided by
+    summation order."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    for name, p in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
 def vision_config(kind: str, image_size: int = 32, patch_size: int = 8, layers: int = 3, **overrides):
@@ -89,11 +122,14 @@ def llava(path: Path, text: str = "llama", tower: str = "clip", vocab: int = VOC
     return _save(model, path)
 
 
-def llava_relative(path: Path, kind: str, seed: int = 0):
+def llava_relative(path: Path, kind: str, seed: int = 0, vocab: int = VOCAB, image_token: int = 5,
+                   video_token: int = 6, **text_overrides):
     """A tiny ``LlavaNextForConditionalGeneration`` (``kind="next"``: CLIP +
     Llama) or ``LlavaOnevisionForConditionalGeneration`` (``"onevision"``:
-    SigLIP + Qwen2, image token 5, video token 6): LLaVA's relatives, whose
-    weights include everything LLaVA's do plus an ``image_newline``."""
+    SigLIP + Qwen2, 32 px, 8 px patches, image token 5, video token 6):
+    LLaVA's relatives, whose weights include everything LLaVA's do plus an
+    ``image_newline``. ``text_overrides``: of the OneVision's Qwen2 config
+    (``initializer_range=0.3``: greedy decoding that is not one token repeated)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -103,8 +139,9 @@ def llava_relative(path: Path, kind: str, seed: int = 0):
                                    image_token_index=5, image_grid_pinpoints=pinpoints, image_seq_length=16)
         model = T.LlavaNextForConditionalGeneration(config)
     else:
-        config = T.LlavaOnevisionConfig(vision_config=vision_config("siglip"), text_config=text_config("qwen2"),
-                                        image_token_index=5, video_token_index=6, image_grid_pinpoints=pinpoints)
+        config = T.LlavaOnevisionConfig(vision_config=vision_config("siglip"), text_config=text_config("qwen2", vocab, **text_overrides),
+                                        image_token_index=image_token, video_token_index=video_token,
+                                        image_grid_pinpoints=pinpoints)
         model = T.LlavaOnevisionForConditionalGeneration(config)
     _perturb_norms(model, seed)
     return _save(model, path)
@@ -158,7 +195,8 @@ def tool_main(name: str, *args) -> None:
     module.main([str(a) for a in args])
 
 
-def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: int = -1) -> torch.Tensor:
+def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: int = -1, videos=None,
+               video_frames=(), video_token: int = -1) -> torch.Tensor:
     """Our model's logits (one process, fp32) for a checkpoint, cut to the real vocabulary."""
     from megascale_omni.checkpoint.pretrained import load_model_weights, open_model_checkpoint
     from megascale_omni.models.generation import logits
@@ -167,9 +205,19 @@ def our_logits(ckpt_dir: Path, tokens: torch.Tensor, images=None, image_token: i
     ckpt = open_model_checkpoint(ckpt_dir, "test")
     m = ckpt.cfg.model
     with one_process():
-        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token)
+        model = build_model(ckpt.cfg, m.padded_vocab_size(m.vocab_size), image_token, video_token)
         load_model_weights([model], ckpt, "test")
-        return logits(model, tokens, images)[..., : m.vocab_size]
+        return logits(model, tokens, images, videos, video_frames)[..., : m.vocab_size]
+
+
+def hf_greedy(model, prompt: list[int], tok, max_new_tokens: int, **pixels) -> list[int]:
+    """HF ``generate``'s greedy new tokens after ``prompt``, up to and with
+    ``tok``'s eos (what tools/generate.py prints as ``new_ids``)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **pixels)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(tok.eos_id) + 1] if tok.eos_id in new else new
 
 
 # ------------------------------------------------------------ chat tokenizers

@@ -6,9 +6,11 @@
 
 --checkpoint is a checkpoint root (its newest intact checkpoint) or one step_NNNNNNNN
 directory, saved under any TP/PP/VPP/DP layout (resharded to one process here).
-gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from),
-llava models LlavaForConditionalGeneration (the vision tower holds the layers up to the
-feature layer, read with vision_feature_layer: -1). The tokenizer, chat template and
+gpt models become LlamaForCausalLM/Qwen2ForCausalLM (or what they were imported from; MoE
+models MixtralForCausalLM/Qwen2MoeForCausalLM/Qwen3MoeForCausalLM, docs/moe.md),
+llava models LlavaForConditionalGeneration, or LlavaOnevisionForConditionalGeneration with
+vision.image_newline (the vision tower holds the layers up to the feature layer, read with
+vision_feature_layer: -1). The tokenizer, chat template and
 processor config come along: every checkpoint of a run that started from tools/hf_import.py
 carries them (verified with the checkpoint). Otherwise one line says what OUT lacks.
 
@@ -35,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
     p.add_argument("--image-token-id", type=int, default=None,
                    help="LLaVA trained here from scratch: id of the <image> token (imports know it)")
+    p.add_argument("--video-token-id", type=int, default=None,
+                   help="LLaVA-OneVision layout (vision.image_newline) trained from scratch: id of the <video> token")
     return p.parse_args(argv)
 
 
@@ -42,7 +46,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from megascale_omni.hf.exporter import export_hf
 
-    done = export_hf(args.checkpoint, args.out, "--checkpoint", args.image_token_id)
+    done = export_hf(args.checkpoint, args.out, "--checkpoint", args.image_token_id, args.video_token_id)
     print(f"wrote {done.path}" + (f" (weights, config, {', '.join(done.copied)})" if done.copied else ""))
     if done.missing:
         print(f"{done.path} has no {', '.join(done.missing)}: the checkpoint carries none (its run did not start "

@@ -9,14 +9,17 @@
     python tools/hf_import.py --llm /models/vicuna-7b --vision /models/clip-vit-large-patch14-336 \\
         --feature-layer -2 --out ckpt/llava-stage0
 
-Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM; CLIPVisionModel/CLIPModel,
-SiglipVisionModel/SiglipModel; LlavaForConditionalGeneration. OUT gets step_00000000/ (loads
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, and the MoE decoders
+MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (a moe: section in model.yaml,
+docs/moe.md; also as LLaVA's text model); CLIPVisionModel/CLIPModel,
+SiglipVisionModel/SiglipModel; LlavaForConditionalGeneration, LlavaOnevisionForConditionalGeneration
+(SigLIP + Qwen2: its image_newline and video token too; docs/hf.md). OUT gets step_00000000/ (loads
 under any TP/PP/VPP), model.yaml (the model/vision sections and checkpoint.pretrained: OUT)
 and tokenizer/ (the HF tokenizer files, chat template and image processor config; a copy
 inside step_00000000/ travels into every checkpoint of a run from OUT, so tools/hf_export.py
 writes them back). Train from it with `checkpoint.pretrained=OUT` and the sections of model.yaml.
 
-Anything else (LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, ...), or
+Anything else (LlavaNextForConditionalGeneration, ...), or
 a directory with a tensor the mapping does not place, is refused: never imported half.
 
 Exit codes: 2 bad arguments, unsupported architecture or option, a tensor left unmapped; 4 a broken
@@ -41,9 +44,10 @@ from megascale_omni.entry import run_cli
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llm", type=Path, help="HF decoder directory (Llama/Qwen2/Mistral)")
+    p.add_argument("--llm", type=Path, help="HF decoder directory (Llama/Qwen2/Mistral/Mixtral/Qwen2-MoE/Qwen3-MoE)")
     p.add_argument("--vision", type=Path, help="HF CLIP/SigLIP directory (with --llm: LLaVA, fresh projector)")
-    p.add_argument("--llava", type=Path, help="HF LlavaForConditionalGeneration directory")
+    p.add_argument("--llava", type=Path,
+                   help="HF LlavaForConditionalGeneration or LlavaOnevisionForConditionalGeneration directory")
     p.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
     p.add_argument("--seq-length", type=int, default=None,
                    help="model.seq_length to record (default: min(max_position_embeddings, 4096))")

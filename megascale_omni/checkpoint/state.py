@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from megascale_omni.config import JobConfig, MoeConfig, to_dict
+from megascale_omni.config import JobConfig, ModelConfig, MoeConfig, VisionConfig, to_dict
 
 #: Distributed-optimizer format: gathers each DP group's shards into whole
 #: tensors on save, so a checkpoint loads under any DP size.
@@ -101,11 +101,20 @@ def restore_adam_step(optimizer) -> None:
 #: weights (``checkpoint.pretrained``): sequence length and RoPE scaling
 #: (context extension), memory settings, the vocabulary as written (its
 #: padded size is checked with the tensors), and the ViT's learning-rate
-#: factor (the optimizer starts fresh, so its parameter groups may differ).
+#: factor (the optimizer starts fresh, so its parameter groups may differ) and
+#: the video pooling stride (no weight depends on it).
 PRETRAINED_FREE_FIELDS = RESUMABLE_MODEL_FIELDS | frozenset(
     {"seq_length", "recompute", "images_per_sequence", "vocab_size", "rope_scaling", "rope_scaling_factor",
-     "lr_mult"}
+     "lr_mult", "video_pool_stride",
+     # moe: how the router is trained, not what the weights compute (an imported
+     # Mixtral may fine-tune with a z-loss, another aux-loss coefficient or a capacity).
+     "aux_loss_coeff", "load_balancing", "z_loss_coeff", "capacity_factor", "token_drop_policy", "pad_to_capacity",
+     "bias_update_rate"}
 )
+
+
+#: The sections :func:`incompatibilities` compares, and their config types.
+SECTION_TYPES = {"model": ModelConfig, "vision": VisionConfig, "moe": MoeConfig}
 
 
 def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RESUMABLE_MODEL_FIELDS) -> list[str]:
@@ -113,10 +122,12 @@ def incompatibilities(saved: dict, current: JobConfig, free: frozenset[str] = RE
     (each as ``section.field: checkpoint X, config Y``), except those in ``free``."""
     now = to_dict(current)
     diffs = []
-    for section in ("model", "vision", "moe"):
-        # Checkpoints written before the moe section existed hold dense models.
-        missing = to_dict(MoeConfig()) if section == "moe" else {}
-        old, new = saved.get(section, missing), now.get(section, {})
+    for section in SECTION_TYPES:
+        # Checkpoints written before the moe section existed hold dense models;
+        # a field added to a section since (e.g. vision.image_newline) reads
+        # as its default, as loading that checkpoint's config would.
+        defaults = to_dict(SECTION_TYPES[section]())
+        old, new = {**defaults, **saved.get(section, {})}, now.get(section, {})
         for key in sorted(set(old) | set(new)):
             if key in free:
                 continue

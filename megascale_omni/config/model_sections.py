@@ -32,6 +32,9 @@ class ModelConfig:
     num_attention_heads: int = checked(4, gt=0)
     #: GQA groups; ``None`` means multi-head attention (groups = heads).
     num_query_groups: Optional[int] = checked(None, gt=0)
+    #: Width of one attention head (megatron ``kv_channels``, HF ``head_dim``);
+    #: ``None`` means ``hidden_size / num_attention_heads``. Qwen3-30B-A3B: 128 at hidden 2048, 32 heads.
+    kv_channels: Optional[int] = checked(None, gt=0)
     #: MLP width; ``None`` means ``4 * hidden_size``.
     ffn_hidden_size: Optional[int] = checked(None, gt=0)
     #: Vocabulary size. For LLaVA it is taken from the tokenizer when 0.
@@ -54,6 +57,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     #: Bias on the fused QKV projection even when ``add_bias_linear`` is false (Qwen2).
     add_qkv_bias: bool = False
+    #: RMS/LayerNorm over each head's query and key before RoPE (megatron
+    #: ``qk_layernorm``; Qwen3's ``q_norm``/``k_norm``). Language model only.
+    qk_layernorm: bool = False
     #: RoPE base (HF ``rope_theta``); only with ``position_embedding_type: rope``.
     rotary_base: float = checked(10000.0, gt=0)
     #: RoPE frequency scaling: ``none``; ``linear`` (positions divided by
@@ -105,11 +111,12 @@ class ModelConfig:
                 f"must divide model.num_attention_heads={self.num_attention_heads}",
             )
         uses_rope = self.position_embedding_type == "rope"
-        if uses_rope and (self.hidden_size // self.num_attention_heads) % 2:
+        if uses_rope and self.head_dim % 2:
+            field = "model.kv_channels" if self.kv_channels else "model.hidden_size"
             raise ConfigError(
-                "model.hidden_size", self.hidden_size,
-                f"rope rotates pairs of channels: the head dim hidden_size / num_attention_heads = "
-                f"{self.hidden_size // self.num_attention_heads} must be even",
+                field, self.kv_channels or self.hidden_size,
+                f"rope rotates pairs of channels: the head dim ({'kv_channels' if self.kv_channels else ''}"
+                f"{'' if self.kv_channels else 'hidden_size / num_attention_heads'} = {self.head_dim}) must be even",
             )
         if not uses_rope and (self.rope_scaling != "none" or self.rotary_base != 10000.0):
             raise ConfigError(
@@ -131,6 +138,11 @@ class ModelConfig:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (``kv_channels``, else ``hidden_size / num_attention_heads``)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -180,6 +192,17 @@ class VisionConfig:
     #: assumes (the ViT's share of pipeline stage 0 grows with it). The
     #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
     images_per_sequence: float = checked(9.8, ge=0)
+    #: Video frames: each frame's projected features (``grid`` x ``grid``) are
+    #: resized bilinearly to ``ceil(grid / video_pool_stride)`` a side before the
+    #: LM sees them, as LLaVA-OneVision does with 2 (SigLIP-384: 27 x 27 -> 14 x 14,
+    #: 196 tokens a frame); ``1``: every patch feature.
+    video_pool_stride: int = checked(2, gt=0)
+    #: Append one learned ``image_newline`` embedding (width of the LM) after
+    #: each image's features and after each video's frames, as
+    #: LLaVA-OneVision lays out multi-image and video inputs; false: LLaVA-1.5
+    #: (no such parameter). Not with ``data.image_mode: anyres`` (OneVision's
+    #: per-row newlines of unpadded tiles are not built).
+    image_newline: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "vision")
@@ -215,7 +238,28 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
+        """Features of one tower input (an image view or a video frame), before pooling."""
         return self.grid**2
+
+    @property
+    def newline_tokens(self) -> int:
+        """Tokens the ``image_newline`` adds after each image and each video (0 or 1)."""
+        return int(self.image_newline)
+
+    @property
+    def frame_grid(self) -> int:
+        """Side of one video frame's features after pooling: ``ceil(grid / video_pool_stride)``."""
+        return -(-self.grid // self.video_pool_stride)
+
+    @property
+    def image_tokens(self) -> int:
+        """LM placeholders of one (single-view) image: its features, then the newline if any."""
+        return self.tokens_per_image + self.newline_tokens
+
+    def video_tokens(self, frames: int) -> int:
+        """LM placeholders of one video of ``frames`` frames: its pooled frames,
+        then the newline if any. The one rule the data plan and the model share."""
+        return frames * self.frame_grid**2 + self.newline_tokens
 
     @property
     def layers_built(self) -> int:

@@ -18,6 +18,7 @@ from megascale_omni.config.constraints import check_fields, checked
 from megascale_omni.config.errors import ConfigError, require_positive
 from megascale_omni.config.model_sections import DitConfig, ModelConfig, VisionConfig
 from megascale_omni.config.moe_section import MoeConfig
+from megascale_omni.config.preflight_section import PreflightConfig
 from megascale_omni.config.runtime_sections import (
     OUTPUT_DIR_PLACEHOLDER,
     CheckpointConfig,
@@ -29,7 +30,8 @@ from megascale_omni.config.runtime_sections import (
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
-    "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "TrainConfig",
+    "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "PreflightConfig",
+    "TrainConfig",
     "VisionConfig", "WatchdogConfig",
 ]
 
@@ -244,6 +246,10 @@ class DataConfig:
     #: ``chat`` format: vocabulary token used for image placeholders (each
     #: ``<image>`` marker in a user turn becomes ``vision.tokens_per_image`` of them).
     image_token: str = "<image>"
+    #: Vocabulary token of video placeholders (``chat`` and ``words`` formats):
+    #: each ``<video>`` marker of a user turn becomes ``vision.video_tokens(frames)``
+    #: of them. Needed only when the data has videos.
+    video_token: str = "<video>"
     #: Image preprocessing: ``exact`` (images already ``vision.image_size``
     #: square, scaled to [-1, 1]), ``resize_crop`` (CLIP: resize the short side,
     #: centre crop) or ``pad_square`` (LLaVA-1.5: pad to a square with the mean
@@ -260,8 +266,8 @@ class DataConfig:
     #: LLaVA: frames read per ``<video>`` of a sample, uniformly spread over
     #: the frames ingestion stored (``tools/ingest_llava.py --video-frames``
     #: chose those, docs/video.md); ``0``: every stored frame. Each frame is
-    #: one tower input preprocessed by ``image_mode`` (anyres: its overview).
-    #: The llava model refuses video samples until it consumes them (issue 32).
+    #: one tower input preprocessed by ``image_mode`` (anyres: its overview),
+    #: pooled by ``vision.video_pool_stride`` (docs/video.md).
     video_frames: int = checked(8, ge=0)
     #: LLaVA: train on several datasets mixed by weight, e.g.
     #: ``[{path: data/instruct, weight: 0.8}, {path: data/text_only, weight: 0.2}]``:
@@ -321,6 +327,7 @@ class JobConfig:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     platform: PlatformConfig = field(default_factory=PlatformConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:
         # Checkpoints follow the run directory when a config says so, so

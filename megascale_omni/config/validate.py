@@ -55,6 +55,10 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         require_divisible_by_tp(name, value, par.tp)
     _validate_pipeline_partition(cfg)
     _validate_experts(cfg, world_size)
+    if model.family == "llava" and cfg.vision.image_newline and cfg.data.image_mode == "anyres":
+        raise ConfigError("vision.image_newline", True, "is not built for data.image_mode=anyres (LLaVA-OneVision "
+                          "puts a newline after every row of unpadded tiles); use data.image_mode=resize_crop or "
+                          "pad_square (one view per image, then its newline), or vision.image_newline=false")
     if par.sequence_parallel and model.seq_length % (par.tp * par.cp):
         # Each CP rank's share of a row (seq_length / cp tokens) is split over the TP ranks.
         multiple = par.tp * par.cp

@@ -9,8 +9,8 @@ rest never read a sample. What each rank receives:
 * every rank of the model-parallel group: the token-level entries of every
   micro-batch (``tokens``, ``labels``, masks, ``position_ids``,
   ``cu_seqlens``, ...), bit for bit what the reader built;
-* the TP ranks of pipeline stage 0 only: also the image entries
-  (``images``). Later stages have no vision tower and get no pixels, so
+* the TP ranks of pipeline stage 0 only: also the pixel entries
+  (``images``, ``videos``). Later stages have no vision tower and get no pixels, so
   they neither decode nor receive them.
 
 A sample whose image does not decode is skipped on the reader, and the
@@ -48,7 +48,7 @@ from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.step_buffer import layout, pack_step, views
 
 #: Entries of a micro-batch that only the first pipeline stage uses (the vision tower's input).
-IMAGE_KEYS = ("images",)
+IMAGE_KEYS = ("images", "videos")
 
 #: Reasons a :class:`SkipCounter` keeps (the rest are only counted).
 _MAX_REASONS = 20

@@ -40,15 +40,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 #: How data marks an image's position in a user turn (LLaVA convention).
 IMAGE_MARKER = "<image>"
+#: How data marks a video's position in a user turn (LLaVA-Video / OneVision convention).
+VIDEO_MARKER = "<video>"
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 
 _ROLE_NAMES = MappingProxyType(
     {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -71,6 +75,8 @@ class EncodedConversation:
     #: Assistant turns kept (fewer than in the input when truncated).
     assistant_turns: int
     truncated: bool
+    #: Videos used (the first ``num_videos``), as ``num_images``.
+    num_videos: int = 0
 
 
 _ROLE_LABELS = MappingProxyType({"from": "human, gpt or system", "role": "user, assistant or system"})
@@ -112,9 +118,10 @@ def normalize_turns(conversation: Sequence[Mapping[str, Any]], where: str = "tur
         raise ConversationError(f"{where}[{len(turns) - 1}] is from {body[-1]['label']!r} (user): the conversation "
                                 "ends with a user turn; the last turn must be the assistant's")
     for i, turn in enumerate(turns):
-        if turn["role"] != "user" and IMAGE_MARKER in turn["content"]:
-            raise ConversationError(f"{where}[{i}] is from {turn['label']!r} ({turn['role']}) and contains "
-                                    f"{IMAGE_MARKER}; images belong in user turns")
+        for marker in (IMAGE_MARKER, VIDEO_MARKER):
+            if turn["role"] != "user" and marker in turn["content"]:
+                raise ConversationError(f"{where}[{i}] is from {turn['label']!r} ({turn['role']}) and contains "
+                                        f"{marker}; images and videos belong in user turns")
     return [{"role": t["role"], "content": t["content"]} for t in turns]
 
 
@@ -130,10 +137,14 @@ class ChatEncoder:
     Args:
         tokenizer: a ``PreTrainedTokenizer(Fast)`` with ``chat_template`` set.
         image_token: vocabulary token used for image placeholders.
-        tokens_per_image: placeholders per image view (the tower's patch count).
+        tokens_per_image: placeholders per image view (``vision.image_tokens``).
+        video_token: vocabulary token used for video placeholders (needed only
+            to encode videos).
+        video_tokens: frames of a video -> its placeholders (``vision.video_tokens``).
     """
 
-    def __init__(self, tokenizer: Any, image_token: str, tokens_per_image: int):
+    def __init__(self, tokenizer: Any, image_token: str, tokens_per_image: int, video_token: str = VIDEO_MARKER,
+                 video_tokens: Optional[Callable[[int], int]] = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja); use a chat model's tokenizer directory")
@@ -145,15 +156,21 @@ class ChatEncoder:
         self.image_token = image_token
         self.image_token_id = int(vocab[image_token])
         self.tokens_per_image = tokens_per_image
+        self.video_token = video_token
+        #: -1: the vocabulary has no ``video_token`` (a video cannot be encoded).
+        self.video_token_id = int(vocab.get(video_token, -1))
+        self.video_tokens = video_tokens
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, image_token: str, tokens_per_image: int) -> "ChatEncoder":
+    def from_pretrained(cls, path: str | os.PathLike, image_token: str, tokens_per_image: int,
+                        video_token: str = VIDEO_MARKER, video_tokens: Optional[Callable[[int], int]] = None
+                        ) -> "ChatEncoder":
         """From a tokenizer directory (or a ``tokenizer.json`` inside one)."""
         from transformers import AutoTokenizer
 
         path = Path(path)
         return cls(AutoTokenizer.from_pretrained(str(path.parent if path.is_file() else path)), image_token,
-                   tokens_per_image)
+                   tokens_per_image, video_token, video_tokens)
 
     # ------------------------------------------------------------------ ids
     @property
@@ -193,12 +210,21 @@ class ChatEncoder:
     def _ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False) if text else []
 
-    def _prompt_ids(self, text: str, views: Sequence[int]) -> list[int]:
-        ids, pieces = [], text.split(IMAGE_MARKER)
-        for i, piece in enumerate(pieces):
-            ids += self._ids(piece)
-            if i < len(pieces) - 1:
-                ids += [self.image_token_id] * (views[i] * self.tokens_per_image)
+    def _prompt_ids(self, text: str, views: Sequence[int], frames: Optional[Sequence[int]]) -> list[int]:
+        """``text`` with each marker replaced by its placeholders, in order
+        (``frames`` None: videos take none, as in the index's text counts)."""
+        ids: list[int] = []
+        image = video = 0
+        for piece in _MARKERS.split(text):
+            if piece == IMAGE_MARKER:
+                ids += [self.image_token_id] * (views[image] * self.tokens_per_image)
+                image += 1
+            elif piece == VIDEO_MARKER:
+                if frames is not None:
+                    ids += [self.video_token_id] * self.video_tokens(frames[video])
+                video += 1
+            else:
+                ids += self._ids(piece)
         return ids
 
     def _answer_mask(self, ids: list[int]) -> list[int]:
@@ -210,8 +236,8 @@ class ChatEncoder:
         return [1] * (last + 1) + [0] * (len(ids) - last - 1)
 
     def encode(self, conversation: Sequence[Mapping[str, Any]], num_images: int,
-               max_length: Optional[int] = None, views_per_image: Optional[Sequence[int]] = None
-               ) -> EncodedConversation:
+               max_length: Optional[int] = None, views_per_image: Optional[Sequence[int]] = None,
+               frames_per_video: Optional[Sequence[int]] = None) -> EncodedConversation:
         """Encode one conversation.
 
         Args:
@@ -220,6 +246,8 @@ class ChatEncoder:
             max_length: token budget (``model.seq_length``); None = no limit.
             views_per_image: tower inputs per image (anyres tiles + overview);
                 None = 1 each.
+            frames_per_video: frames read of each video (one per ``<video>``
+                marker); None: videos take no tokens (the text-only count).
 
         Raises:
             ConversationError: bad turn order or roles, marker/image count
@@ -233,16 +261,20 @@ class ChatEncoder:
         views = list(views_per_image) if views_per_image is not None else [1] * num_images
         if len(views) != num_images:
             raise ConversationError(f"views_per_image has {len(views)} entries for {num_images} images")
+        frames = None if frames_per_video is None else list(frames_per_video)
+        if frames is not None:
+            self._check_videos(turns, frames)
         tokens: list[int] = []
         mask: list[int] = []
-        used = kept = 0
+        used = kept = videos = 0
         spans = self.spans(turns)
         for k, (prompt, answer) in enumerate(spans):
             n = prompt.count(IMAGE_MARKER)
             if used + n > num_images:
                 raise ConversationError(f"the chat template's rendering has more {IMAGE_MARKER} markers than the "
                                         f"turns ({used + n} > {num_images})")
-            p_ids = self._prompt_ids(prompt, views[used : used + n])
+            nv = prompt.count(VIDEO_MARKER)
+            p_ids = self._prompt_ids(prompt, views[used : used + n], None if frames is None else frames[videos:])
             a_ids = self._ids(answer)
             if max_length is not None and len(tokens) + len(p_ids) + len(a_ids) > max_length:
                 if k == 0:
@@ -252,8 +284,18 @@ class ChatEncoder:
             tokens += p_ids + a_ids
             mask += [0] * len(p_ids) + self._answer_mask(a_ids)
             used += n
+            videos += nv
             kept += 1
         if kept == len(spans) and used != num_images:
             raise ConversationError(f"the chat template's rendering has {used} {IMAGE_MARKER} markers, the turns "
                                     f"{num_images}; the template must keep user text verbatim")
-        return EncodedConversation(tokens, mask, used, kept, kept < len(spans))
+        return EncodedConversation(tokens, mask, used, kept, kept < len(spans), videos)
+
+    def _check_videos(self, turns: list[dict[str, str]], frames: list[int]) -> None:
+        markers = sum(t["content"].count(VIDEO_MARKER) for t in turns)
+        if markers != len(frames):
+            raise ConversationError(f"text has {markers} {VIDEO_MARKER} markers but the sample has {len(frames)} "
+                                    "videos")
+        if frames and (self.video_token_id < 0 or self.video_tokens is None):
+            raise ConversationError(f"the tokenizer has no {self.video_token!r} token for video placeholders; add "
+                                    "it as a special token or name one with data.video_token")

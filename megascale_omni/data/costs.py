@@ -18,8 +18,8 @@ the sample) or ``{"tokens": int | null, "images": [[height, width], ...]}``:
 A sample with videos (index format 4) also has ``"videos": [[frames,
 height, width], ...]``: per video, its stored frames (members
 ``v<j>.<f>.<jpg|png|webp>``) and their pixel size, from the first frame's
-header. A video costs ``min(frames, data.video_frames) * tokens_per_frame``
-(:func:`video_tokens`) without decoding anything.
+header. A video costs ``vision.video_tokens(min(frames, data.video_frames))``
+LM tokens (:func:`video_tokens`) and that many tower inputs, without decoding anything.
 
 A ``cost`` is ``null`` when an image member's header is not readable as
 the format its suffix names (the sample is bad and is reported when read).
@@ -37,7 +37,7 @@ import io
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from PIL import Image
 
@@ -93,13 +93,19 @@ class SampleCost:
                    tuple((int(f), int(h), int(w)) for f, h, w in doc.get("videos", ())))
 
 
-def video_tokens(cost: Optional[SampleCost], video_frames: int, tokens_per_frame: int) -> int:
-    """Tower tokens of a sample's videos: per video ``min(frames,
-    video_frames)`` frames (all of them when ``video_frames`` is 0) times
-    ``tokens_per_frame``. 0 without videos or cost."""
+def frames_read(cost: Optional[SampleCost], video_frames: int) -> tuple[int, ...]:
+    """Frames read of each of a sample's videos: ``min(frames, video_frames)``
+    (every stored frame when ``video_frames`` is 0). Empty without videos or cost."""
     if cost is None:
-        return 0
-    return tokens_per_frame * sum(min(f, video_frames) if video_frames else f for f, _, _ in cost.video_fhw)
+        return ()
+    return tuple(min(f, video_frames) if video_frames else f for f, _, _ in cost.video_fhw)
+
+
+def video_tokens(cost: Optional[SampleCost], video_frames: int, tokens_of: Callable[[int], int]) -> int:
+    """LM tokens of a sample's videos: ``tokens_of(frames read)`` summed over
+    its videos (``tokens_of``: :meth:`~megascale_omni.config.VisionConfig.video_tokens`,
+    the rule the model lays videos out by). 0 without videos or cost."""
+    return sum(tokens_of(f) for f in frames_read(cost, video_frames))
 
 
 def fingerprint(*parts: str) -> str:

@@ -1,4 +1,5 @@
-"""Hugging Face interoperability: import HF decoders (Llama/Qwen2/Mistral),
+"""Hugging Face interoperability: import HF decoders (Llama/Qwen2/Mistral, and
+the MoE Mixtral/Qwen2-MoE/Qwen3-MoE),
 vision towers (CLIP/SigLIP) and whole LLaVA models into model-only
 checkpoints, and export our checkpoints back to HF directories.
 

@@ -3,8 +3,10 @@
 ``transformers`` loads with ``from_pretrained``.
 
 ``gpt`` models become ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (or the
-architecture they were imported from), ``llava`` models
-``LlavaForConditionalGeneration``. The tokenizer, chat template and
+architecture they were imported from; MoE models ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``), ``llava`` models
+``LlavaForConditionalGeneration``, or with ``vision.image_newline``
+``LlavaOnevisionForConditionalGeneration``. The tokenizer, chat template and
 processor files are the ones the checkpoint carries
 (:mod:`~megascale_omni.checkpoint.hf_assets`: a run that started from an
 import has them in every checkpoint), checked against its commit marker.
@@ -24,7 +26,7 @@ import torch
 from megascale_omni.checkpoint.pretrained import ModelCheckpoint, load_model_weights, open_model_checkpoint
 from megascale_omni.config import ConfigError
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.importer import PROJECTOR_PREFIX
+from megascale_omni.hf.importer import NEWLINE, PROJECTOR_PREFIX
 
 
 def checkpoint_state(ckpt: ModelCheckpoint, field: str) -> dict[str, torch.Tensor]:
@@ -65,7 +67,8 @@ class Export:
     missing: tuple[str, ...]
 
 
-def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: int | None = None) -> Export:
+def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: int | None = None,
+              video_token: int | None = None) -> Export:
     """Write the HF directory ``out`` for the checkpoint at ``path``: weights,
     config and the tokenizer/processor files the checkpoint carries. Raises
     ConfigError for a model HF cannot express, CheckpointError for a broken
@@ -85,7 +88,7 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
                           "Hugging Face")
     m = ckpt.cfg.model
     prov = ckpt.provenance
-    text = lm.hf_text_config(m, prov.get("text_config"))
+    text = lm.hf_text_config(m, prov.get("text_config"), ckpt.cfg.moe)
     with one_process():
         state = checkpoint_state(ckpt, field)
     padded = state["language_model.embedding.word_embeddings.weight" if family == "llava"
@@ -93,10 +96,11 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
     vocab = hf_vocab_size(ckpt, padded)
     text["vocab_size"] = vocab
     if family == "gpt":
-        tensors = lm.weights_to_hf(state, m, vocab, body="model.", head="lm_head.weight", src="")
+        tensors = lm.weights_to_hf(state, m, vocab, body="model.", head="lm_head.weight", src="",
+                                   moe=ckpt.cfg.moe, model_type=text["model_type"])
         config = text
     else:
-        tensors, config = _llava(ckpt, state, text, vocab, image_token)
+        tensors, config = _llava(ckpt, state, text, vocab, image_token, video_token)
     dtype = next(iter(tensors.values())).dtype
     config["dtype"] = str(dtype).removeprefix("torch.")
     tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
@@ -113,8 +117,8 @@ def export_hf(path: Path, out: Path, field: str = "--checkpoint", image_token: i
     return Export(out, tuple(assets.files), tuple(assets.missing(image_processor=family == "llava")))
 
 
-def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_token: int | None
-           ) -> tuple[dict[str, torch.Tensor], dict]:
+def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_token: int | None,
+           video_token: int | None) -> tuple[dict[str, torch.Tensor], dict]:
     m, v = ckpt.cfg.model, ckpt.cfg.vision
     vision.check_tower(v, "vision")
     if v.projector_type != "mlp" or (v.projector_hidden_size or m.hidden_size) != m.hidden_size:
@@ -125,7 +129,7 @@ def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_tok
         raise ConfigError("--image-token-id", None, "this checkpoint was not imported from HF; pass the id of "
                           "the <image> token of its tokenizer")
     tensors = lm.weights_to_hf(state, m, vocab, body="language_model.model.", head="language_model.lm_head.weight",
-                               src="language_model.")
+                               src="language_model.", moe=ckpt.cfg.moe, model_type=text["model_type"])
     tensors.update(vision.tower_to_hf(state, v, "vision_tower.", src="vision_model."))
     tensors.update(vision.projector_to_hf(state, "multi_modal_projector.", src=PROJECTOR_PREFIX))
     base = {k: val for k, val in (ckpt.provenance.get("llava_config") or {}).items()
@@ -145,4 +149,25 @@ def _llava(ckpt: ModelCheckpoint, state: dict, text: dict, vocab: int, image_tok
         "multimodal_projector_bias": True,
         "tie_word_embeddings": m.share_embeddings_and_output_weights,
     }
+    if v.image_newline:
+        return _onevision(ckpt, state, tensors, config, video_token)
+    return tensors, config
+
+
+def _onevision(ckpt: ModelCheckpoint, state: dict, tensors: dict, config: dict, video_token: int | None
+               ) -> tuple[dict[str, torch.Tensor], dict]:
+    """A model with ``vision.image_newline``: LLaVA-OneVision, whose video
+    path pools frames 2x2 and whose multi-image path appends the newline."""
+    v = ckpt.cfg.vision
+    if v.video_pool_stride != 2:
+        raise ConfigError("vision.video_pool_stride", v.video_pool_stride, "LLaVA-OneVision pools video frames "
+                          "with stride 2 only; this model cannot be exported")
+    token = video_token if video_token is not None else int(ckpt.provenance.get("video_token_id", -1))
+    if token < 0:
+        raise ConfigError("--video-token-id", None, "this checkpoint was not imported from LLaVA-OneVision; pass "
+                          "the id of the <video> token of its tokenizer")
+    tensors[NEWLINE] = state[NEWLINE]
+    config.pop("image_seq_length")
+    config.update(architectures=["LlavaOnevisionForConditionalGeneration"], model_type="llava_onevision",
+                  video_token_index=token)
     return tensors, config

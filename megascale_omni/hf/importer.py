@@ -30,15 +30,19 @@ import yaml
 from megascale_omni.checkpoint.hf_assets import ASSET_DIR, HFAssets
 from megascale_omni.config import ConfigError, JobConfig, from_dict
 from megascale_omni.hf import lm, vision
-from megascale_omni.hf.directory import HFDirectory, with_defaults
+from megascale_omni.hf import moe as hf_moe
+from megascale_omni.hf.directory import HFDirectory, expect_shape, with_defaults
 
 logger = logging.getLogger(__name__)
 
 #: Our names of the parts that an import without a projector initialises fresh.
 PROJECTOR_PREFIX = "vision_projection."
 
-#: The whole multimodal architecture ``--llava`` maps (``architectures[0]``), by its ``model_type``.
-LLAVA_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration"}
+#: The whole multimodal architectures ``--llava`` maps (``architectures[0]``), by their ``model_type``.
+LLAVA_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration",
+                       "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+#: Our name of LLaVA-OneVision's newline embedding (HF's ``image_newline``, any prefix).
+NEWLINE = "image_newline"
 
 
 @dataclasses.dataclass
@@ -61,8 +65,8 @@ def check_architecture(d: HFDirectory, supported: dict[str, str]) -> None:
     """Raise ConfigError unless ``d``'s ``model_type`` and ``architectures``
     (when given) are one of ``supported`` (``model_type`` -> class). A
     relative such as ``LlavaOnevisionForConditionalGeneration`` has weights
-    we would read but parts we would silently drop (its ``image_newline``,
-    its video token), and its export would be another model."""
+    we would read but parts we would silently drop (LLaVA-NeXT's
+    ``image_newline`` and anyres unpadding), and its export would be another model."""
     model_type, arch = d.config.get("model_type"), d.architecture
     if model_type not in supported or (arch and arch != supported[model_type]):
         raise ConfigError(d.field, str(d.path), f"is a {arch or model_type!r} model (model_type "
@@ -99,7 +103,7 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
     body = d.find_prefix("embed_tokens.weight", exclude=("vision", "text_model"))
     if body is None:
         raise ConfigError(d.field, str(d.path), "has no decoder weights (no *embed_tokens.weight); is it a "
-                          "Llama/Qwen2/Mistral model?")
+                          "Llama/Qwen2/Mistral/MoE decoder?")
     head = None
     if not tied:
         head_prefix = d.find_prefix("lm_head.weight")
@@ -113,34 +117,40 @@ def _lm_prefixes(d: HFDirectory, tied: bool) -> tuple[str, Optional[str]]:
 
 
 def read_llm(d: HFDirectory, seq_length: int) -> HFImport:
-    """A Llama/Qwen2/Mistral causal LM -> the ``gpt`` family."""
+    """A Llama/Qwen2/Mistral or Mixtral/Qwen2-MoE/Qwen3-MoE causal LM -> the
+    ``gpt`` family (with a ``moe`` section for the MoE ones)."""
     tc = with_defaults(d.config, d.field)
     if tc.get("model_type") not in lm.LM_ARCHITECTURES or (
             d.architecture and d.architecture != lm.LM_ARCHITECTURES[tc["model_type"]]):
-        raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model; "
-                          f"--llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
-    model = {"family": "gpt", **lm.model_section(tc, seq_length, f"{d.path}/config.json")}
-    m = from_dict(JobConfig, {"model": model}).model
+        why = hf_moe.REFUSED.get(tc.get("model_type"))
+        raise ConfigError(d.field, str(d.path), f"is a {d.architecture or tc.get('model_type')!r} model"
+                          + (f" ({why})" if why else "") + f"; --llm takes {', '.join(lm.LM_ARCHITECTURES.values())}")
+    sections = lm.text_sections(tc, seq_length, f"{d.path}/config.json", "gpt")
+    cfg = from_dict(JobConfig, sections)
+    m = cfg.model
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="")
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="",
+                               moe=cfg.moe, model_type=tc["model_type"])
     check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights))
     provenance = {"source": str(d.path), "architecture": d.architecture, "text_config": tc,
                   "vocab_size": m.vocab_size}
-    return HFImport({"model": model}, state, provenance, [d.path])
+    return HFImport(sections, state, provenance, [d.path])
 
 
 def _llava_sections(text: dict, tower: dict, seq_length: int, feature_layer: int, where: str) -> dict:
-    model = {"family": "llava", **lm.model_section(text, seq_length, where)}
+    sections = lm.text_sections(text, seq_length, where, "llava")
     vis = vision.vision_section(tower, feature_layer, where)
-    vis.update(projector_type="mlp", projector_hidden_size=model["hidden_size"])
-    return {"model": model, "vision": vis}
+    vis.update(projector_type="mlp", projector_hidden_size=sections["model"]["hidden_size"])
+    return {**sections, "vision": vis}
 
 
 def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
-    """A whole ``LlavaForConditionalGeneration`` -> the ``llava`` family.
-    Any other architecture (LLaVA-NeXT, LLaVA-OneVision, ...), or a tensor
-    left unmapped, is refused with ConfigError."""
+    """A whole ``LlavaForConditionalGeneration`` or ``LlavaOnevisionForConditionalGeneration``
+    -> the ``llava`` family (OneVision: ``vision.image_newline``, frames
+    pooled 2x2, its video token recorded). Any other architecture
+    (LLaVA-NeXT, ...), or a tensor left unmapped, is refused with ConfigError."""
     check_architecture(d, LLAVA_ARCHITECTURES)
+    onevision = d.config.get("model_type") == "llava_onevision"
     raw = dict(d.config)
     where = f"{d.path}/config.json"
     text = raw["text_config"] = dict(raw.get("text_config") or {})
@@ -166,19 +176,34 @@ def read_llava(d: HFDirectory, seq_length: int) -> HFImport:
     image_token = c.get("image_token_index", c.get("image_token_id"))
     if image_token is None:
         raise ConfigError(f"{where}: image_token_index", None, "is missing; a LLaVA config names its image token")
+    video_token = c.get("video_token_index", c.get("video_token_id"))
+    if onevision:
+        if video_token is None:
+            raise ConfigError(f"{where}: video_token_index", None, "is missing; a LLaVA-OneVision config names its "
+                              "video token")
+        # OneVision's get_video_features pools every frame to ceil(grid / 2) a side, then one newline per video.
+        sections["vision"].update(image_newline=True, video_pool_stride=2)
     cfg = from_dict(JobConfig, sections)
     m, v = cfg.model, cfg.vision
     body, head = _lm_prefixes(d, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    state = lm.weights_from_hf(d.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.",
+                               moe=cfg.moe, model_type=text["model_type"])
     tower_prefix = d.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
     projector_prefix = d.find_prefix("linear_1.weight")
     if tower_prefix is None or projector_prefix is None:
         raise ConfigError(d.field, str(d.path), "lacks the vision tower or projector weights of a LLaVA model")
     state.update(vision.tower_from_hf(d.tensor, v, tower_prefix, out="vision_model."))
     state.update(vision.projector_from_hf(d.tensor, projector_prefix, out=PROJECTOR_PREFIX))
+    if onevision:
+        newline_prefix = d.find_prefix(NEWLINE, exclude=("vision", "language_model"))
+        if newline_prefix is None:
+            raise ConfigError(d.field, str(d.path), f"lacks the {NEWLINE} tensor of a LLaVA-OneVision model")
+        state[NEWLINE] = expect_shape(d.tensor(newline_prefix + NEWLINE), (m.hidden_size,), NEWLINE, d.path)
     check_all_mapped(d, _lm_unused(d, m.share_embeddings_and_output_weights) | _tower_unused(d, tower_prefix, v))
     provenance = {"source": str(d.path), "architecture": d.architecture, "llava_config": c, "text_config": text,
                   "vision_config": tower, "image_token_id": int(image_token), "vocab_size": m.vocab_size}
+    if onevision:
+        provenance["video_token_id"] = int(video_token)
     return HFImport(sections, state, provenance, [d.path])
 
 
@@ -197,7 +222,8 @@ def read_llm_and_tower(llm: HFDirectory, tower: HFDirectory, feature_layer: Opti
     cfg = from_dict(JobConfig, sections)
     m, v = cfg.model, cfg.vision
     body, head = _lm_prefixes(llm, m.share_embeddings_and_output_weights)
-    state = lm.weights_from_hf(llm.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.")
+    state = lm.weights_from_hf(llm.tensor, m, m.padded_vocab_size(m.vocab_size), body, head, out="language_model.",
+                               moe=cfg.moe, model_type=text.get("model_type", ""))
     tower_prefix = tower.find_prefix("embeddings.patch_embedding.weight", exclude=("text_model",))
     if tower_prefix is None:
         raise ConfigError(tower.field, str(tower.path), "has no vision tower weights (*embeddings.patch_embedding)")

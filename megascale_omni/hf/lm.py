@@ -1,5 +1,6 @@
-"""Hugging Face Llama / Qwen2 / Mistral decoders <-> our ``model`` section and
-megatron ``GPTModel`` weights.
+"""Hugging Face Llama / Qwen2 / Mistral decoders, and the MoE ones of
+:mod:`.moe` (Mixtral, Qwen2-MoE, Qwen3-MoE), <-> our ``model`` (and ``moe``)
+sections and megatron ``GPTModel`` weights.
 
 Weight names on our side are those of a one-process (TP1, PP1) megatron
 module's ``state_dict``; resharding to any layout is dist_checkpointing's job.
@@ -16,11 +17,13 @@ from typing import Callable, Optional
 
 import torch
 
-from megascale_omni.config import ModelConfig
+from megascale_omni.config import ModelConfig, MoeConfig
 from megascale_omni.config.errors import ConfigError
+from megascale_omni.hf import moe as hf_moe
 
 #: HF ``model_type`` of the decoders we map, with their causal-LM class.
-LM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+LM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                    **hf_moe.MOE_ARCHITECTURES}
 
 #: Llama-3.1 rope scaling constants that megatron's ``rope_scaling`` hard-codes.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -54,20 +57,23 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
     """Our ``model`` section (as a dict) for an HF decoder config ``tc``."""
     model_type = tc.get("model_type")
     if model_type not in LM_ARCHITECTURES:
+        why = f"{hf_moe.REFUSED[model_type]}; " if model_type in hf_moe.REFUSED else ""
         raise ConfigError(f"{field}: model_type", model_type,
-                           f"supported language models: {', '.join(LM_ARCHITECTURES)}")
+                           f"{why}supported language models: {', '.join(LM_ARCHITECTURES)}")
     if tc.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{field}: hidden_act", tc.get("hidden_act"), "only SwiGLU (silu) decoders are mapped")
     hidden, heads = int(tc["hidden_size"]), int(tc["num_attention_heads"])
     groups = int(tc.get("num_key_value_heads") or heads)
-    head_dim = tc.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ConfigError(f"{field}: head_dim", head_dim,
-                           f"must equal hidden_size / num_attention_heads = {hidden / heads:g} for our attention")
-    if model_type == "qwen2":
-        add_bias_linear, add_qkv_bias = False, True
-        if tc.get("use_sliding_window"):
-            raise ConfigError(f"{field}: use_sliding_window", True, "sliding-window attention is not implemented")
+    head_dim = int(tc.get("head_dim") or hidden // heads)
+    if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and tc.get("use_sliding_window"):
+        raise ConfigError(f"{field}: use_sliding_window", True, "sliding-window attention is not implemented")
+    if model_type in ("qwen2", "qwen2_moe"):
+        add_bias_linear, add_qkv_bias = False, bool(tc.get("qkv_bias", True))
+    elif model_type == "qwen3_moe":
+        if tc.get("attention_bias"):
+            raise ConfigError(f"{field}: attention_bias", True, "MoE models here have no linear biases "
+                              "(megatron 0.16.1's expert MLP cannot train with them); we map attention_bias: false")
+        add_bias_linear, add_qkv_bias = False, False
     else:
         attention_bias, mlp_bias = bool(tc.get("attention_bias", False)), bool(tc.get("mlp_bias", False))
         if attention_bias != mlp_bias:
@@ -75,7 +81,7 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
                                f"with mlp_bias={mlp_bias}: we map biases on all linears or on none")
         add_bias_linear, add_qkv_bias = attention_bias, False
     window = tc.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < seq_length:
+    if model_type in ("mistral", "mixtral") and window is not None and window < seq_length:
         raise ConfigError(f"{field}: sliding_window", window,
                            f"is shorter than --seq-length {seq_length}; sliding-window attention is not "
                            f"implemented, so use --seq-length <= {window}")
@@ -85,6 +91,7 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=None if groups == heads else groups,
+        kv_channels=None if head_dim * heads == hidden else head_dim,
         ffn_hidden_size=int(tc["intermediate_size"]),
         vocab_size=int(tc["vocab_size"]),
         seq_length=seq_length,
@@ -98,21 +105,36 @@ def model_section(tc: dict, seq_length: int, field: str) -> dict:
         rope_scaling=rope_scaling,
         rope_scaling_factor=rope_factor,
         share_embeddings_and_output_weights=bool(tc.get("tie_word_embeddings", False)),
+        qk_layernorm=model_type == "qwen3_moe",
     )
 
 
-def hf_text_config(m: ModelConfig, base: Optional[dict] = None) -> dict:
+def text_sections(tc: dict, seq_length: int, field: str, family: str) -> dict:
+    """Our ``model`` section (``family``), plus ``moe`` for an MoE decoder, of HF config ``tc``."""
+    sections = {"model": {"family": family, **model_section(tc, seq_length, field)}}
+    if hf_moe.is_moe(tc.get("model_type")):
+        sections["moe"] = hf_moe.moe_section(tc, field)
+    return sections
+
+
+def hf_text_config(m: ModelConfig, base: Optional[dict] = None, moe: Optional[MoeConfig] = None) -> dict:
     """An HF decoder config for ``m`` (Qwen2 when it has QKV-only biases,
-    else Llama), over ``base`` (the config recorded at import) if given."""
+    else Llama; with ``moe`` enabled the MoE class of
+    :func:`.moe.hf_moe_config`), over ``base`` (the config recorded at
+    import) if given."""
     field = "model"
     if m.activation != "swiglu" or m.normalization != "RMSNorm" or m.position_embedding_type != "rope":
         raise ConfigError(f"{field}.activation", m.activation,
                           "only RMSNorm + SwiGLU + RoPE decoders export to Hugging Face Llama/Qwen2 "
                           f"(this one: {m.normalization}, {m.activation}, {m.position_embedding_type})")
+    moe_fields = hf_moe.hf_moe_config(moe, m, (base or {}).get("model_type")) if moe and moe.enabled else {}
     qwen = m.add_qkv_bias and not m.add_bias_linear
     model_type = "qwen2" if qwen else (base or {}).get("model_type", "llama")
-    if model_type == "qwen2" and not qwen:
+    if (model_type == "qwen2" and not qwen) or hf_moe.is_moe(model_type):
         model_type = "llama"
+    if m.qk_layernorm and not moe_fields:
+        raise ConfigError(f"{field}.qk_layernorm", True, "only Qwen3-MoE carries q/k norms among the Hugging Face "
+                          "classes we export; a dense model with them has no export")
     rope: dict = {"rope_theta": m.rotary_base, "rope_type": "default"}
     if m.rope_scaling == "linear":
         rope.update(rope_type="linear", factor=m.rope_scaling_factor)
@@ -127,14 +149,16 @@ def hf_text_config(m: ModelConfig, base: Optional[dict] = None) -> dict:
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.query_groups,
-        head_dim=m.hidden_size // m.num_attention_heads,
+        head_dim=m.head_dim,
         hidden_act="silu",
         rms_norm_eps=m.norm_epsilon,
         rope_parameters=rope,
         tie_word_embeddings=m.share_embeddings_and_output_weights,
         max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)), m.seq_length),
     )
-    if model_type != "qwen2":
+    if moe_fields:
+        cfg.update(moe_fields)
+    elif model_type != "qwen2":
         cfg.update(attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear)
     return cfg
 
@@ -167,13 +191,21 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def _moe_layers(m: ModelConfig, moe: Optional[MoeConfig]) -> list[int]:
+    """1 per MoE layer, 0 per dense one."""
+    return moe.layer_pattern(m.num_layers) if moe is not None and moe.enabled else [0] * m.num_layers
+
+
 def weights_from_hf(
     get: Callable[[str], torch.Tensor], m: ModelConfig, padded_vocab: int, body: str, head: Optional[str], out: str,
+    moe: Optional[MoeConfig] = None, model_type: str = "",
 ) -> dict[str, torch.Tensor]:
     """Megatron state (names prefixed ``out``) from HF tensors fetched by
     ``get(name)``; ``body`` prefixes the decoder (``model.``), ``head`` names
-    the untied output matrix (None when tied)."""
+    the untied output matrix (None when tied). With ``moe`` enabled, its
+    MoE layers come from the experts of HF ``model_type`` (:mod:`.moe`)."""
     heads, groups = m.num_attention_heads, m.query_groups
+    routed = _moe_layers(m, moe)
     state = {f"{out}embedding.word_embeddings.weight": _pad_rows(get(f"{body}embed_tokens.weight"), padded_vocab)}
     for i in range(m.num_layers):
         hf, ours = f"{body}layers.{i}.", f"{out}decoder.layers.{i}."
@@ -184,11 +216,17 @@ def weights_from_hf(
         if m.add_bias_linear or m.add_qkv_bias:
             b = {p: get(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"}
             state[f"{ours}self_attention.linear_qkv.bias"] = fuse_qkv(b["q"], b["k"], b["v"], heads, groups)
+        if m.qk_layernorm:
+            state[f"{ours}self_attention.q_layernorm.weight"] = get(f"{hf}self_attn.q_norm.weight")
+            state[f"{ours}self_attention.k_layernorm.weight"] = get(f"{hf}self_attn.k_norm.weight")
         state[f"{ours}pre_mlp_layernorm.weight"] = get(f"{hf}post_attention_layernorm.weight")
-        state[f"{ours}mlp.linear_fc1.weight"] = torch.cat(
-            [get(f"{hf}mlp.gate_proj.weight"), get(f"{hf}mlp.up_proj.weight")]
-        )
-        state[f"{ours}mlp.linear_fc2.weight"] = get(f"{hf}mlp.down_proj.weight")
+        if routed[i]:
+            state.update(hf_moe.moe_mlp_from_hf(get, moe, model_type, hf, ours))
+        else:
+            state[f"{ours}mlp.linear_fc1.weight"] = torch.cat(
+                [get(f"{hf}mlp.gate_proj.weight"), get(f"{hf}mlp.up_proj.weight")]
+            )
+            state[f"{ours}mlp.linear_fc2.weight"] = get(f"{hf}mlp.down_proj.weight")
         if m.add_bias_linear:
             state[f"{ours}self_attention.linear_proj.bias"] = get(f"{hf}self_attn.o_proj.bias")
             state[f"{ours}mlp.linear_fc1.bias"] = torch.cat([get(f"{hf}mlp.gate_proj.bias"), get(f"{hf}mlp.up_proj.bias")])
@@ -196,22 +234,32 @@ def weights_from_hf(
     state[f"{out}decoder.final_layernorm.weight"] = get(f"{body}norm.weight")
     if head is not None:
         state[f"{out}output_layer.weight"] = _pad_rows(get(head), padded_vocab)
-    _check_shapes(state, m, padded_vocab, out)
+    _check_shapes(state, m, padded_vocab, out, moe)
     return state
 
 
-def expected_shapes(m: ModelConfig, padded_vocab: int, out: str) -> dict[str, tuple[int, ...]]:
+def expected_shapes(m: ModelConfig, padded_vocab: int, out: str, moe: Optional[MoeConfig] = None
+                    ) -> dict[str, tuple[int, ...]]:
     """Shapes :func:`weights_from_hf` must produce (our side, TP1)."""
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
+    h, d = m.hidden_size, m.head_dim
+    routed = _moe_layers(m, moe)
     qkv_rows = (m.num_attention_heads + 2 * m.query_groups) * d
     shapes = {f"{out}embedding.word_embeddings.weight": (padded_vocab, h), f"{out}decoder.final_layernorm.weight": (h,)}
     for i in range(m.num_layers):
         p = f"{out}decoder.layers.{i}."
         shapes.update({
             f"{p}input_layernorm.weight": (h,), f"{p}pre_mlp_layernorm.weight": (h,),
-            f"{p}self_attention.linear_qkv.weight": (qkv_rows, h), f"{p}self_attention.linear_proj.weight": (h, h),
-            f"{p}mlp.linear_fc1.weight": (2 * m.ffn_size, h), f"{p}mlp.linear_fc2.weight": (h, m.ffn_size),
+            f"{p}self_attention.linear_qkv.weight": (qkv_rows, h),
+            f"{p}self_attention.linear_proj.weight": (h, m.num_attention_heads * d),
         })
+        if m.qk_layernorm:
+            shapes.update({f"{p}self_attention.q_layernorm.weight": (d,),
+                           f"{p}self_attention.k_layernorm.weight": (d,)})
+        if routed[i]:
+            shapes.update(hf_moe.moe_mlp_shapes(moe, m, p))
+        else:
+            shapes.update({f"{p}mlp.linear_fc1.weight": (2 * m.ffn_size, h),
+                           f"{p}mlp.linear_fc2.weight": (h, m.ffn_size)})
         if m.add_bias_linear or m.add_qkv_bias:
             shapes[f"{p}self_attention.linear_qkv.bias"] = (qkv_rows,)
         if m.add_bias_linear:
@@ -222,22 +270,25 @@ def expected_shapes(m: ModelConfig, padded_vocab: int, out: str) -> dict[str, tu
     return shapes
 
 
-def _check_shapes(state: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, out: str) -> None:
+def _check_shapes(state: dict[str, torch.Tensor], m: ModelConfig, padded_vocab: int, out: str,
+                  moe: Optional[MoeConfig]) -> None:
     from megascale_omni.checkpoint.errors import CheckpointError
 
-    for name, shape in expected_shapes(m, padded_vocab, out).items():
+    for name, shape in expected_shapes(m, padded_vocab, out, moe).items():
         got = tuple(state[name].shape)
         if got != shape:
             raise CheckpointError(f"weights do not match config.json: {name} built from the HF tensors has shape "
                                   f"{got}, the config implies {shape}")
 
 
-def weights_to_hf(state: dict[str, torch.Tensor], m: ModelConfig, vocab: int, body: str, head: str, src: str
-                  ) -> dict[str, torch.Tensor]:
+def weights_to_hf(state: dict[str, torch.Tensor], m: ModelConfig, vocab: int, body: str, head: str, src: str,
+                  moe: Optional[MoeConfig] = None, model_type: str = "") -> dict[str, torch.Tensor]:
     """Inverse of :func:`weights_from_hf`: HF tensors (names prefixed
     ``body``; ``head`` for the output matrix unless tied) from our state
-    (names prefixed ``src``), the vocabulary cut to ``vocab`` rows."""
+    (names prefixed ``src``), the vocabulary cut to ``vocab`` rows; MoE
+    layers named as HF ``model_type`` names its experts."""
     heads, groups = m.num_attention_heads, m.query_groups
+    routed = _moe_layers(m, moe)
     out = {f"{body}embed_tokens.weight": state[f"{src}embedding.word_embeddings.weight"][:vocab]}
     for i in range(m.num_layers):
         hf, ours = f"{body}layers.{i}.", f"{src}decoder.layers.{i}."
@@ -247,10 +298,16 @@ def weights_to_hf(state: dict[str, torch.Tensor], m: ModelConfig, vocab: int, bo
             f"{hf}self_attn.q_proj.weight": q, f"{hf}self_attn.k_proj.weight": k, f"{hf}self_attn.v_proj.weight": v,
             f"{hf}self_attn.o_proj.weight": state[f"{ours}self_attention.linear_proj.weight"],
             f"{hf}post_attention_layernorm.weight": state[f"{ours}pre_mlp_layernorm.weight"],
-            f"{hf}mlp.down_proj.weight": state[f"{ours}mlp.linear_fc2.weight"],
         })
-        gate, up = state[f"{ours}mlp.linear_fc1.weight"].chunk(2)
-        out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
+        if m.qk_layernorm:
+            out[f"{hf}self_attn.q_norm.weight"] = state[f"{ours}self_attention.q_layernorm.weight"]
+            out[f"{hf}self_attn.k_norm.weight"] = state[f"{ours}self_attention.k_layernorm.weight"]
+        if routed[i]:
+            out.update(hf_moe.moe_mlp_to_hf(state, moe, model_type, hf, ours))
+        else:
+            out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = (
+                state[f"{ours}mlp.linear_fc1.weight"].chunk(2))
+            out[f"{hf}mlp.down_proj.weight"] = state[f"{ours}mlp.linear_fc2.weight"]
         if m.add_bias_linear or m.add_qkv_bias:
             qb, kb, vb = split_qkv(state[f"{ours}self_attention.linear_qkv.bias"], heads, groups)
             out.update({f"{hf}self_attn.q_proj.bias": qb, f"{hf}self_attn.k_proj.bias": kb,

@@ -17,10 +17,12 @@ from megascale_omni.models.attention import thd_inputs
 
 
 @torch.no_grad()
-def logits(model: torch.nn.Module, tokens: torch.Tensor, images: Optional[torch.Tensor] = None) -> torch.Tensor:
+def logits(model: torch.nn.Module, tokens: torch.Tensor, images: Optional[torch.Tensor] = None,
+           videos: Optional[torch.Tensor] = None, video_frames: Sequence[int] = ()) -> torch.Tensor:
     """Logits ``[b, s, padded_vocab]`` (fp32) of a TP1/PP1 ``gpt`` model or
     LLaVA chunk for ``tokens`` ``[b, s]``; ``images`` ``[n, 3, H, W]`` fill
-    the image placeholder tokens (LLaVA) in row-major order."""
+    the image placeholder tokens (LLaVA) in row-major order, ``videos``
+    ``[F, 3, H, W]`` (``video_frames`` per video) the video placeholders."""
     b, s = tokens.shape
     batch = {
         "tokens": tokens,
@@ -29,7 +31,8 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor, images: Optional[torch.
     }
     tokens_thd, position_ids, _, packed = thd_inputs(batch)
     if images is not None or hasattr(model, "vision_model"):
-        out = model(tokens_thd, position_ids, packed, images=images)
+        out = model(tokens_thd, position_ids, packed, images=images, videos=videos,
+                    video_frames=torch.tensor(list(video_frames), dtype=torch.int64) if video_frames else None)
     else:
         out = model(tokens_thd, position_ids, None, packed_seq_params=packed)
     return out.float().reshape(b, s, -1)
@@ -46,6 +49,8 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
+    videos: Optional[torch.Tensor] = None,
+    video_frames: Sequence[int] = (),
 ) -> list[int]:
     """New token ids after ``prompt``: greedy when ``temperature`` is 0,
     else sampled from ``softmax(logits / temperature)`` (over the ``top_k``
@@ -55,7 +60,7 @@ def generate(
     tokens = list(prompt)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        last = logits(model, torch.tensor([tokens]), images)[0, -1, :vocab_size]
+        last = logits(model, torch.tensor([tokens]), images, videos, video_frames)[0, -1, :vocab_size]
         if temperature <= 0:
             token = int(last.argmax())
         else:

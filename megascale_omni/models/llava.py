@@ -7,7 +7,9 @@ and packs several samples per sequence. The language sequence length is then
 fixed before the model runs, which is what sequence packing (THD segments,
 :mod:`megascale_omni.models.attention`) and pipeline p2p shapes need. The
 model only has to *overwrite* the placeholder embeddings with projected image
-features.
+features (and pooled video frame features, with LLaVA-OneVision's
+``image_newline`` when ``vision.image_newline``:
+:mod:`megascale_omni.models.vision_features`).
 
 Pipeline placement: the ViT and projector live with the embedding on the
 first virtual stage of PP rank 0 (``pre_process``); the output layer and loss
@@ -16,7 +18,7 @@ on the last virtual stage of the last PP rank (``post_process``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megascale_omni.config import JobConfig
 from megascale_omni.models.gpt import build_gpt_model, common_config_kwargs, recompute_kwargs, transformer_config
 from megascale_omni.models.specs import gpt_decoder_spec, resolve_layer_impl, vit_layer_spec
+from megascale_omni.models.vision_features import image_sequence, video_sequence
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -131,13 +134,16 @@ class LlavaChunk(MegatronModule):
 
     ``forward`` inputs (one micro-batch in THD layout, see
     :mod:`megascale_omni.models.attention`):
-      tokens, position_ids: ``[1, t]`` int64; image placeholders hold ``image_token_id``.
+      tokens, position_ids: ``[1, t]`` int64; image placeholders hold
+        ``image_token_id``, video placeholders ``video_token_id``.
       packed_seq_params: THD ``PackedSeqParams``; attention stays inside its segments.
-      images: ``[n, 3, H, W]`` float, one row per placeholder block in
-        token order; only read on the first stage.
+      images: ``[n, 3, H, W]`` float, one row per image in token order; only
+        read on the first stage.
       labels: ``[1, t]`` int64 (last stage), or None to return logits ``[1, t, vocab/tp]``.
-      image_rows: context parallelism only (``t`` is then this CP rank's
-        share): the image-feature row of each local placeholder (:meth:`embed`).
+      image_rows, video_rows: context parallelism only (``t`` is then this CP
+        rank's share): the feature row of each local placeholder (:meth:`embed`).
+      videos: ``[F, 3, H, W]`` float, every video's frames in token order;
+        video_frames: ``[v]`` int64 frames per video (first stage only).
     """
 
     def __init__(
@@ -151,6 +157,7 @@ class LlavaChunk(MegatronModule):
         pre_process: bool,
         post_process: bool,
         vp_stage: Optional[int],
+        video_token_id: int = -1,
     ):
         super().__init__(config=lm_config)
         # The schedules look this up on the wrapped model.
@@ -159,10 +166,12 @@ class LlavaChunk(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.image_token_id = image_token_id
-        self.tokens_per_image = cfg.vision.tokens_per_image
+        self.video_token_id = video_token_id
+        self.vision = cfg.vision
         self.class_tokens = 0
         self.vision_model: Optional[VisionTower] = None
         self.vision_projection: Optional[MultimodalProjector] = None
+        self.image_newline: Optional[torch.nn.Parameter] = None
         if pre_process:
             v = cfg.vision
             self.class_tokens = 1 if v.class_token else 0
@@ -173,6 +182,11 @@ class LlavaChunk(MegatronModule):
                 projector_type="mlp" if v.projector_type == "mlp" else "affine",
                 input_size=v.hidden_size,
             )
+            if v.image_newline:
+                # Replicated over TP like the position table: every TP rank
+                # computes the same gradient (the embedding's, see _scatter).
+                self.image_newline = torch.nn.Parameter(
+                    torch.zeros(cfg.model.hidden_size, dtype=lm_config.params_dtype))
         self.language_model = build_gpt_model(
             cfg.model, lm_config, gpt_decoder_spec(impl, cfg.model.normalization, lm_config, vp_stage),
             vocab_size=vocab_size,
@@ -198,51 +212,67 @@ class LlavaChunk(MegatronModule):
         """Pipeline hook: activations from the previous stage go to the LM."""
         self.language_model.set_input_tensor(input_tensor)
 
+    def vision_features(
+        self, images: Optional[torch.Tensor], videos: Optional[torch.Tensor], video_frames: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image sequence ``[n * image_tokens, h]``, video sequence
+        ``[sum_v video_tokens(f_v), h]``) (:mod:`~megascale_omni.models.vision_features`):
+        images and frames go through the tower and projector together, one
+        ``[c + p]``-token sequence each, attended bidirectionally (the spec's
+        no_mask), as in CLIP; the class token never reaches the LM."""
+        n = 0 if images is None else images.shape[0]
+        pixels = torch.cat([x for x in (images, videos) if x is not None and x.shape[0]])
+        feats = self.vision_model(pixels, attention_mask=None)[:, self.class_tokens :]  # [n + F, p, vh]
+        feats = self.vision_projection(feats.transpose(0, 1).contiguous()).transpose(0, 1)  # [n + F, p, h]
+        v = self.vision
+        return (image_sequence(feats[:n], self.image_newline),
+                video_sequence(feats[n:], video_frames, v.grid, v.frame_grid, self.image_newline))
+
     def embed(
         self, tokens: torch.Tensor, position_ids: torch.Tensor, images: Optional[torch.Tensor],
-        image_rows: Optional[torch.Tensor] = None,
+        image_rows: Optional[torch.Tensor] = None, videos: Optional[torch.Tensor] = None,
+        video_frames: Optional[torch.Tensor] = None, video_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """First stage: token embeddings with image features written over the
-        placeholder positions. ``tokens``, ``position_ids``: ``[b, s]``
-        (``b = 1`` for THD). Returns ``[s, b, h]``, or under sequence
-        parallelism this TP rank's ``[s / tp, b, h]`` slice of it (the splice
-        needs the whole sequence, so the scatter comes after it).
+        """First stage: token embeddings with image and video features
+        written over their placeholder positions. ``tokens``, ``position_ids``:
+        ``[b, s]`` (``b = 1`` for THD). Returns ``[s, b, h]``, or under
+        sequence parallelism this TP rank's ``[s / tp, b, h]`` slice of it (the
+        splice needs the whole sequence, so the scatter comes after it).
 
-        ``image_rows`` (context parallelism): ``tokens`` are this CP rank's
-        share and hold only some placeholders; entry ``i`` is the row of the
-        image features (``[n * tokens_per_image]``, image-major over *all*
-        ``images``) that the ``i``-th local placeholder takes."""
+        ``image_rows`` / ``video_rows`` (context parallelism): ``tokens`` are
+        this CP rank's share and hold only some placeholders; entry ``i`` is
+        the row of the image (video) sequence of :meth:`vision_features`, over
+        *all* images (videos), that the ``i``-th local placeholder takes."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
-        is_image = tokens == self.image_token_id  # [b, s]
-        n_slots = int(is_image.sum())
+        frames = [] if video_frames is None else [int(f) for f in video_frames]
         n_images = 0 if images is None else images.shape[0]
-        expected = n_images * self.tokens_per_image if image_rows is None else image_rows.numel()
-        if n_slots != expected:
-            raise ValueError(
-                f"micro-batch has {n_slots} image placeholder tokens but {n_images} images "
-                f"x {self.tokens_per_image} tokens per image" + ("" if image_rows is None else
-                                                               f" ({expected} on this CP rank)")
-            )
+        slots = {"image": tokens == self.image_token_id,
+                 "video": tokens == self.video_token_id if self.video_token_id >= 0 else torch.zeros_like(tokens,
+                                                                                                   dtype=torch.bool)}
+        want = {"image": n_images * self.vision.image_tokens, "video": sum(map(self.vision.video_tokens, frames))}
+        rows = {"image": image_rows, "video": video_rows}
+        for kind, mask in slots.items():
+            expected = want[kind] if rows[kind] is None else rows[kind].numel()
+            if int(mask.sum()) != expected:
+                what = (f"{n_images} images x {self.vision.image_tokens} tokens" if kind == "image" else
+                        f"{len(frames)} videos of {frames} frames ({want['video']} tokens)")
+                raise ValueError(f"micro-batch has {int(mask.sum())} {kind} placeholder tokens but {what}"
+                                 + ("" if rows[kind] is None else f" ({expected} on this CP rank)"))
         # Under CP the ViT runs even on a rank holding no placeholder: every rank has the same graph.
-        if n_images == 0:
+        if n_images == 0 and not frames:
             return self._scatter(emb)
-        # Images are not packed: each is one [c + p]-token sequence, attended
-        # bidirectionally (the spec's no_mask), as in CLIP.
-        feats = self.vision_model(images, attention_mask=None)  # [n, c + p, vh]
-        feats = feats[:, self.class_tokens :]  # the class token never reaches the LM
-        feats = self.vision_projection(feats.transpose(0, 1).contiguous())  # [p, n, h]
-        feats = feats.transpose(0, 1).reshape(-1, feats.shape[-1])  # [n * p, h], image-major
-        if image_rows is not None:
-            feats = feats[image_rows]  # this CP rank's placeholders, in token order
+        feats = dict(zip(("image", "video"), self.vision_features(images, videos, frames)))
         pos_table = getattr(self.language_model.embedding, "position_embeddings", None)
-        if pos_table is not None:
-            # Overwriting the whole embedding would also drop the LM's learned
-            # absolute position at image tokens, leaving attention unable to
-            # tell one patch slot from another (RoPE models keep position in
-            # attention and need nothing here).
-            feats = feats + pos_table(position_ids)[is_image].to(feats.dtype)
         emb = emb.transpose(0, 1).clone()  # [b, s, h]
-        emb[is_image] = feats.to(emb.dtype)  # boolean indexing walks (b, s) row-major
+        for kind, mask in slots.items():
+            seq = feats[kind] if rows[kind] is None else feats[kind][rows[kind]]  # in token order
+            if pos_table is not None:
+                # Overwriting the whole embedding would also drop the LM's learned
+                # absolute position at image tokens, leaving attention unable to
+                # tell one patch slot from another (RoPE models keep position in
+                # attention and need nothing here).
+                seq = seq + pos_table(position_ids)[mask].to(seq.dtype)
+            emb[mask] = seq.to(emb.dtype)  # boolean indexing walks (b, s) row-major
         return self._scatter(emb.transpose(0, 1).contiguous())
 
     def _scatter(self, emb: torch.Tensor) -> torch.Tensor:
@@ -262,16 +292,22 @@ class LlavaChunk(MegatronModule):
         images: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         image_rows: Optional[torch.Tensor] = None,
+        videos: Optional[torch.Tensor] = None,
+        video_frames: Optional[torch.Tensor] = None,
+        video_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        decoder_input = self.embed(tokens, position_ids, images, image_rows) if self.pre_process else None
+        decoder_input = (self.embed(tokens, position_ids, images, image_rows, videos, video_frames, video_rows)
+                         if self.pre_process else None)
         return self.language_model(
             tokens, position_ids, None, decoder_input=decoder_input, labels=labels,
             packed_seq_params=packed_seq_params,
         )
 
 
-def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, image_token_id: int) -> list[LlavaChunk]:
-    """This rank's LLaVA chunks (every rank), with freezing applied."""
+def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, image_token_id: int,
+                       video_token_id: int = -1) -> list[LlavaChunk]:
+    """This rank's LLaVA chunks (every rank), with freezing applied
+    (``video_token_id`` -1: the vocabulary has none, no video placeholders)."""
     lm_config = transformer_config(cfg.model, cfg.parallel, dtype, cfg.moe)
     vpp = cfg.parallel.vpp or 1
     chunks = []
@@ -283,6 +319,7 @@ def build_llava_chunks(cfg: JobConfig, dtype: torch.dtype, vocab_size: int, imag
             dtype,
             vocab_size=vocab_size,
             image_token_id=image_token_id,
+            video_token_id=video_token_id,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
@@ -303,3 +340,5 @@ def apply_freezing(chunk: LlavaChunk, cfg: JobConfig) -> None:
     if chunk.vision_projection is not None and cfg.vision.freeze_projector:
         for p in chunk.vision_projection.parameters():
             p.requires_grad_(False)
+        if chunk.image_newline is not None:  # it enters the LM beside the projector's output
+            chunk.image_newline.requires_grad_(False)

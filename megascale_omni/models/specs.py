@@ -57,7 +57,7 @@ def te_cp_comm_type(cp_comm_type: str) -> str:
 
 
 def gpt_layer_spec(impl: str, normalization: str, num_experts: Optional[int] = None,
-                   moe_grouped_gemm: bool = False) -> ModuleSpec:
+                   moe_grouped_gemm: bool = False, qk_layernorm: bool = False) -> ModuleSpec:
     """Transformer-layer spec for the language model (``impl`` already resolved).
     With ``num_experts`` its MLP is megatron's ``MoELayer`` (docs/moe.md):
     ``SequentialMLP`` experts with the local spec, ``TEGroupedMLP`` with
@@ -69,14 +69,16 @@ def gpt_layer_spec(impl: str, normalization: str, num_experts: Optional[int] = N
     :class:`~megascale_omni.models.attention.PackedCoreAttention` (megatron's
     ``DotProductAttention`` rejects ``PackedSeqParams``) and its
     self-attention for :class:`~megascale_omni.models.packed_rope.PackedSelfAttention`
-    (RoPE on THD without host reads per layer).
+    (RoPE on THD without host reads per layer). ``qk_layernorm`` adds
+    megatron's per-head query/key norms (Qwen3).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, num_experts=num_experts)
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, num_experts=num_experts,
+                                                    qk_layernorm=qk_layernorm)
     # A fresh spec per call: replacing the submodule touches nothing shared.
     spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
@@ -123,10 +125,17 @@ def gpt_decoder_spec(impl: str, normalization: str, config, vp_stage: Optional[i
     from megascale_omni.models.moe import chunk_layer_pattern
 
     def layer(num_experts: Optional[int] = None) -> ModuleSpec:
-        spec = gpt_layer_spec(impl, normalization, num_experts, config.moe_grouped_gemm)
+        spec = gpt_layer_spec(impl, normalization, num_experts, config.moe_grouped_gemm, config.qk_layernorm)
         if impl != "transformer_engine":
             spec.submodules.input_layernorm = SequenceParallelTorchNorm
             spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+            if config.qk_layernorm:
+                # Per-head norms whose weight every head shares: under TP each rank's
+                # gradient is a partial sum, which finalize_model_grads all-reduces by
+                # name (``q_layernorm``/``k_layernorm``); megatron's WrappedTorchNorm
+                # would refuse sequence parallelism.
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
         return spec
 
     if config.num_moe_experts:

@@ -64,7 +64,8 @@ def one_process(seed: int = 0) -> Iterator[None]:
 _RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def build_model(cfg: JobConfig, padded_vocab: int, image_token_id: int = -1) -> torch.nn.Module:
+def build_model(cfg: JobConfig, padded_vocab: int, image_token_id: int = -1, video_token_id: int = -1
+                ) -> torch.nn.Module:
     """The fp32 model of ``cfg.model.family`` (``gpt`` or ``llava``) at TP1/PP1,
     inside :func:`one_process`."""
     cfg = single_process_config(cfg)
@@ -72,11 +73,11 @@ def build_model(cfg: JobConfig, padded_vocab: int, image_token_id: int = -1) -> 
     if family == "llava":
         from megascale_omni.models.llava import build_llava_chunks
 
-        return build_llava_chunks(cfg, torch.float32, padded_vocab, image_token_id)[0]
+        return build_llava_chunks(cfg, torch.float32, padded_vocab, image_token_id, video_token_id)[0]
     if family == "gpt":
         from megascale_omni.models.gpt import build_gpt_chunks, transformer_config
 
-        config = transformer_config(cfg.model, cfg.parallel, torch.float32)
+        config = transformer_config(cfg.model, cfg.parallel, torch.float32, cfg.moe)
         return build_gpt_chunks(cfg.model, config, vocab_size=padded_vocab,
                                 max_sequence_length=cfg.model.seq_length)[0]
     raise ConfigError("model.family", family, "this tool handles the gpt and llava families")

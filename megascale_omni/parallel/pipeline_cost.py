@@ -142,6 +142,7 @@ def _transformer_layer(
     dtype_bytes: int, recompute: str, trainable: bool, grad_flows: bool, tp: int, gated: bool = False,
     cp: int = 1, sequence_parallel: bool = False, hidden_dropout: bool = False, attention_dropout: bool = False,
     fused_attention: bool = False, stored_ffn: Optional[float] = None, router: float = 0.0,
+    head_dim: Optional[int] = None,
 ) -> ComponentCost:
     """One pre-norm transformer layer (attention + MLP) on ``tokens``
     positions whose attention scores ``pairs`` query-key pairs (both over the
@@ -156,21 +157,23 @@ def _transformer_layer(
     and the FLOPs recomputed in backward. MoE layers (:func:`mlp_widths`):
     ``ffn`` is the MLP width a token passes through (its top-k experts and
     the shared ones), ``stored_ffn`` the width held per rank (None: ``ffn``),
-    ``router`` the experts scored per token."""
-    head_dim = hidden // heads
-    qkv = hidden * (hidden + 2 * groups * head_dim)
+    ``router`` the experts scored per token. ``head_dim``: width of a head
+    (``model.kv_channels``; None: ``hidden / heads``)."""
+    head_dim = head_dim or hidden // heads
+    q_width = heads * head_dim  # = hidden unless model.kv_channels says otherwise
+    qkv = hidden * (q_width + 2 * groups * head_dim)
     mlp = (3 if gated else 2) * hidden
-    matmul_params = qkv + hidden * hidden + mlp * ffn + hidden * router
+    matmul_params = qkv + q_width * hidden + mlp * ffn + hidden * router
     tokens, pairs = tokens / cp, pairs / cp  # this CP rank's share
-    # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*h per pair each.
-    core_forward = 4.0 * pairs * hidden
+    # 2 FLOPs per multiply-add; QK^T and attention-times-V are 2*q_width per pair each.
+    core_forward = 4.0 * pairs * q_width
     forward = 2.0 * tokens * matmul_params + core_forward
     backward = trainable or grad_flows
     flops = _passes(trainable, grad_flows) * forward
     if backward:
         flops += recompute_forward_flops(core_forward, forward, recompute)
     stored = ffn if stored_ffn is None else stored_ffn
-    params = int(matmul_params + mlp * (stored - ffn) + (hidden + 2 * groups * head_dim) + hidden + stored + hidden
+    params = int(matmul_params + mlp * (stored - ffn) + (q_width + 2 * groups * head_dim) + hidden + stored + hidden
                  + 4 * hidden)
     shape = LayerShape(hidden, ffn, heads, groups * head_dim, gated, hidden_dropout, attention_dropout,
                        fused_attention)
@@ -305,7 +308,7 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             # embedding or the ViT/projector train.
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
             sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
-            fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router,
+            fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router, head_dim=m.head_dim,
         ),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)

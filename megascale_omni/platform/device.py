@@ -49,16 +49,17 @@ class Platform:
         return torch.bfloat16
 
 
-def init_platform(device: str = "auto") -> Platform:
+def init_platform(device: str = "auto", cpu_patches: bool = True) -> Platform:
     """Choose device/backend for ``platform.device`` (auto | cuda | cpu) and
-    install the CPU patches on CPU (every rank, first thing). Raises
-    ConfigError for ``cuda`` on a host without CUDA."""
+    install the CPU patches on CPU (every rank, first thing; ``cpu_patches=False``
+    for processes that build no megatron object, e.g. ``omni-preflight``).
+    Raises ConfigError for ``cuda`` on a host without CUDA."""
     check_device(device)
     if device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return Platform(torch.device("cuda", local_rank), "nccl", ())
-    patches = cpu_compat.install()
+    patches = cpu_compat.install() if cpu_patches else []
     return Platform(torch.device("cpu"), "gloo", tuple(patches))
 
 

@@ -12,6 +12,17 @@ the groups' control sockets.
   ended with the launcher's kill.
 - ``kill``: the launcher's kill (the others retry the step in flight).
 
+A launcher command that fails (``srun`` cannot start, ``scancel`` or
+``kubectl`` exits non-zero or hangs) is retried with the same backoff,
+then reported and left: a start that never went through is forgotten (the
+policy asks again), a kill that never went through is retried every tick.
+A group that exits with :data:`~megascale_omni.errors.EXIT_HUNG` (its hang
+watchdog ended it) is replaced at once on the same pool; one that exits with
+:data:`~megascale_omni.errors.EXIT_PREFLIGHT_FAILED` (or any exit with a
+failed ``preflight.json``, docs/preflight.md) has the nodes its result names
+excluded from further starts, and the policy regrows the job elsewhere. :meth:`LiveActuator.recover` adopts the groups of an
+earlier scheduler process (after a crash) in the state they report.
+
 Every action is logged with the decision's reason and passed to ``record``
 (the live loop writes it to ``decisions.log``). A socket that does not
 answer is retried with exponential backoff and then reported as a value,
@@ -25,13 +36,15 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from megascale_omni.control.client import ControlClient, ControlError
 from megascale_omni.control.protocol import ProtocolError
-from megascale_omni.errors import EXIT_HUNG
+from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
+from megascale_omni.preflight.result import PreflightReport, read_report
 from megascale_omni.scheduler.launchers import GroupSpec, ReplicaLauncher
 from megascale_omni.scheduler.live import Observation, observe
 
@@ -79,13 +92,16 @@ class LiveActuator:
     ``nodes_per_group`` maps (job, pool) to the nodes one group takes there;
     ``standbys`` maps (job, pool) to the warm standbys to keep. ``clock``
     gives seconds (monotonic); ``sleep`` is used between retries.
+    ``first_serial`` maps a job to the number of its first group id
+    (``<job>-r<n>``; default 0): the loop passes one past every id an earlier
+    run used, so ids never repeat across scheduler restarts.
     """
 
     def __init__(self, launcher: ReplicaLauncher, nodes_per_group: Mapping[tuple[str, str], int],
                  standbys: Mapping[tuple[str, str], int] = (), *, token: Optional[str] = None,
                  backoff: Backoff = Backoff(), command_timeout_s: float = 60.0, drain_timeout_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 record: Callable[[str], None] = lambda line: None):
+                 record: Callable[[str], None] = lambda line: None, first_serial: Mapping[str, int] = ()):
         self.launcher = launcher
         self.nodes_per_group = dict(nodes_per_group)
         self.standbys = dict(standbys)
@@ -93,9 +109,11 @@ class LiveActuator:
         self.command_timeout_s, self.drain_timeout_s = command_timeout_s, drain_timeout_s
         self.clock, self.sleep, self._record = clock, sleep, record
         self.groups: dict[str, Group] = {}
-        self._serial: dict[str, itertools.count] = {}
-        #: Control failures so far, one line each (also logged).
+        self._serial: dict[str, itertools.count] = {j: itertools.count(n) for j, n in dict(first_serial).items()}
+        #: Control and launcher failures so far, one line each (also logged).
         self.unreachable: list[str] = []
+        #: Groups whose kill did not go through yet (retried every tick).
+        self.pending_kills: dict[str, GroupSpec] = {}
 
     # ------------------------------------------------------------ Actuator
     def grow(self, job: str, pool: str, count: int, reason: str) -> Sequence[str]:
@@ -111,7 +129,9 @@ class LiveActuator:
                 self._log(f"{job} grow: join standby {spare[0].spec.replica_id} on {pool} once it stands by: {reason}")
                 ids.append(spare[0].spec.replica_id)
             else:
-                ids.append(self._launch(job, pool, standby=False, reason=reason).spec.replica_id)
+                group = self._launch(job, pool, standby=False, reason=reason)
+                if group is not None:
+                    ids.append(group.spec.replica_id)
         return ids
 
     def drain(self, job: str, replica_ids: Sequence[str], reason: str) -> None:
@@ -133,8 +153,9 @@ class LiveActuator:
         for rid in replica_ids:
             group = self.groups.pop(rid, None)
             if group is not None:
-                self.launcher.kill(group.spec)
                 self._log(f"{job} kill {rid}: {reason}")
+                if not self._launcher("kill", group.spec):
+                    self.pending_kills[rid] = group.spec
 
     # ------------------------------------------------------------ per tick
     def refresh(self, now_min: float) -> dict[str, list[Observation]]:
@@ -142,13 +163,18 @@ class LiveActuator:
         overdue drains, forget groups that left. Returns the observations of
         the groups taking part, per job (for the snapshot)."""
         out: dict[str, list[Observation]] = {}
+        for rid, spec in list(self.pending_kills.items()):
+            if self._launcher("kill", spec, attempts=1):
+                self.pending_kills.pop(rid)
+                self._log(f"{spec.job} kill {rid}: went through on a retry")
         for rid, group in list(self.groups.items()):
-            code = self.launcher.exited(group.spec)
+            code = self._exit_code(group)
             if code is not None:
                 self.groups.pop(rid)
                 how = "left after its drain" if group.state == "draining" else "exited unexpectedly"
-                why = ": a rank hung and the watchdog tore the group down" if code == EXIT_HUNG else ""
-                self._log(f"{group.spec.job} {rid} {how} (exit code {code}{why})")
+                self._log(f"{group.spec.job} {rid} {how} (exit code {code})")
+                if group.state != "draining":
+                    self._after_exit(group, code)
                 continue
             live = group.state not in ("starting", "draining")
             address = self.launcher.address(group.spec)
@@ -205,6 +231,53 @@ class LiveActuator:
         return [g for g in self.groups.values() if g.spec.pool == pool and g.standby and not g.join_pending
                 and g.state != "draining"]
 
+    def recover(self, candidates: Iterable[tuple[GroupSpec, dict]]) -> list[str]:
+        """Adopt groups an earlier scheduler process started: each ``(spec, last)``
+        (``last``: what that process knew, e.g. ``{"state": "draining",
+        "join_pending": True}``) whose launcher does not say it exited and whose
+        socket answers, in the state the socket reports (``draining`` if either
+        says so). One that does not answer yet is adopted as ``starting`` (killed
+        if it never serves). Returns the adopted ids."""
+        adopted = []
+        for spec, last in candidates:
+            if spec.replica_id in self.groups:
+                continue
+            adopt = getattr(self.launcher, "adopt", None)
+            if adopt is not None:
+                adopt(spec)
+            if self._exit_code(Group(spec)) is not None:
+                continue
+            group = Group(spec, "starting", standby=spec.standby, join_pending=bool(last.get("join_pending")),
+                          join_reason="a grow of the earlier scheduler process", since_s=self.clock())
+            seen = observe(spec.job, self.launcher.address(spec), attempts=1, timeout_s=self.command_timeout_s,
+                           token=self.token, sleep=self.sleep, quiet=True)
+            if seen.reachable:
+                group.last = seen
+                self._update(group, seen, 0.0)
+            if last.get("state") == "draining":
+                group.state = "draining"
+            self.groups[spec.replica_id] = group
+            adopted.append(spec.replica_id)
+            self._log(f"{spec.job} adopt {spec.replica_id} on {spec.pool} ({group.state}"
+                      f"{', warm standby' if group.standby and not group.join_pending else ''}): "
+                      "started by an earlier scheduler process")
+        return adopted
+
+    def close(self, reason: str) -> None:
+        """Kill every group still known (and retry pending kills), then let the launcher remove the rest
+        of what it started (its ``close``). For a scheduler that stops on an error."""
+        for rid, group in list(self.groups.items()):
+            self.kill(group.spec.job, [rid], reason)
+        for rid, spec in list(self.pending_kills.items()):
+            if self._launcher("kill", spec):
+                self.pending_kills.pop(rid)
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            try:
+                close()
+            except (OSError, subprocess.SubprocessError) as e:
+                self._report(f"launcher close failed: {type(e).__name__}: {e}")
+
     def shutdown(self, reason: str) -> None:
         """Drain every group (the scheduler is stopping); groups whose socket fails are killed."""
         for rid, group in list(self.groups.items()):
@@ -214,13 +287,89 @@ class LiveActuator:
                 self.kill(group.spec.job, [rid], reason + " (could not drain)")
 
     # ------------------------------------------------------------ internals
-    def _launch(self, job: str, pool: str, standby: bool, reason: str) -> Group:
+    def _launch(self, job: str, pool: str, standby: bool, reason: str) -> Optional[Group]:
+        """Start a new group; None (reported) when the launcher's command never went through."""
         rid = f"{job}-r{next(self._serial.setdefault(job, itertools.count()))}"
         spec = GroupSpec(job, rid, pool, self.nodes_per_group[(job, pool)], standby)
-        group = self.groups[rid] = Group(spec, "starting", standby=standby, since_s=self.clock())
-        self.launcher.start(spec)
         self._log(f"{job} start {rid} on {pool} ({'warm standby' if standby else 'cold start'}): {reason}")
+        if not self._launcher("start", spec):
+            self._launcher("kill", spec, attempts=1, report=False)  # whatever part of it may have started
+            return None
+        group = self.groups[rid] = Group(spec, "starting", standby=standby, since_s=self.clock())
         return group
+
+    def _launcher(self, op: str, spec: GroupSpec, attempts: Optional[int] = None, report: bool = True) -> bool:
+        """``launcher.<op>(spec)`` with backoff; False (reported unless ``report`` is false) if it failed every
+        time. Never raises on a command failure."""
+        attempts = attempts or self.backoff.attempts
+        error = ""
+        for attempt in range(1, attempts + 1):
+            try:
+                getattr(self.launcher, op)(spec)
+                return True
+            except Exception as e:  # noqa: BLE001 - a launcher is a plug-in: none of its failures may stop the loop
+                stderr = getattr(e, "stderr", None)
+                tail = stderr.strip().splitlines()[-1] if isinstance(stderr, str) and stderr.strip() else ""
+                error = f"{type(e).__name__}: {e}" + (f" ({tail})" if tail else "")
+            if attempt < attempts:
+                self.sleep(min(self.backoff.max_s, self.backoff.first_s * 2 ** (attempt - 1)))
+        line = f"{spec.job} {spec.replica_id}: launcher {op} failed after {attempts} attempt(s): {error}"
+        if report:
+            self._report(line)
+        else:
+            log.warning("%s", line)
+        return False
+
+    def _exit_code(self, group: Group) -> Optional[int]:
+        """The launcher's ``exited``; a query that fails is reported and counts as still running."""
+        try:
+            return self.launcher.exited(group.spec)
+        except Exception as e:  # noqa: BLE001 - as in _launcher
+            self._report(f"{group.spec.job} {group.spec.replica_id}: cannot tell whether it exited: "
+                         f"{type(e).__name__}: {e}")
+            return None
+
+    def _after_exit(self, group: Group, code: int) -> None:
+        """A hung group (EXIT_HUNG) is replaced on its pool now. A failed pre-flight (EXIT_PREFLIGHT_FAILED, or any
+        exit with a failed ``preflight.json``: torchrun exits 1 when a worker exits 44) keeps the result's
+        ``failed_nodes`` out of further starts. Any other exit: the policy sees the job smaller next tick."""
+        spec = group.spec
+        self._launcher("kill", spec, attempts=1)  # leftovers of the group (other nodes' processes, the Slurm job)
+        if code == EXIT_HUNG:
+            self._launch(spec.job, spec.pool, standby=group.standby and not group.join_pending,
+                         reason=f"replaces {spec.replica_id}, ended by its hang watchdog (exit code {EXIT_HUNG})")
+            return
+        report = self._preflight_report(spec)
+        if report is None and code != EXIT_PREFLIGHT_FAILED:
+            return
+        nodes = report.failed_nodes if report is not None else []
+        exclude = getattr(self.launcher, "exclude", None)
+        for node in nodes if exclude is not None else ():
+            exclude(node)
+            self._log(f"{spec.job} exclude node {node}: {spec.replica_id} failed its pre-flight checks "
+                      f"(exit code {code})")
+        if report is not None and report.group_failed:
+            self._report(f"{spec.job} {spec.replica_id} failed a group-wide pre-flight check (the interconnect of "
+                         f"the whole group): no node to exclude, the next group is placed as before")
+        elif not nodes or exclude is None:
+            self._report(f"{spec.job} {spec.replica_id} failed its pre-flight checks but its preflight.json names "
+                         f"no node{'' if exclude is not None else ' (or the launcher cannot exclude one)'}")
+
+    def _preflight_report(self, spec: GroupSpec) -> Optional[PreflightReport]:
+        """The failed pre-flight result of ``spec`` (``<group output dir>/preflight.json``), None if there is none,
+        it passed, or it cannot be read (reported)."""
+        jobs = getattr(self.launcher, "jobs", {})
+        if spec.job not in jobs:
+            return None
+        path = os.path.join(jobs[spec.job].output_dir(spec.replica_id), "preflight.json")
+        if not os.path.exists(path):
+            return None
+        try:
+            report = read_report(path)
+        except ValueError as e:
+            self._report(f"{spec.job} {spec.replica_id}: {e}")
+            return None
+        return None if report.ok else report
 
     def _join(self, group: Group, reason: str) -> bool:
         reply = self._command(group, "join")

@@ -3,6 +3,7 @@
     omni-sched simulate --trace examples/scheduler/two_jobs.yaml --policy all --out runs/sched
     omni-sched simulate --trace examples/scheduler/two_jobs.yaml --noise 0.2 --seed 1
     omni-sched validate --trace my_trace.yaml --config knobs.yaml
+    omni-sched generate --jobs 160 --gpus 32 --seed 1 --out runs/philly.yaml
     omni-sched probe --job A=runs/a/control.sock --job B=127.0.0.1:7700
     omni-sched run --config examples/scheduler/live_local.yaml
 
@@ -24,7 +25,7 @@ import yaml
 from megascale_omni.errors import ConfigError
 
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 3
-POLICY_NAMES = ("elastic", "static", "greedy")
+POLICY_NAMES = ("elastic", "static", "greedy", "pollux")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     _trace_args(sim)
     sim.add_argument("--policy", default="all", choices=(*POLICY_NAMES, "all"),
                      help="elastic (hysteresis, cooldown, rebalance), static (peak allocation), greedy "
-                          "(goodput every tick, no hysteresis), or all three side by side (default)")
+                          "(goodput every tick, no hysteresis), pollux (goodput every tick, charged for "
+                          "reallocation), or all four side by side (default)")
     sim.add_argument("--out", metavar="DIR", help="write summary.json, decisions.log and PNG plots per policy here")
     sim.add_argument("--noise", default=0.0, type=float, metavar="F",
                      help="scale each job's demand every tick by a uniform factor in [1-F, 1+F] (default 0)")
     sim.add_argument("--seed", default=0, type=int, help="noise seed (same draws for every policy)")
+    gen = sub.add_parser("generate", help="write a many-job trace with queues drawn from published Philly "
+                         "statistics (docs/scheduler.md, Generated workloads)")
+    gen.add_argument("--out", required=True, metavar="FILE", help="trace to write (.json, else YAML)")
+    gen.add_argument("--jobs", type=int, default=160, help="jobs (default 160)")
+    gen.add_argument("--gpus", type=int, default=64, help="GPUs in the cluster (default 64)")
+    gen.add_argument("--window-min", type=float, default=480.0, metavar="MIN",
+                     help="minutes the arrivals are spread over (Poisson; default 480)")
+    gen.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     val = sub.add_parser("validate", help="check a trace (and knobs) without simulating")
     _trace_args(val)
     probe = sub.add_parser("probe", help="read status and the last step record of running jobs, with retries")
@@ -69,6 +79,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.cmd == "probe":
         return _probe(args)
+    if args.cmd == "generate":
+        return _generate(args)
     if args.cmd == "run":
         from megascale_omni.scheduler.live_run import run_live
 
@@ -91,14 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _simulate(args: argparse.Namespace, trace, knobs) -> int:
-    from megascale_omni.scheduler.baselines import GreedyGoodputPolicy, StaticPolicy
-    from megascale_omni.scheduler.policy import ElasticPolicy
+    from megascale_omni.scheduler.baselines import make_policy
     from megascale_omni.scheduler.report import table, write_run
     from megascale_omni.scheduler.simulator import simulate
 
-    factories = {"elastic": lambda: ElasticPolicy(knobs), "static": StaticPolicy, "greedy": GreedyGoodputPolicy}
     names = POLICY_NAMES if args.policy == "all" else (args.policy,)
-    results = [simulate(trace, factories[name](), noise=args.noise, seed=args.seed) for name in names]
+    results = [simulate(trace, make_policy(name, trace, knobs), noise=args.noise, seed=args.seed) for name in names]
     print(f"trace {trace.name}: {len(trace.jobs)} jobs, noise +-{args.noise:g}, seed {args.seed}")
     print(table(results))
     if args.out:
@@ -111,12 +121,34 @@ def _simulate(args: argparse.Namespace, trace, knobs) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    from megascale_omni.scheduler.workload import WorkloadSpec, generate, generate_trace
+
+    for flag, value, low in (("--jobs", args.jobs, 1), ("--gpus", args.gpus, 16)):
+        if value < low:
+            raise ConfigError(flag, value, f"must be >= {low}" + (" (the largest jobs request 16 GPUs)"
+                                                                  if flag == "--gpus" else ""))
+    if not 0 < args.window_min < float("inf"):
+        raise ConfigError("--window-min", args.window_min, "give a finite number of minutes > 0")
+    spec = WorkloadSpec(jobs=args.jobs, gpus=args.gpus, window_min=args.window_min)
+    generate_trace(spec, args.seed)  # validated before anything is written
+    doc = generate(spec, args.seed)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(doc, indent=1) if out.suffix == ".json" else yaml.safe_dump(doc, sort_keys=False)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}: {args.jobs} jobs over {args.window_min:g} min on {args.gpus} GPUs, seed {args.seed}")
+    return 0
+
+
 def _load_knobs(path: str) -> dict:
+    from megascale_omni.scheduler.trace import read_utf8
+
+    text = read_utf8("--config", path, "give a YAML file of policy knobs")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError("--config", path, f"cannot read it ({e.strerror})") from None
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("--config", path, f"not valid YAML: {str(e).splitlines()[0]}") from None
     if isinstance(raw, dict) and set(raw) == {"policy"}:

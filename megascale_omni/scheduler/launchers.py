@@ -1,5 +1,6 @@
-"""Launchers for replica groups: local processes, Slurm (``srun``) and
-Kubernetes (a JobSet applied with ``kubectl``).
+"""Launchers for replica groups: what every launcher does, the command
+runners, and local processes (Slurm and Kubernetes:
+:mod:`megascale_omni.scheduler.cluster_launchers`).
 
 A replica group is one torchrun job of an elastic training job
 (docs/elastic.md); it reaches the others through the job's torchft
@@ -19,9 +20,9 @@ wait for the group to come up).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
-import re
 import shlex
 import socket
 import subprocess
@@ -29,8 +30,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Protocol, Sequence
-
-import yaml
 
 from megascale_omni.control.client import Address, endpoint_of_run
 from megascale_omni.utils.processes import kill_process_tree
@@ -98,14 +97,31 @@ class ReplicaLauncher(Protocol):
         """Where ``group``'s control socket is (it may not listen yet)."""
 
     def exited(self, group: GroupSpec) -> Optional[int]:
-        """The group's exit code once it is known to have exited, else None (running or unknown)."""
+        """The group's exit code once it is known to have exited, else None (running or unknown);
+        :data:`EXIT_UNKNOWN` when it is gone and its code cannot be known (a group of an earlier scheduler)."""
+
+    # Optional, found with getattr by the actuator (a launcher without them is still a launcher):
+    #   running_groups() -> list[GroupSpec] | None  groups of ours the cluster manager still runs (None: cannot tell)
+    #   adopt(group) -> None                 take over a group an earlier scheduler process started
+    #   exclude(node) -> None                start no further group on ``node``
+    #   close() -> None                      remove everything this launcher started
+
+
+#: :meth:`ReplicaLauncher.exited` for a group that is gone without a known exit code.
+EXIT_UNKNOWN = 255
+#: Seconds a foreground launcher command (``scancel``, ``kubectl``) may take before it counts as failed.
+COMMAND_TIMEOUT_S = 60.0
 
 
 class CommandRunner(Protocol):
     def __call__(self, argv: Sequence[str], stdin: Optional[str] = None, background: bool = False
                  ) -> Optional[subprocess.Popen]:
         """Run ``argv`` (feeding ``stdin``); ``background``: return at once with the
-        process (None in a dry run), else wait and raise on failure."""
+        process (None in a dry run), else wait and raise on failure (``CalledProcessError``,
+        ``OSError``, ``TimeoutExpired``)."""
+
+    def output(self, argv: Sequence[str]) -> str:
+        """Run ``argv`` and return its stdout (a dry run: ""); raises like a foreground call."""
 
 
 @dataclass
@@ -123,8 +139,13 @@ class SubprocessRunner:
                                     start_new_session=True)
             self.procs.append(proc)
             return proc
-        subprocess.run(list(argv), input=stdin, text=True, check=True, capture_output=True)
+        subprocess.run(list(argv), input=stdin, text=True, check=True, capture_output=True,
+                       timeout=COMMAND_TIMEOUT_S)
         return None
+
+    def output(self, argv: Sequence[str]) -> str:
+        return subprocess.run(list(argv), text=True, check=True, capture_output=True,
+                              timeout=COMMAND_TIMEOUT_S).stdout
 
 
 @dataclass
@@ -137,6 +158,10 @@ class RecordingRunner:
         self.commands.append((list(argv), stdin))
         log.info("dry run: %s%s", shlex.join(argv), "  <<EOF\n" + stdin + "EOF" if stdin else "")
         return None
+
+    def output(self, argv: Sequence[str]) -> str:
+        """Queries are not recorded (they change nothing); a dry run knows no cluster state."""
+        return ""
 
 
 def free_port() -> int:
@@ -172,17 +197,31 @@ class LocalLauncher:
 
     def start_lighthouse(self, job: str, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 60000) -> str:
         """Start a torchft lighthouse for ``job`` on a free port; its address
-        becomes the job's ``elastic.lighthouse``. Returns the address."""
-        port = free_port()
-        binary = str(Path(self.python).parent / "torchft_lighthouse")
+        becomes the job's ``elastic.lighthouse``. Returns the address. A lighthouse
+        an earlier scheduler process started for the job (``<run_dir>/lighthouse.json``)
+        that still runs is taken over instead: its groups keep their quorum."""
         template = self.jobs[job]
         os.makedirs(template.run_dir, exist_ok=True)
+        record = Path(template.run_dir) / "lighthouse.json"
+        try:
+            earlier = json.loads(record.read_text())
+            proc = _Adopted(int(earlier["pid"]), "torchft_lighthouse")
+            if proc.poll() is None:
+                self.lighthouses[job] = proc
+                self.jobs[job] = dataclasses.replace(template, lighthouse=earlier["address"])
+                log.info("%s: lighthouse of the earlier scheduler at %s", job, earlier["address"])
+                return earlier["address"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        port = free_port()
+        binary = str(Path(self.python).parent / "torchft_lighthouse")
         with open(os.path.join(template.run_dir, "lighthouse.log"), "w") as out:
             self.lighthouses[job] = subprocess.Popen(
                 [binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", str(join_timeout_ms),
                  "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         address = f"http://localhost:{port}"
+        record.write_text(json.dumps({"address": address, "pid": self.lighthouses[job].pid}))
         self.jobs[job] = dataclasses.replace(template, lighthouse=address)
         log.info("%s: lighthouse at %s", job, address)
         return address
@@ -195,12 +234,26 @@ class LocalLauncher:
         log.info("%s: start %s%s: %s", group.job, group.replica_id, " (standby)" if group.standby else "",
                  shlex.join(cmd))
         with open(f"{out_dir}.log", "w") as out:
-            self.procs[(group.job, group.replica_id)] = subprocess.Popen(
+            proc = self.procs[(group.job, group.replica_id)] = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=self.env, cwd=self.cwd)
+        # For a scheduler restarted after a crash (adopt): torchrun leads a session of its own.
+        Path(f"{out_dir}.pid").write_text(str(proc.pid))
+
+    def adopt(self, group: GroupSpec) -> None:
+        """Take over ``group`` of an earlier scheduler process through its ``<run_dir>/<id>.pid``
+        (no pid file or a pid that is not running: :meth:`exited` says :data:`EXIT_UNKNOWN`)."""
+        key = (group.job, group.replica_id)
+        if key not in self.procs:
+            self.procs[key] = _Adopted.of(f"{self.jobs[group.job].output_dir(group.replica_id)}.pid",
+                                          f"elastic.replica_id={group.replica_id}")
+
+    def running_groups(self) -> None:
+        """Local processes of an earlier scheduler cannot be listed (the run directories can: see adopt)."""
+        return None
 
     def kill(self, group: GroupSpec) -> None:
         proc = self.procs.get((group.job, group.replica_id))
-        if proc is not None:
+        if proc is not None and (not isinstance(proc, _Adopted) or proc.poll() is None):  # never a recycled pid
             kill_process_tree(proc)
 
     def address(self, group: GroupSpec) -> Address:
@@ -217,146 +270,29 @@ class LocalLauncher:
                 kill_process_tree(proc)
 
 
-def group_name(job: str, replica_id: str) -> str:
-    """``omni-<replica>`` when the replica id starts with ``<job>-`` (the actuator's ids do), else
-    ``omni-<job>-<replica>``: the Slurm job name of a group."""
-    return f"omni-{replica_id}" if replica_id.startswith(f"{job}-") else f"omni-{job}-{replica_id}"
+class _Adopted:
+    """A process an earlier scheduler started (not our child), recognised by ``marker`` in its command line
+    (a recycled pid is not it): ``poll`` is :data:`EXIT_UNKNOWN` once it is gone."""
 
+    def __init__(self, pid: Optional[int], marker: str):
+        self.pid, self.marker = pid if pid is not None else -1, marker
 
-def k8s_name(job: str, replica_id: str) -> str:
-    """A DNS-1123 name for a group's JobSet: :func:`group_name` in lower case, other characters -> ``-``."""
-    return re.sub(r"[^a-z0-9-]", "-", group_name(job, replica_id).lower())[:63].strip("-")
+    @classmethod
+    def of(cls, pid_file: str, marker: str) -> "_Adopted":
+        try:
+            return cls(int(Path(pid_file).read_text().strip()), marker)
+        except (OSError, ValueError):
+            return cls(None, marker)
 
+    def poll(self) -> Optional[int]:
+        import psutil
 
-class SlurmLauncher:
-    """Replica groups as Slurm jobs: one ``srun`` per group, run in the
-    background (``srun`` lasts as long as the group, and its exit code is
-    the group's), ``scancel`` to kill.
+        try:
+            proc = psutil.Process(self.pid) if self.pid > 1 else None
+            alive = proc is not None and proc.status() != psutil.STATUS_ZOMBIE and self.marker in proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            alive = False
+        return None if alive else EXIT_UNKNOWN
 
-    Pools map to partitions (``partitions``; default: the pool's name) and
-    to GPUs per node (``gpus_per_node``, also torchrun's ranks per node). On
-    every node torchrun rendezvouses at the group's first node. The control
-    socket listens on TCP (``control.tcp_host=0.0.0.0``, a free port) and the
-    group publishes it in ``<run_dir>/<id>/control.json`` on the shared file
-    system; TCP clients need the token (``$MEGASCALE_CONTROL_TOKEN``).
-    """
-
-    RDZV_PORT = 29500
-
-    def __init__(self, jobs: Mapping[str, JobTemplate], gpus_per_node: Mapping[str, int],
-                 partitions: Mapping[str, str] = (),
-                 srun_args: Sequence[str] = (), runner: Optional[CommandRunner] = None, dry_run: bool = False):
-        self.jobs = dict(jobs)
-        self.gpus_per_node = dict(gpus_per_node)
-        self.partitions = dict(partitions)
-        self.srun_args = list(srun_args)
-        self.runner: CommandRunner = RecordingRunner() if dry_run else runner or SubprocessRunner()
-        #: Group name -> its ``srun`` process (None in a dry run).
-        self.steps: dict[str, Optional[subprocess.Popen]] = {}
-
-    def name(self, group: GroupSpec) -> str:
-        return group_name(group.job, group.replica_id)
-
-    def command(self, group: GroupSpec) -> list[str]:
-        job = self.jobs[group.job]
-        gpus = self.gpus_per_node[group.pool]
-        torchrun = ["torchrun", f"--nnodes={group.nodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d", f"--rdzv-id={self.name(group)}"]
-        inner = shlex.join(torchrun) + ' --rdzv-endpoint="$(scontrol show hostnames "$SLURM_STEP_NODELIST" ' \
-            f'| head -n1):{self.RDZV_PORT}" ' \
-            + shlex.join([*group_args(job, group), "control.tcp_host=0.0.0.0", "control.tcp_port=0"])
-        return ["srun", f"--job-name={self.name(group)}", f"--partition={self.partitions.get(group.pool, group.pool)}",
-                f"--nodes={group.nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus}",
-                "--kill-on-bad-exit=1", f"--output={job.output_dir(group.replica_id)}.log", *self.srun_args,
-                "bash", "-c", inner]
-
-    def start(self, group: GroupSpec) -> None:
-        self.steps[self.name(group)] = self.runner(self.command(group), background=True)
-
-    def kill(self, group: GroupSpec) -> None:
-        self.runner(["scancel", "--signal=KILL", "--full", f"--name={self.name(group)}"])
-
-    def address(self, group: GroupSpec) -> Address:
-        return endpoint_of_run(self.jobs[group.job].output_dir(group.replica_id), prefer="tcp")
-
-    def exited(self, group: GroupSpec) -> Optional[int]:
-        """``srun``'s exit code (the group's) once it has returned; None while it runs or in a dry run."""
-        proc = self.steps.get(self.name(group))
-        return None if proc is None else proc.poll()
-
-
-class KubernetesLauncher:
-    """Replica groups as JobSets (jobset.x-k8s.io/v1alpha2): one JobSet per
-    group, ``nodes`` indexed pods of the pool's ``gpus_per_node`` GPUs each, applied with
-    ``kubectl apply -f -`` and removed with ``kubectl delete``.
-
-    ``node_selectors`` maps a pool to the node labels that place pods on it.
-    The control socket listens on TCP port ``control_port`` of pod 0, reached
-    as ``<jobset>-group-0-0.<jobset>`` (the JobSet's headless service); the
-    token comes from the Secret ``token_secret`` (key ``token``). The run and
-    ledger directories must be on a volume every pod mounts (``volumes``).
-    """
-
-    CONTROL_PORT = 7700
-    RDZV_PORT = 29500
-
-    def __init__(self, jobs: Mapping[str, JobTemplate], image: str, gpus_per_node: Mapping[str, int],
-                 namespace: str = "default",
-                 node_selectors: Mapping[str, Mapping[str, str]] = (), token_secret: str = "omni-control-token",
-                 volumes: Sequence[dict] = (), volume_mounts: Sequence[dict] = (),
-                 runner: Optional[CommandRunner] = None, dry_run: bool = False):
-        self.jobs = dict(jobs)
-        self.image, self.gpus_per_node, self.namespace = image, dict(gpus_per_node), namespace
-        self.node_selectors = {k: dict(v) for k, v in dict(node_selectors).items()}
-        self.token_secret = token_secret
-        self.volumes, self.volume_mounts = list(volumes), list(volume_mounts)
-        self.runner: CommandRunner = RecordingRunner() if dry_run else runner or SubprocessRunner()
-
-    def manifest(self, group: GroupSpec) -> dict:
-        """The JobSet for ``group`` as a plain dict (what ``kubectl apply`` receives as YAML)."""
-        job, name = self.jobs[group.job], k8s_name(group.job, group.replica_id)
-        gpus = self.gpus_per_node[group.pool]
-        command = ["torchrun", f"--nnodes={group.nodes}", f"--nproc-per-node={gpus}",
-                   "--node-rank=$(JOB_COMPLETION_INDEX)", f"--master-addr={name}-group-0-0.{name}",
-                   f"--master-port={self.RDZV_PORT}", *group_args(job, group), "control.tcp_host=0.0.0.0",
-                   f"control.tcp_port={self.CONTROL_PORT}"]
-        container = {
-            "name": "trainer", "image": self.image, "command": command,
-            "env": [{"name": "MEGASCALE_CONTROL_TOKEN",
-                     "valueFrom": {"secretKeyRef": {"name": self.token_secret, "key": "token"}}}],
-            "ports": [{"name": "control", "containerPort": self.CONTROL_PORT}],
-            "resources": {"limits": {"nvidia.com/gpu": gpus}},
-        }
-        if self.volume_mounts:
-            container["volumeMounts"] = self.volume_mounts
-        pod = {"restartPolicy": "Never", "containers": [container]}
-        if group.pool in self.node_selectors:
-            pod["nodeSelector"] = self.node_selectors[group.pool]
-        if self.volumes:
-            pod["volumes"] = self.volumes
-        labels = {"megascale-omni/job": group.job, "megascale-omni/replica": group.replica_id,
-                  "megascale-omni/pool": group.pool, "megascale-omni/standby": str(group.standby).lower()}
-        return {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-            "metadata": {"name": name, "namespace": self.namespace, "labels": labels},
-            "spec": {
-                "failurePolicy": {"maxRestarts": 0},
-                "replicatedJobs": [{"name": "group", "replicas": 1, "template": {"spec": {
-                    "parallelism": group.nodes, "completions": group.nodes, "completionMode": "Indexed",
-                    "backoffLimit": 0, "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}}],
-            },
-        }
-
-    def start(self, group: GroupSpec) -> None:
-        self.runner(["kubectl", "apply", "--namespace", self.namespace, "-f", "-"],
-                    stdin=yaml.safe_dump(self.manifest(group), sort_keys=False))
-
-    def kill(self, group: GroupSpec) -> None:
-        self.runner(["kubectl", "delete", "jobset", k8s_name(group.job, group.replica_id), "--namespace",
-                     self.namespace, "--ignore-not-found", "--grace-period=0", "--force", "--wait=false"])
-
-    def address(self, group: GroupSpec) -> Address:
-        name = k8s_name(group.job, group.replica_id)
-        return f"{name}-group-0-0.{name}.{self.namespace}.svc", self.CONTROL_PORT
-
-    def exited(self, group: GroupSpec) -> Optional[int]:
-        return None  # Kubernetes is not asked; a drained group is gone once its socket stops answering
+    def wait(self) -> Optional[int]:
+        return self.poll()

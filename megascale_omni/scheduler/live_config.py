@@ -24,7 +24,7 @@ import yaml
 
 from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import BARE_METAL, PoolSpec
-from megascale_omni.scheduler.trace import _int, _list, _mapping, _name, _number, _pool, _unique
+from megascale_omni.scheduler.trace import _int, _list, _mapping, _name, _number, _pool, _unique, read_utf8
 
 TOP_KEYS = frozenset({"version", "tick_s", "out", "availability", "launcher", "dry_run", "control", "pools", "jobs",
                       "policy", "slurm", "kubernetes"})
@@ -80,11 +80,9 @@ class LiveConfig:
 
 def load_live_config(path: str) -> LiveConfig:
     """Read and validate ``path`` (YAML or JSON). Relative paths inside are taken from the working directory."""
+    text = read_utf8("--config", path, "give the live config file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
         raw = yaml.safe_load(text)
-    except OSError as e:
-        raise ConfigError("--config", path, f"cannot read it ({e.strerror}); give the live config file") from None
     except yaml.YAMLError as e:
         raise ConfigError("--config", path, f"not valid YAML: {str(e).splitlines()[0]}") from None
     return parse_live_config(raw)

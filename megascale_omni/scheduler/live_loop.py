@@ -13,10 +13,17 @@ pools after each tick (for operators and tests).
 
 Scheduler time (``time_min``) is minutes since the loop started, by the wall
 clock, because reclaim deadlines in the availability file are Unix times.
+
+A scheduler started on an ``out`` directory an earlier one used (it was
+killed) first takes over that one's groups (:mod:`.live_recovery`) and
+numbers new groups after the old ones. If the loop stops on an error, every
+group it knows is killed and the launcher removes what it started.
+The policy's live inputs per job come from :mod:`.live_demand`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -26,22 +33,19 @@ from megascale_omni.scheduler.actuator import Backoff, LiveActuator
 from megascale_omni.scheduler.launchers import JobTemplate, ReplicaLauncher
 from megascale_omni.scheduler.live import Observation
 from megascale_omni.scheduler.live_config import LiveConfig, PoolState, read_availability
+from megascale_omni.scheduler.live_demand import DemandModel, JobLoad, job_load
+from megascale_omni.scheduler.live_recovery import candidates, next_serials
 from megascale_omni.scheduler.model import (
     JobView,
     PoolView,
     Reclaim,
     ReplicaView,
     Snapshot,
-    ThroughputCurve,
     apply,
 )
 from megascale_omni.utils.files import atomic_write_json
 
 log = logging.getLogger(__name__)
-
-#: Above this share of the step waiting for data, a job's groups outrun its
-#: input pipeline: its demand is what it keeps busy, allocation x (1 - share).
-DATA_WAIT_HIGH = 0.2
 
 
 def job_templates(cfg: LiveConfig) -> dict[str, JobTemplate]:
@@ -71,12 +75,18 @@ class LiveScheduler:
         self.started = wall()
         nodes = {(j.name, p.name): j.replica_gpus // p.gpus_per_node for j in cfg.jobs for p in cfg.pools}
         standbys = {(j.name, pool): n for j in cfg.jobs for pool, n in j.standby.items()}
+        earlier = candidates(self.decisions_path, launcher, nodes, self.jobs) if not cfg.dry_run else []
+        serials = next_serials(cfg.out, self.decisions_path, self.jobs, [spec.replica_id for spec, _ in earlier])
         self.actuator = LiveActuator(launcher, nodes, standbys, token=token,
                                      backoff=Backoff(cfg.attempts, cfg.backoff_s), command_timeout_s=cfg.timeout_s,
-                                     drain_timeout_s=cfg.drain_timeout_s, sleep=sleep, record=self._record)
+                                     drain_timeout_s=cfg.drain_timeout_s, sleep=sleep, record=self._record,
+                                     first_serial=serials)
         self.availability: dict[str, PoolState] = {p.name: PoolState(p.nodes) for p in cfg.pools}
-        self._rates: dict[str, dict[int, float]] = {j.name: {} for j in cfg.jobs}
+        self.demand = {j.name: DemandModel() for j in cfg.jobs}
+        self.load: dict[str, JobLoad] = {j.name: JobLoad() for j in cfg.jobs}
         self.ticks = 0
+        if earlier:
+            self.actuator.recover(earlier)
 
     @property
     def now_min(self) -> float:
@@ -120,20 +130,33 @@ class LiveScheduler:
             mine = [g for g in groups if g.spec.job == name]
             views = tuple(ReplicaView(g.spec.replica_id, g.spec.pool, g.state if g.state in ("running", "draining")
                                       else "joining", g.straggler_since_min) for g in mine)
-            rate = self._measure(name, seen.get(name, []))
+            load = self.load[name] = job_load(seen.get(name, []))
+            model = self.demand[name]
+            model.update(load)
+            for event in model.events:
+                self._record(f"{name} {event}")
+            model.events.clear()
             active = sum(1 for g in mine if g.state != "draining")
+            configured = job.demand_gpus if job.demand_gpus is not None else job.max_replicas * job.replica_gpus
             jobs.append(JobView(name, job.priority, job.replica_gpus, job.min_replicas, job.max_replicas,
-                                self._curve(name, job.max_replicas), self._demand(job, active, seen.get(name, [])),
-                                rate, admitted=active > 0, replicas=views))
+                                model.curve(job.max_replicas),
+                                model.demand(configured, active, job.replica_gpus, load),
+                                load.samples_per_s, admitted=active > 0, replicas=views))
         return Snapshot(t, tuple(pools), tuple(jobs), tuple(reclaims))
 
     def run(self, stop: Callable[[], bool], max_ticks: Optional[int] = None, drain_wait_s: float = 600.0) -> None:
         """Tick every ``tick_s`` until ``stop()`` (or ``max_ticks``); then drain every group and wait up to
         ``drain_wait_s`` for them to leave (the rest are killed). Blocks for the whole run."""
-        while not stop() and (max_ticks is None or self.ticks < max_ticks):
-            began = self.wall()
-            self.tick()
-            self._nap(began + self.cfg.tick_s, stop)
+        try:
+            while not stop() and (max_ticks is None or self.ticks < max_ticks):
+                began = self.wall()
+                self.tick()
+                self._nap(began + self.cfg.tick_s, stop)
+        except BaseException as e:
+            if not self.cfg.dry_run:
+                self.actuator.close(f"the scheduler stops on an error ({type(e).__name__}: {e})")
+            self._write_state(None)
+            raise
         self.actuator.shutdown("the scheduler stops")
         deadline = self.wall() + drain_wait_s
         while self.actuator.groups and self.wall() < deadline and not self.cfg.dry_run:
@@ -142,37 +165,11 @@ class LiveScheduler:
         for rid, group in list(self.actuator.groups.items()):
             if not self.cfg.dry_run:
                 self.actuator.kill(group.spec.job, [rid], f"still there {drain_wait_s:g} s after the final drain")
+        if not self.cfg.dry_run:
+            self.actuator.close("the scheduler stops")
         self._write_state(None)
 
     # ------------------------------------------------------------ internals
-    def _measure(self, job: str, seen: list[Observation]) -> float:
-        """The job's samples/s now (its groups report the same quorum step); remembered per participant count."""
-        best = max(seen, key=lambda o: o.step or 0, default=None)
-        if best is None:
-            return 0.0
-        rate = float(best.metrics.get("samples_per_s") or 0.0)
-        participants = best.metrics.get("participants")
-        if rate > 0 and isinstance(participants, int) and participants > 0:
-            old = self._rates[job].get(participants)
-            self._rates[job][participants] = rate if old is None else 0.5 * old + 0.5 * rate
-        return rate
-
-    def _curve(self, job: str, max_replicas: int) -> ThroughputCurve:
-        """Samples/s against groups, from what was measured; unmeasured sizes scale
-        linearly from the best measured rate per group (1 per group before any measurement)."""
-        rates = self._rates[job]
-        per_group = max((r / n for n, r in rates.items()), default=1.0)
-        return ThroughputCurve(tuple((float(n), rates.get(n, per_group * n)) for n in range(1, max_replicas + 1)))
-
-    def _demand(self, job, active: int, seen: list[Observation]) -> float:
-        """GPUs the job can keep busy: its configured demand (default all of ``max``),
-        or what its groups keep busy when they wait for data more than :data:`DATA_WAIT_HIGH`."""
-        configured = job.demand_gpus if job.demand_gpus is not None else job.max_replicas * job.replica_gpus
-        waits = [w for w in (o.data_wait_fraction for o in seen) if w is not None]
-        if waits and max(waits) > DATA_WAIT_HIGH:
-            return min(configured, active * job.replica_gpus * (1.0 - max(waits)))
-        return configured
-
     def _record(self, line: str) -> None:
         stamped = f"t={self.now_min:.3f} {line}"
         with open(self.decisions_path, "a", encoding="utf-8") as f:
@@ -186,6 +183,7 @@ class LiveScheduler:
             "pools": {p.name: {"nodes": p.nodes, "used": p.used, "reclaiming": p.reclaiming}
                       for p in (snap.pools if snap else ())},
             "unreachable": self.actuator.unreachable[-20:],
+            "load": {job: dataclasses.asdict(load) for job, load in self.load.items()},
         }
         path = os.path.join(self.cfg.out, "state.json")
         atomic_write_json(path, state, indent=1)  # a snapshot, rewritten every tick: no fsync

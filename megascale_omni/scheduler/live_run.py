@@ -14,7 +14,8 @@ import sys
 from typing import Optional
 
 from megascale_omni.errors import ConfigError
-from megascale_omni.scheduler.launchers import KubernetesLauncher, LocalLauncher, SlurmLauncher
+from megascale_omni.scheduler.cluster_launchers import KubernetesLauncher, SlurmLauncher
+from megascale_omni.scheduler.launchers import LocalLauncher
 from megascale_omni.scheduler.live_config import LiveConfig, load_live_config
 from megascale_omni.scheduler.live_loop import LiveScheduler, job_templates
 from megascale_omni.scheduler.policy import ElasticPolicy, Knobs
@@ -38,10 +39,14 @@ def build_launcher(cfg: LiveConfig):
                 launcher.start_lighthouse(job.name)
         return launcher
     if cfg.launcher == "slurm":
-        known = {"partitions", "srun_args"}
+        known = {"partitions", "srun_args", "request_gpus"}
         _known("slurm", cfg.slurm, known)
+        request_gpus = cfg.slurm.get("request_gpus", True)
+        if not isinstance(request_gpus, bool):
+            raise ConfigError("slurm.request_gpus", request_gpus, "must be true or false (false: a CPU cluster)")
         return SlurmLauncher(templates, gpus, partitions=cfg.slurm.get("partitions") or {},
-                             srun_args=cfg.slurm.get("srun_args") or (), dry_run=cfg.dry_run)
+                             srun_args=cfg.slurm.get("srun_args") or (), dry_run=cfg.dry_run,
+                             request_gpus=request_gpus)
     known = {"image", "namespace", "node_selectors", "token_secret", "volumes", "volume_mounts"}
     _known("kubernetes", cfg.kubernetes, known)
     if not isinstance(cfg.kubernetes.get("image"), str):

@@ -76,6 +76,12 @@ class ThroughputCurve:
 
     points: tuple[tuple[float, float], ...]
 
+    @property
+    def best_per_replica(self) -> float:
+        """The highest samples/s per replica group anywhere on the curve (its
+        most efficient size): the yardstick of useful GPU time."""
+        return max(y / x for x, y in self.points)
+
     def __call__(self, replicas: float) -> float:
         if replicas <= 0:
             return 0.0
@@ -147,6 +153,40 @@ class Costs:
     drain_s: float = 0.894
     restart_s: float = 10.68
     join_disruption_s: float = 0.51
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Move costs from what a user can set or measure (a trace's ``cost_model:``).
+
+    A joining replica group first starts (``startup_s``: scheduling,
+    container and process start, CUDA/NCCL initialisation, warm-up), then
+    heals: it receives the replica state (``state_gb`` per group: weights and
+    optimizer state, 7B parameters x 16 bytes of bf16 weights, fp32 master
+    weights and Adam moments = 112 GB) from a live peer at ``heal_gb_per_s``
+    (one 100 Gb/s NIC = 12.5 GB/s), then takes a step. Synchronous data
+    parallelism makes the survivors wait while the peer sends and while the
+    quorum reconfigures, so each join costs them the heal plus one step. A
+    full restart reads a checkpoint (``checkpoint_gb_per_s``) after its
+    start-up. The defaults are GPU-cluster-like, not measured here; the CPU
+    measurements are :class:`Costs`' defaults."""
+
+    state_gb: float = 112.0
+    heal_gb_per_s: float = 12.5
+    startup_s: float = 150.0
+    step_s: float = 5.0
+    checkpoint_gb_per_s: float = 2.0
+
+    def costs(self) -> "Costs":
+        """The simulator's latencies: cold join = start-up + heal + step;
+        standby join (already started) = heal + step; drain = one step;
+        restart = start-up + checkpoint read + step; survivors lose heal +
+        step per join."""
+        heal = self.state_gb / self.heal_gb_per_s
+        return Costs(standby_join_s=heal + self.step_s, cold_join_s=self.startup_s + heal + self.step_s,
+                     drain_s=self.step_s,
+                     restart_s=self.startup_s + self.state_gb / self.checkpoint_gb_per_s + self.step_s,
+                     join_disruption_s=heal + self.step_s)
 
 
 class Action(str, enum.Enum):

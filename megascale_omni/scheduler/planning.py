@@ -32,13 +32,34 @@ def marginal_gain(job: JobView, n: int, demand_gpus: float) -> float:
     return (weighted_throughput(job, n, demand_gpus) - weighted_throughput(job, n - 1, demand_gpus)) / job.replica_gpus
 
 
-def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[str, float]) -> dict[str, int]:
+def gain_floor(job: JobView, min_gain: float) -> float:
+    """The least weighted samples/s per GPU a group of ``job`` must add to be
+    worth its GPUs: ``min_gain`` x the per-GPU rate of its core (0: any gain)."""
+    core = job.min_replicas
+    return min_gain * weighted_throughput(job, core, math.inf) / (core * job.replica_gpus)
+
+
+def worth_replicas(job: JobView, min_gain: float = 0.0) -> int:
+    """The most groups (``min_replicas``..``max_replicas``) whose every group
+    beyond the core adds more than :func:`gain_floor` samples/s per GPU by the
+    job's throughput curve: past it GPUs buy (almost) nothing."""
+    floor = max(gain_floor(job, min_gain), 1e-12)
+    n = job.min_replicas
+    while n < job.max_replicas and marginal_gain(job, n + 1, math.inf) > floor:
+        n += 1
+    return n
+
+
+def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[str, float],
+                    min_gain: float = 0.0) -> dict[str, int]:
     """Replica groups per admitted job that maximise the summed weighted
     throughput on ``capacity_gpus`` GPUs: every job starts at its core, then
     the group with the largest marginal gain per GPU is added until gains
-    reach zero, jobs their maximum, or capacity runs out. ``demand`` is the
-    GPUs each job can use (already divided by any target load)."""
+    fall to the job's :func:`gain_floor` (``min_gain`` 0: zero), jobs reach
+    their maximum, or capacity runs out. ``demand`` is the GPUs each job can
+    use (already divided by any target load)."""
     targets = {j.name: j.min_replicas for j in jobs}
+    floors = [max(gain_floor(j, min_gain), 1e-12) for j in jobs]
     left = capacity_gpus - sum(j.min_replicas * j.replica_gpus for j in jobs)
     heap = [(-marginal_gain(j, j.min_replicas + 1, demand[j.name]), i) for i, j in enumerate(jobs)
             if j.min_replicas < j.max_replicas]
@@ -46,7 +67,7 @@ def goodput_targets(jobs: Sequence[JobView], capacity_gpus: float, demand: dict[
     while heap:
         neg_gain, i = heapq.heappop(heap)
         job = jobs[i]
-        if -neg_gain <= 1e-12 or job.replica_gpus > left:
+        if -neg_gain <= floors[i] or job.replica_gpus > left:
             continue
         targets[job.name] += 1
         left -= job.replica_gpus
@@ -105,11 +126,20 @@ def drain_order(snap: Snapshot, job: JobView, exclude: set[str] = frozenset()) -
 
 def shrink(snap: Snapshot, job: JobView, count: int, reason: str, free: dict[str, int],
            exclude: set[str] = frozenset()) -> list[Decision]:
-    """Drain ``count`` groups of ``job`` (never below its core); their nodes return to ``free``."""
-    count = min(count, len(job.active) - job.min_replicas)
+    """Drain ``count`` groups of ``job`` (never below its core); their nodes return to ``free``.
+
+    ``exclude``: ids already leaving this round (drained, moved or killed by
+    an earlier step); they are not picked again nor counted as members. When
+    it is a mutable set, the victims are added to it, so a later step of the
+    same round (a rebalance after a triggered shrink) never drains them twice
+    nor returns their nodes to ``free`` twice."""
+    staying = [r for r in job.active if r.id not in exclude]
+    count = min(count, len(staying) - job.min_replicas)
     victims = drain_order(snap, job, exclude)[:max(count, 0)]
     if not victims:
         return []
+    if isinstance(exclude, set):
+        exclude.update(r.id for r in victims)
     for r in victims:
         free[r.pool] += job.nodes_per_replica(snap.pool(r.pool).gpus_per_node)
     return [Decision(job.name, Action.DRAIN, reason, count=len(victims), replica_ids=tuple(r.id for r in victims))]
@@ -122,8 +152,8 @@ def grow(snap: Snapshot, job: JobView, count: int, reason: str, free: dict[str, 
             for pool, k in place(snap, free, job, count, kinds)]
 
 
-def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = math.inf
-                   ) -> tuple[list[Decision], set[str]]:
+def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = math.inf,
+                   free: dict[str, int] | None = None) -> tuple[list[Decision], set[str]]:
     """Drain enough groups from every VM pool with an announced reclaim due
     within ``lead_min`` that the pool fits its post-reclaim size by the
     deadline. Draining as late as is safe keeps the groups working through
@@ -135,8 +165,11 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
 
     A reclaim still in the snapshot at or after its deadline (live: a drain
     that hung, the nodes not yet taken) is overdue: whatever still exceeds the
-    pool, groups still draining first, is killed. Returns the decisions and
-    the ids drained or killed."""
+    pool, groups still draining first, is killed. With ``free`` (nodes a grow
+    may take, updated in place), a victim whose departure would leave its job
+    below its core is re-placed first: it is moved to bare metal where a node
+    is free instead of drained. Returns the decisions and the ids drained,
+    moved or killed."""
     decisions: list[Decision] = []
     drained: set[str] = set()
     for pool in snap.pools:
@@ -169,6 +202,11 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
             picks.setdefault(name, []).append(replica.id)
             excess -= job.nodes_per_replica(pool.gpus_per_node)
         for name, ids in picks.items():
+            job = next(j for j in snap.jobs if j.name == name)
+            if free is not None and not overdue:
+                ids = _replace_core(snap, free, job, ids, deadline, decisions)
+                if not ids:
+                    continue
             if overdue:
                 reason = (f"reclaim deadline t={deadline:g} min on {pool.name} passed with the group(s) still "
                           f"there: kill")
@@ -180,12 +218,35 @@ def reclaim_drains(snap: Snapshot, demand: dict[str, float], lead_min: float = m
     return decisions, drained
 
 
-def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list[Decision]:
+def _replace_core(snap: Snapshot, free: dict[str, int], job: JobView, ids: list[str], deadline: float,
+                  decisions: list[Decision]) -> list[str]:
+    """Of the reclaim victims ``ids`` of ``job``, move those the job's core
+    needs (it would fall below ``min_replicas`` without them) to bare metal
+    where ``free`` has room, appending the moves to ``decisions``. Returns the
+    victims left to drain."""
+    staying = len(job.active) - len(ids)
+    short = min(len(ids), job.min_replicas - staying)
+    if short <= 0:
+        return ids
+    moved = 0
+    for pool, k in place(snap, free, job, short, (BARE_METAL,)):
+        for rid in ids[moved:moved + k]:
+            decisions.append(Decision(job.name, Action.MOVE, f"reclaim at t={deadline:g} min would leave "
+                                      f"{job.name} below its core of {job.min_replicas}: re-place on {pool}",
+                                      count=1, pool=pool, replica_ids=(rid,)))
+        moved += k
+    return ids[moved:]
+
+
+def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False, drained: set[str] | None = None
+          ) -> list[Decision]:
     """Admit waiting jobs (highest priority first, then trace order) whose
     core fits on bare metal, draining other jobs' elastic groups from bare
     metal when that makes room. With ``full_size`` (the static baseline) a job
     starts only with all ``max_replicas`` groups placed (core on bare metal,
-    the rest anywhere)."""
+    the rest anywhere). ``drained``: ids already leaving this round, never
+    picked again; the groups drained here are added to it."""
+    drained = set() if drained is None else drained
     decisions: list[Decision] = []
     waiting = sorted((j for j in snap.jobs if not j.admitted), key=lambda j: -j.priority)
     for job in waiting:
@@ -199,7 +260,7 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
             if core < need or sum(k for _, k in place(snap, trial, job, extra)) < extra:
                 continue
         if room < need:
-            decisions += _make_room(snap, free, job, need)
+            decisions += _make_room(snap, free, job, need, drained)
             room = sum(free[p.name] // job.nodes_per_replica(p.gpus_per_node) for p in bm)
             if room < need:
                 continue
@@ -209,15 +270,18 @@ def admit(snap: Snapshot, free: dict[str, int], full_size: bool = False) -> list
     return decisions
 
 
-def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) -> list[Decision]:
+def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int, drained: set[str]
+               ) -> list[Decision]:
     """Drain elastic groups of admitted jobs from bare metal until ``groups``
-    groups of ``job`` fit there in all; plans nothing unless that is reached."""
+    groups of ``job`` fit there in all; plans nothing unless that is reached.
+    Groups in ``drained`` are not picked; those picked are added to it."""
     plan: list[tuple[JobView, ReplicaView]] = []
     trial = dict(free)
     for other in sorted((j for j in snap.jobs if j.admitted), key=lambda j: j.priority):
         # Only groups beyond the other job's own core on bare metal are elastic there.
-        spare = sum(snap.pool(r.pool).kind == BARE_METAL for r in other.active) - other.min_replicas
-        for r in drain_order(snap, other):
+        staying = [r for r in other.active if r.id not in drained]
+        spare = sum(snap.pool(r.pool).kind == BARE_METAL for r in staying) - other.min_replicas
+        for r in drain_order(snap, other, drained):
             pool = snap.pool(r.pool)
             if spare <= 0 or pool.kind != BARE_METAL:
                 continue
@@ -231,6 +295,7 @@ def _make_room(snap: Snapshot, free: dict[str, int], job: JobView, groups: int) 
            if p.kind == BARE_METAL) < groups:
         return []
     free.update(trial)
+    drained.update(r.id for _, r in plan)
     out = []
     for other in {o.name: o for o, _ in plan}.values():
         ids = tuple(r.id for o, r in plan if o.name == other.name)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 
 from megascale_omni.errors import ConfigError
-from megascale_omni.scheduler.model import Action, Decision, JobView, Snapshot
+from megascale_omni.scheduler.model import BARE_METAL, VM, Action, Decision, JobView, Snapshot
 from megascale_omni.scheduler.planning import (
     RECLAIM_MARGIN_MIN,
     admit,
@@ -38,6 +38,7 @@ from megascale_omni.scheduler.planning import (
     shrink,
     usable_gpus,
     weighted_throughput,
+    worth_replicas,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class Knobs:
     """A rebalance acts only if it raises the summed weighted throughput by this fraction."""
     straggler_patience_min: float = 5.0
     """Minutes a group stays flagged as a straggler before it is moved to another node."""
+    min_marginal_gain: float = 0.1
+    """A group is worth adding only while it adds more than this fraction of the samples/s per GPU
+    the job reaches at its core (its throughput curve's marginal gain): resizes and rebalances
+    stop there even if the demand asks for more (0: while it adds anything)."""
     reclaim_margin_min: float = RECLAIM_MARGIN_MIN
     """Drain for a VM reclaim once its deadline is this close, plus the interval between
     ticks; covers the drain itself (one step; seconds). Until then the groups keep working."""
@@ -113,9 +118,9 @@ class ElasticPolicy:
         free = free_nodes(snap)
         lead = reclaim_lead(self._last_call, t, self.knobs.reclaim_margin_min)
         self._last_call = t
-        decisions, drained = reclaim_drains(snap, smoothed, lead)
+        decisions, drained = reclaim_drains(snap, smoothed, lead, free)
         decisions += self._stragglers(snap, free, drained)
-        admitted = admit(snap, free)
+        admitted = admit(snap, free, drained=drained)
         decisions += admitted
         new = {d.job for d in admitted if d.action is Action.GROW}
         jobs = [j for j in snap.jobs if j.admitted]
@@ -164,8 +169,9 @@ class ElasticPolicy:
         return out
 
     def _size_for(self, job: JobView, demand_gpus: float) -> int:
+        """Groups for ``demand_gpus`` at ``target_load``, no more than the throughput curve makes worth it."""
         groups = math.ceil(demand_gpus / self.knobs.target_load / job.replica_gpus - 1e-9)
-        return max(job.min_replicas, min(job.max_replicas, groups))
+        return max(job.min_replicas, min(worth_replicas(job, self.knobs.min_marginal_gain), groups))
 
     def _trigger(self, job: JobView, size: int, demand: float, t: float) -> tuple[int, float]:
         """(+1 grow | -1 shrink | 0, load) once the load has stayed beyond a
@@ -190,7 +196,10 @@ class ElasticPolicy:
 
     def _stragglers(self, snap: Snapshot, free: dict[str, int], drained: set[str]) -> list[Decision]:
         """Move a group flagged slow for ``straggler_patience_min`` to another
-        node; with no node free, drain it if the job stays at or above its core."""
+        node; with no node free, drain it if the job stays at or above its core.
+        A replacement the core needs (the job would be below ``min_replicas``
+        without the straggler) goes to bare metal first, where no reclaim can
+        take it; other replacements go to VMs first."""
         out = []
         for job in snap.jobs:
             for r in job.active:
@@ -198,13 +207,15 @@ class ElasticPolicy:
                 if since is None or r.id in drained or snap.time_min - since < self.knobs.straggler_patience_min:
                     continue
                 reason = f"straggler since t={since:g} min slows every group of the job"
-                spot = place(snap, free, job, 1)
+                staying = len([o for o in job.active if o.id not in drained and o.id != r.id])
+                kinds = (BARE_METAL, VM) if staying < job.min_replicas else (VM, BARE_METAL)
+                spot = place(snap, free, job, 1, kinds)
                 drained.add(r.id)
                 free[r.pool] += job.nodes_per_replica(snap.pool(r.pool).gpus_per_node)
                 if spot:
                     out.append(Decision(job.name, Action.MOVE, reason + "; replace it", count=1, pool=spot[0][0],
                                         replica_ids=(r.id,)))
-                elif len(job.active) > job.min_replicas:
+                elif staying >= job.min_replicas:
                     out.append(Decision(job.name, Action.DRAIN, reason + "; no free node, drop it", count=1,
                                         replica_ids=(r.id,)))
                 else:
@@ -219,7 +230,7 @@ class ElasticPolicy:
         if not jobs:
             return []
         demand = {j.name: smoothed[j.name] / self.knobs.target_load for j in jobs}
-        targets = goodput_targets(jobs, capacity, demand)
+        targets = goodput_targets(jobs, capacity, demand, self.knobs.min_marginal_gain)
         now = sum(weighted_throughput(j, size[j.name], demand[j.name]) for j in jobs)
         then = sum(weighted_throughput(j, targets[j.name], demand[j.name]) for j in jobs)
         if then - now < self.knobs.rebalance_gain * max(now, 1e-9):

@@ -11,9 +11,16 @@ productive from its join latency on (standby or cold); an elastic job's
 survivors lose ``join_disruption_s`` per join and one step per kill; a
 non-elastic job (static baseline) stops for ``restart_s`` at any change.
 
-Utilisation = GPU-minutes doing useful work (productive groups up to the
-job's demand) / GPU-minutes held by jobs (groups joining, running or
-draining). Called by ``omni-sched simulate`` and the tests; single process.
+Useful GPU-minutes count a job's groups only as far as they add samples/s:
+the samples/s the job reaches (its throughput curve at its productive groups
+up to its demand, times its straggler slowdown and the share of the tick not
+lost to joins) divided by the curve's best samples/s per group
+(``ThroughputCurve.best_per_replica``). A group past a flat curve, a slowed
+job and a poorly scaling size all count for what they produce. **Cluster utilisation** = useful
+GPU-minutes / the GPU-minutes every pool had available until the last job
+finished; **held utilisation** = useful / GPU-minutes held by jobs (groups
+joining, running or draining). Called by ``omni-sched simulate``, the
+benchmark and the tests; single process.
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ class _Job:
     demand: float = 0.0
     speed: float = 0.0
     held_gpu_min: float = 0.0
+    useful_gpu_min: float = 0.0
+    below_min_minutes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,10 @@ class ReclaimEvent:
 
 @dataclass
 class JobResult:
-    """Per-job outcome. ``completion_min`` is finish - arrival (None: unfinished at the horizon)."""
+    """Per-job outcome. ``completion_min`` is finish - arrival (None: unfinished
+    at the horizon); ``queue_min`` admission - arrival (None: never admitted);
+    ``below_min_minutes`` the minutes the admitted job had fewer member groups
+    (joining or running) than its ``min_replicas``."""
 
     name: str
     arrive_min: float
@@ -91,11 +103,17 @@ class JobResult:
     moves: int
     restarts: int
     gpu_hours: float
+    queue_min: float | None = None
+    useful_gpu_hours: float = 0.0
+    below_min_minutes: float = 0.0
 
 
 @dataclass
 class SimResult:
-    """One policy on one trace: the summary numbers and the per-tick series for plots."""
+    """One policy on one trace: the summary numbers and the per-tick series for plots.
+
+    ``utilisation`` is the held utilisation (useful / held GPU-minutes),
+    ``cluster_utilisation`` useful / available GPU-minutes (module docstring)."""
 
     policy: str
     trace: str
@@ -114,10 +132,31 @@ class SimResult:
     pool_nodes: dict[str, list[float]] = field(default_factory=dict)
     move_times: list[tuple[float, str, int]] = field(default_factory=list)
     decisions: list[tuple[float, str]] = field(default_factory=list)
+    cluster_utilisation: float = 0.0
+    cluster_gpu_hours: float = 0.0
 
     @property
     def reclaims_met_fraction(self) -> float:
         return self.reclaims_met / self.reclaim_events if self.reclaim_events else 1.0
+
+    @property
+    def gpu_hours(self) -> float:
+        """GPU-hours held by all jobs."""
+        return sum(j.gpu_hours for j in self.jobs)
+
+    def jct_min(self) -> list[float]:
+        """Every job's completion time; an unfinished one counts as end - arrival (a lower bound)."""
+        return [j.completion_min if j.completion_min is not None else max(0.0, self.end_min - j.arrive_min)
+                for j in self.jobs]
+
+    def queue_min(self) -> list[float]:
+        """Every job's queueing delay; one never admitted counts as end - arrival (a lower bound)."""
+        return [j.queue_min if j.queue_min is not None else max(0.0, self.end_min - j.arrive_min)
+                for j in self.jobs]
+
+    @property
+    def unfinished(self) -> int:
+        return sum(j.completion_min is None for j in self.jobs)
 
 
 class Simulator:
@@ -292,6 +331,10 @@ class Simulator:
             res.alloc.setdefault(j.spec.name, []).append(
                 sum(j.spec.replica_gpus for r in j.replicas.values() if not r.draining) if live else 0.0)
             res.demand.setdefault(j.spec.name, []).append(j.demand if j in visible else 0.0)
+            if live and j.finish_min is None:
+                members = sum(not r.draining for r in j.replicas.values())
+                if members < j.spec.min_replicas:
+                    j.below_min_minutes += self.trace.tick_min
         used = self._nodes_used(active_only=False)
         for p in self.trace.pools:
             res.pool_used.setdefault(p.name, []).append(used[p.name])
@@ -325,6 +368,7 @@ class Simulator:
             lost = min(1.0, j.lost_s / (tick * 60))
             j.lost_s = 0.0
             j.speed = j.spec.curve(min(productive, d_groups)) * slow * (1 - lost)
+            useful = j.speed / j.spec.curve.best_per_replica if j.speed > 0 else 0.0
             gained = j.speed * tick * 60
             frac = 1.0
             if gained > 0 and j.done + gained >= j.spec.work_samples:
@@ -334,21 +378,31 @@ class Simulator:
                     r.leave_min = min(r.leave_min, j.finish_min)
             j.done += gained * frac
             gpu = j.spec.replica_gpus * tick * frac
-            self._useful += min(productive, d_groups) * (1 - lost) * gpu
+            self._useful += useful * gpu
             self._held += held * gpu
             j.held_gpu_min += held * gpu
+            j.useful_gpu_min += useful * gpu
 
     def _finish(self) -> SimResult:
         res = self.result
         finishes = [j.finish_min for j in self.jobs.values() if j.finish_min is not None]
         res.end_min = max(finishes) if len(finishes) == len(self.jobs) else self.now
         res.utilisation = self._useful / self._held if self._held else 0.0
+        cluster = 0.0  # GPU-minutes the pools had, tick by tick, until the end
+        for k, t in enumerate(res.times):
+            span = min(self.trace.tick_min, res.end_min - t)
+            if span > 0:
+                cluster += span * sum(res.pool_nodes[p.name][k] * p.gpus_per_node for p in self.trace.pools)
+        res.cluster_gpu_hours = cluster / 60
+        res.cluster_utilisation = self._useful / cluster if cluster else 0.0
         for j in self.jobs.values():
             s = j.spec
             span = ((j.finish_min if j.finish_min is not None else res.end_min) - s.arrive_min) * 60
             res.jobs.append(JobResult(
                 s.name, s.arrive_min, None if j.finish_min is None else j.finish_min - s.arrive_min, j.done,
-                j.done / span if span > 0 else 0.0, j.moves, j.restarts, j.held_gpu_min / 60))
+                j.done / span if span > 0 else 0.0, j.moves, j.restarts, j.held_gpu_min / 60,
+                None if j.admitted_min is None else j.admitted_min - s.arrive_min, j.useful_gpu_min / 60,
+                j.below_min_minutes))
         res.moves = sum(j.moves for j in self.jobs.values())
         res.moves_per_hour = res.moves / (res.end_min / 60) if res.end_min else 0.0
         res.reclaims_met, res.groups_killed = self._met, self._killed

@@ -8,6 +8,7 @@ simulated; ``omni-sched`` turns it into one line and exit code 2.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from megascale_omni.errors import ConfigError
 from megascale_omni.scheduler.model import (
     BARE_METAL,
     VM,
+    CostModel,
     Costs,
     JobSpec,
     PoolSpec,
@@ -27,8 +29,8 @@ from megascale_omni.scheduler.model import (
     Trace,
 )
 
-TOP_KEYS = frozenset({"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "stragglers",
-                      "policy"})
+TOP_KEYS = frozenset({"version", "name", "tick_min", "horizon_min", "pools", "jobs", "costs", "cost_model",
+                      "stragglers", "policy"})
 POOL_KEYS = frozenset({"name", "kind", "gpus_per_node", "nodes", "availability", "period_min",
                        "reclaim_notice_min"})
 JOB_KEYS = frozenset({"name", "arrive_min", "priority", "replica_gpus", "replicas", "work_samples", "throughput",
@@ -38,10 +40,7 @@ JOB_KEYS = frozenset({"name", "arrive_min", "priority", "replica_gpus", "replica
 def load_trace(path: str | Path) -> Trace:
     """Read ``path`` (``.json``, else YAML) and validate it into a :class:`Trace`."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError("--trace", str(path), f"cannot read it ({e.strerror}); give an existing trace file") from None
+    text = read_utf8("--trace", path, "give an existing trace file")
     try:
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
@@ -49,6 +48,18 @@ def load_trace(path: str | Path) -> Trace:
         raise ConfigError("--trace", str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                           f"{first}") from None
     return parse_trace(raw, name=path.stem)
+
+
+def read_utf8(flag: str, path: str | Path, fix: str) -> str:
+    """The text of ``path``; a missing file or one that is not UTF-8 raises
+    ConfigError naming ``flag`` (``fix`` says what to give instead)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(flag, str(path), f"cannot read it ({e.strerror}); {fix}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(flag, str(path), f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "save it as UTF-8") from None
 
 
 def parse_trace(raw: Any, name: str = "trace") -> Trace:
@@ -65,8 +76,15 @@ def parse_trace(raw: Any, name: str = "trace") -> Trace:
         raise ConfigError("pools", [p.name for p in pools], "add a bare_metal pool: it holds every job's core")
     jobs = [_job(i, j, pools) for i, j in enumerate(_list("jobs", raw.get("jobs")))]
     _unique("jobs", [j.name for j in jobs])
-    costs = _costs(raw.get("costs") or {})
-    stragglers = [_straggler(i, s, jobs) for i, s in enumerate(raw.get("stragglers") or [])]
+    if raw.get("costs") is not None and raw.get("cost_model") is not None:
+        raise ConfigError("cost_model", raw["cost_model"], "give either costs (latencies) or cost_model (state "
+                          "size, bandwidths, start-up), not both")
+    costs = _cost_model(raw["cost_model"]) if raw.get("cost_model") is not None else _costs(raw.get("costs") or {})
+    stragglers_raw = raw.get("stragglers")
+    if stragglers_raw is not None and not isinstance(stragglers_raw, list):
+        raise ConfigError("stragglers", stragglers_raw, "must be a list of {job, at_min, until_min, slowdown} "
+                          "mappings (or left out)")
+    stragglers = [_straggler(i, s, jobs) for i, s in enumerate(stragglers_raw or [])]
     policy = raw.get("policy") or {}
     _mapping("policy", policy, None)
     return Trace(pools=pools, jobs=jobs, costs=costs, tick_min=tick, horizon_min=horizon, stragglers=stragglers,
@@ -161,6 +179,14 @@ def _costs(raw: Any) -> Costs:
     return Costs(**{k: _number(f"costs.{k}", v, low=0) for k, v in raw.items()})
 
 
+def _cost_model(raw: Any) -> Costs:
+    known = set(CostModel.__dataclass_fields__)
+    _mapping("cost_model", raw, known)
+    positive = {"heal_gb_per_s", "checkpoint_gb_per_s"}
+    return CostModel(**{k: _number(f"cost_model.{k}", v, low=1e-9 if k in positive else 0)
+                        for k, v in raw.items()}).costs()
+
+
 def _straggler(i: int, raw: Any, jobs: list[JobSpec]) -> Straggler:
     where = f"stragglers[{i}]"
     _mapping(where, raw, {"job", "at_min", "until_min", "slowdown"})
@@ -176,6 +202,10 @@ def _straggler(i: int, raw: Any, jobs: list[JobSpec]) -> Straggler:
 def _mapping(where: str, raw: Any, keys: frozenset[str] | set[str] | None) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(where, raw, "must be a mapping (key: value)")
+    odd = [k for k in raw if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{where}.{odd[0]!r}", raw[odd[0]], f"keys must be text; {type(odd[0]).__name__} key "
+                          f"{odd[0]!r}: quote it or use a name")
     if keys is not None:
         unknown = sorted(set(raw) - keys)
         if unknown:
@@ -206,6 +236,8 @@ def _number(where: str, raw: Any, low: float | None = None, high: float | None =
         if isinstance(raw, str) and _float_text(raw):
             hint += f" (YAML reads {raw} as text: write the exponent with a sign, e.g. 1.5e+8)"
         raise ConfigError(where, raw, hint)
+    if not math.isfinite(raw):
+        raise ConfigError(where, raw, "must be a finite number" + (f" >= {low:g}" if low is not None else ""))
     if (low is not None and raw < low) or (high is not None and raw > high):
         bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
         raise ConfigError(where, raw, f"must be {bound}")

@@ -40,6 +40,8 @@ FEATURES = {
     "data_blend": ("data.blend", "[]"),
     "data_workers": ("data.num_workers", "0"),
     "moe": ("moe.num_experts", "0"),
+    "qk_layernorm": ("model.qk_layernorm", "false"),
+    "kv_channels": ("model.kv_channels", "null"),
 }
 
 
@@ -220,6 +222,10 @@ def _features_used(cfg: JobConfig) -> list[str]:
         used.append("data_workers")
     if cfg.moe.enabled:
         used.append("moe")
+    if cfg.model.qk_layernorm:
+        used.append("qk_layernorm")
+    if cfg.model.kv_channels is not None:
+        used.append("kv_channels")
     return used
 
 
@@ -297,7 +303,8 @@ FAMILIES: dict[str, ModelFamily] = {
             data="megascale_omni.data.tokens_module:TokensData",
             model="megascale_omni.models.gpt_spec:GptModelSpec",
             evaluators=(("loss", "megascale_omni.evaluation.lm_loss:HeldOutLoss"),),
-            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "moe"}),
+            features=frozenset({"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "moe",
+                                "qk_layernorm", "kv_channels"}),
             cost_model="megascale_omni.parallel.pipeline_cost:lm_cost_model",
             profiler="megascale_omni.models.component_profile:profile_gpt_components",
             check=_check_gpt,
@@ -318,7 +325,7 @@ FAMILIES: dict[str, ModelFamily] = {
             check_inputs="megascale_omni.data.llava.preflight:check_inputs",
             features=frozenset(
                 {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",
-                 "data_workers", "moe"}
+                 "data_workers", "moe", "qk_layernorm", "kv_channels"}
             ),
             cost_model="megascale_omni.parallel.pipeline_cost:llava_cost_model",
             profiler="megascale_omni.models.component_profile:profile_llava_components",
@@ -339,6 +346,8 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("sequence_parallel", "the adaLN modulation is not sequence-parallel"),
                 ("data_workers", "its batcher is not wired to the worker loader yet"),
                 ("moe", "its blocks have dense MLPs only"),
+                ("qk_layernorm", "its attention has no q/k norms"),
+                ("kv_channels", "its heads are hidden_size / num_attention_heads wide"),
             ),
         ),
     )

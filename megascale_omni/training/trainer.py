@@ -1,6 +1,7 @@
 """The Trainer: set up distributed state, build, then loop.
 
-Reads top to bottom: platform -> pipeline plan -> process groups -> megatron
+Reads top to bottom: platform -> pipeline plan -> process groups ->
+pre-flight checks (``preflight.enabled``) -> megatron
 parallel state -> task (model + data) -> layout-invariant init -> DDP ->
 optimizer -> TrainState -> services (checkpoints, replica membership,
 control, metrics, the hang watchdog) -> loop.
@@ -48,6 +49,7 @@ from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_par
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
 from megascale_omni.platform.device import dist_timeout_s
 from megascale_omni.platform.logging_setup import setup_logging
+from megascale_omni.preflight.runner import preflight_before_training
 from megascale_omni.training.optimizer import (
     build_optimizer,
     optimizer_state_bytes,
@@ -110,6 +112,8 @@ class Trainer:
             logger.info("megatron-core CPU mode: %d targeted patches active", len(self.platform.cpu_patches))
         rank, world_size = init_distributed(self.platform)
         self._teardown.callback(destroy_parallel)
+        # Every rank, before the model, the data and any quorum: a bad node exits 44 (docs/preflight.md).
+        preflight_before_training(cfg, self.platform)
         install_pipeline_timer()
         # The step's clock: CUDA events on CUDA (kernels run asynchronously), host time elsewhere.
         PHASES.use(events_for(self.platform.device))

@@ -59,3 +59,42 @@ def llava_baseline(tmp_path_factory, llava_dataset) -> tuple[list[dict], dict[in
                              out, LLAVA_STEPS, timeout=400)
     assert records[-1]["loss"] < records[0]["loss"]  # it trains
     return records, consumed_samples(read_ledger(out / "ledger"))
+
+
+def _as_video(sample, frames: int):
+    """``sample`` with its last image turned into a ``frames``-frame video
+    (the image shifted right one pixel a frame) and its last ``<image>``
+    marker into ``<video>``: single-image samples become videos, two-image
+    ones an image and a video interleaved in their text order."""
+    import dataclasses
+
+    import numpy as np
+
+    image = sample.images[-1]
+    video = np.stack([np.roll(image, f, axis=1) for f in range(frames)])
+    turns = [dict(t) for t in sample.conversation]
+    user = turns[0]["text"]
+    at = user.rindex("<image>")
+    turns[0]["text"] = user[:at] + "<video>" + user[at + len("<image>"):]
+    return dataclasses.replace(sample, kind="video", images=sample.images[:-1], videos=[video], conversation=turns)
+
+
+@pytest.fixture(scope="session")
+def llava_video_dataset(tmp_path_factory):
+    """The shapes data (160 train samples, 32 px, no val split) with every
+    other image sample holding a video instead of its last image: 3- and
+    4-frame videos, alone or after an image, among text-only and image
+    samples. Its word tokenizer has ``<video>``."""
+    from megascale_omni.data.llava.batches import LlavaEncoder
+    from megascale_omni.data.shard_writer import write_shards
+    from megascale_omni.data.tokenizer import TOKENIZER_FILENAME, build_word_tokenizer
+    from megascale_omni.demo.shapes import ShapesConfig, dataset_vocabulary, generate_samples
+
+    root = tmp_path_factory.mktemp("shapes-video") / "d"
+    tokenizer = build_word_tokenizer([*dataset_vocabulary(), "<video>"], root / TOKENIZER_FILENAME)
+    samples = []
+    for i, sample in enumerate(generate_samples(160, seed=7, config=ShapesConfig(image_size=32))):
+        samples.append(_as_video(sample, 3 + i % 2) if sample.images and i % 2 else sample)
+    assert sum(s.kind == "video" for s in samples) >= 40 and any(s.images and s.videos for s in samples)
+    write_shards(samples, root / "train", samples_per_shard=80, coster=LlavaEncoder(tokenizer, 1))
+    return root

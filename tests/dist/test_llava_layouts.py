@@ -15,13 +15,21 @@ the distributed optimizer, PP2, CP2 or DP2) scatter the embeddings with the
 image features spliced in over the TP ranks. Every layout runs the same
 config with default settings (``data.pad_to_multiple_of`` included, whose
 default is the same at every layout).
+
+Video (issue 32): TP2, PP2, DP2 and CP2 match one process at the same
+tolerances on a mix of text, image, video and image-then-video samples,
+with LLaVA-OneVision's layout (frames pooled 2x2, the ``image_newline``
+parameter after each image and video): the frames cross PP's stage
+boundary as features, TP recombines tower and projector shards for them,
+DP balances videos by their frames, CP ranks keep the pooled features of
+their own video placeholders.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.dist.conftest import LLAVA_STEPS, llava_args
+from tests.dist.conftest import LLAVA_CONFIG, LLAVA_STEPS, llava_args
 from tests.launcher import assert_same_training, train_and_read
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
@@ -74,3 +82,32 @@ def test_llava_layout_matches_single_process(tmp_path_factory, llava_dataset, ba
     nproc, overrides = LAYOUTS[name]
     records = _train(tmp_path_factory, llava_dataset, name, nproc, overrides)
     assert_same_training(baseline, records, name, RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))
+
+
+VIDEO_STEPS = 10
+VIDEO_LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2": [], "cp2": ["parallel.cp=2"]}
+# make test runs CP2 (each CP rank picks its own rows of the pooled video
+# features); the rest run in make test-all (~25 s each on 2 cores).
+VIDEO_SLOW = {"tp2", "pp2", "dp2"}
+
+
+def _video_args(dataset, *extra: str) -> list[str]:
+    return ["--config", LLAVA_CONFIG, f"data.path={dataset}", f"train.steps={VIDEO_STEPS}", "data.video_frames=4",
+            "vision.image_newline=true", "train.global_batch_size=4", *extra]
+
+
+@pytest.fixture(scope="module")
+def video_baseline(tmp_path_factory, llava_video_dataset):
+    records = train_and_read("pretrain_llava.py", 1, _video_args(llava_video_dataset),
+                             tmp_path_factory.mktemp("llava-video-base"), VIDEO_STEPS, timeout=400)
+    assert records[-1]["loss"] < records[0]["loss"]  # it trains
+    return records
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in VIDEO_SLOW else n
+                                  for n in VIDEO_LAYOUTS])
+def test_llava_video_layout_matches_single_process(tmp_path_factory, llava_video_dataset, video_baseline, name):
+    records = train_and_read("pretrain_llava.py", 2, _video_args(llava_video_dataset, *VIDEO_LAYOUTS[name]),
+                             tmp_path_factory.mktemp(f"llava-video-{name}"), VIDEO_STEPS, timeout=400)
+    assert_same_training(video_baseline, records, f"video-{name}", RTOL, GRAD_RTOL,
+                         counters=("samples", "loss_tokens"))

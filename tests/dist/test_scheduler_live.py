@@ -82,6 +82,15 @@ class Live:
         at = len(step_records(core))
         self.wait(f"{n} more steps of {job}", lambda: len(step_records(core)) >= at + n)
 
+    def reclaim_vm(self, jobs: list[str]) -> None:
+        """Announce that the VM pool is reclaimed 60 s from now; wait until the scheduler has drained its groups
+        through their sockets and every job trains alone."""
+        self.avail.write_text(yaml.safe_dump({"vm": {"nodes": 2, "reclaim": {"nodes": 2,
+                                                                             "deadline": time.time() + 60}}}))
+        self.wait("the VM groups to leave", lambda: not any(self.groups(j, "vm") for j in jobs))
+        for j in jobs:
+            self.wait(f"{j} trains alone", lambda j=j: self.participants(j) == 1)
+
     def next_ticks(self, n: int) -> None:
         at = self.state()["tick"]
         self.wait(f"{n} scheduler ticks", lambda: self.state()["tick"] >= at + n)
@@ -114,6 +123,19 @@ def check_job(out: Path, job: str, seed: int, reference: Path) -> dict[int, dict
     return merged
 
 
+def run_references(live: Live, into: Path, refs: list) -> None:
+    """Fixed-membership runs (non-elastic, same config) of every job of ``live``, up to its last live step, into
+    ``into/<job>``; their processes are appended to ``refs`` (for the caller's cleanup) and awaited."""
+    for job in live.cfg["jobs"]:
+        last = max(r["step"] for g in (live.out / job["name"]).iterdir() for r in step_records(g))
+        refs.append(spawn(torchrun_cmd(1, "megascale_omni.smoke", [
+            "--config", job["config"], *job["overrides"], "elastic.enabled=false", f"train.steps={last}",
+            f"logging.output_dir={into / job['name']}"]), timeout=TIMEOUT))
+    for ref in refs:
+        done = finish(ref, 900)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_live_scheduler_drains_for_a_reclaim_and_joins_standbys_when_the_pool_returns(tmp_path):
@@ -125,12 +147,7 @@ def test_live_scheduler_drains_for_a_reclaim_and_joins_standbys_when_the_pool_re
                   lambda: all(live.participants(j) == 2 for j in jobs))
         for j in jobs:
             live.steps(j, 2)
-        # The VM pool is reclaimed 60 s from now: the scheduler drains its groups through their sockets.
-        live.avail.write_text(yaml.safe_dump({"vm": {"nodes": 2, "reclaim": {"nodes": 2,
-                                                                             "deadline": time.time() + 60}}}))
-        live.wait("the VM groups to leave", lambda: not any(live.groups(j, "vm") for j in jobs))
-        for j in jobs:
-            live.wait(f"{j} trains alone", lambda j=j: live.participants(j) == 1)
+        live.reclaim_vm(jobs)
         live.avail.write_text("vm: {nodes: 0}\n")
         live.next_ticks(2)
         assert not any(g["pool"] == "vm" for g in live.state()["groups"].values())
@@ -151,15 +168,7 @@ def test_live_scheduler_drains_for_a_reclaim_and_joins_standbys_when_the_pool_re
         live.proc.send_signal(signal.SIGTERM)
         res = finish(live.proc, 600)
         assert res.returncode == 0, res.stderr[-4000:]
-        # Fixed-membership references, up to each job's last step.
-        for job in live.cfg["jobs"]:
-            last = max(r["step"] for g in (live.out / job["name"]).iterdir() for r in step_records(g))
-            refs.append(spawn(torchrun_cmd(1, "megascale_omni.smoke", [
-                "--config", job["config"], *job["overrides"], "elastic.enabled=false", f"train.steps={last}",
-                f"logging.output_dir={tmp_path / 'reference' / job['name']}"]), timeout=TIMEOUT))
-        for ref in refs:
-            done = finish(ref, 900)
-            assert done.returncode == 0, done.stderr[-3000:]
+        run_references(live, tmp_path / "reference", refs)
     finally:
         for p in [live.proc, *refs]:
             kill_group(p)

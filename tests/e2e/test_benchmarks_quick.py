@@ -74,9 +74,11 @@ EXPECTED = {
     ],
     "scheduler_sim": [
         *(rf"^trace {name}, noise 0:$" for name in ("two_jobs", "diurnal_vm")),
-        *(rf"^\| {policy} \| [\d.]+ \| " for policy in ("elastic", "static", "greedy")),
+        *(rf"^\| {policy} \| [\d.]+ \| " for policy in ("elastic", "static", "greedy", "pollux")),
         r"^moves/hour ratio elastic / greedy at noise 0.2: [\d.]+ \(worst of 1 seeds\)$",
         r"^reclaim deadlines met \(elastic, noisy runs\): \d+/\d+$",
+        r"^workload philly_20jobs_16gpus_seed1, noise \+-0.2:$",
+        r"^mean over 1 workload seeds:$",
     ],
     "elastic_join": [
         r'^  "pinned_cpus": \{',  # --pin from the documented command

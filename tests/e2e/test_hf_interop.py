@@ -210,12 +210,7 @@ def test_generate_tool_reproduces_transformers_greedy_generation(hf_dir, llava_w
     prompt = result["prompt_ids"]
     assert prompt[0] == tok.bos_id and prompt.count(tok.image_token_id) == 16
     pixels = torch.from_numpy(image.astype(np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
-    with torch.no_grad():
-        ref = model.generate(input_ids=torch.tensor([prompt]), pixel_values=pixels, max_new_tokens=12,
-                             do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    expected = ref[0, len(prompt):].tolist()
-    if tok.eos_id in expected:
-        expected = expected[: expected.index(tok.eos_id) + 1]
+    expected = hf_models.hf_greedy(model, prompt, tok, 12, pixel_values=pixels)
     assert result["new_ids"] == expected
     assert len(set(expected)) > 1  # not a degenerate repeat of one token
 
@@ -289,30 +284,36 @@ def test_bad_hf_directory_exits_with_one_line_and_writes_nothing(hf_dir, tmp_pat
     assert not out.exists() and not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("kind,arch", [("onevision", "LlavaOnevisionForConditionalGeneration"),
-                                       ("next", "LlavaNextForConditionalGeneration")])
-def test_llava_relatives_are_refused_not_imported_as_llava(hf_dir, tmp_path, kind, arch):
-    """LLaVA-OneVision's weights contain every tensor LLaVA reads; imported
-    as LLaVA it lost its image_newline and video token and exported as
-    another model (logits off by ~6). Refused by architecture, and, with the
-    config relabelled as plain LLaVA, by the tensor the import cannot place."""
-    src = hf_dir / f"relative-{kind}"
+def test_llava_relatives_are_refused_not_imported_as_llava(hf_dir, tmp_path):
+    """LLaVA-NeXT's weights contain every tensor LLaVA reads plus an
+    image_newline it lays out per row of unpadded anyres tiles, which is not
+    built: refused by architecture. LLaVA-OneVision imports as itself
+    (tests/e2e/test_hf_onevision.py); with its config relabelled as plain
+    LLaVA it is refused by the tensor plain LLaVA cannot place (imported
+    silently it lost its image_newline and video token and exported as
+    another model, logits off by ~6)."""
+    arch = "LlavaNextForConditionalGeneration"
+    src = hf_dir / "relative-next"
     if not src.exists():
-        hf_models.llava_relative(src, kind)
+        hf_models.llava_relative(src, "next")
     out = tmp_path / "out"
     r = tool_cli("hf_import.py", "--llava", src, "--out", out)
     assert r.returncode == 2, r.output
     line = r.stderr.strip()
-    assert "\n" not in line and f"is a '{arch}' model" in line and "maps LlavaForConditionalGeneration only" in line
+    assert "\n" not in line and f"is a '{arch}' model" in line and (
+        "maps LlavaForConditionalGeneration, LlavaOnevisionForConditionalGeneration only") in line, line
     r = tool_cli("hf_import.py", "--llm", src, "--out", out)
     assert r.returncode == 2 and f"is a '{arch}' model; --llm takes LlamaForCausalLM" in r.stderr, r.output
 
+    onevision = hf_dir / "relative-onevision"
+    if not onevision.exists():
+        hf_models.llava_relative(onevision, "onevision")
     relabelled = tmp_path / "relabelled"
     relabelled.mkdir()
-    config = json.loads((src / "config.json").read_text())
+    config = json.loads((onevision / "config.json").read_text())
     config.update(model_type="llava", architectures=["LlavaForConditionalGeneration"])
     (relabelled / "config.json").write_text(json.dumps(config))
-    (relabelled / "model.safetensors").symlink_to(src / "model.safetensors")
+    (relabelled / "model.safetensors").symlink_to(onevision / "model.safetensors")
     r = tool_cli("hf_import.py", "--llava", relabelled, "--out", out)
     assert r.returncode == 2, r.output
     assert "has 1 tensor(s) the import does not map (e.g. image_newline), so this is not a model we map fully" in r.stderr, r.stderr

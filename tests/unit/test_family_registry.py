@@ -51,6 +51,8 @@ UNSUPPORTED = [
     ("gpt", ["data.num_workers=1"], 1, ["data.num_workers=1", "does not support data workers"]),
     ("dit", ["data.num_workers=2"], 1, ["data.num_workers=2", "does not support data workers", "set data.num_workers: 0"]),
     ("dit", ["model.recompute=selective"], 1, ["model.recompute='selective'", "set model.recompute: none"]),
+    ("dit", ["model.qk_layernorm=true"], 1, ["model.qk_layernorm=True", "no q/k norms", "set model.qk_layernorm: false"]),
+    ("dit", ["model.kv_channels=64"], 1, ["model.kv_channels=64", "set model.kv_channels: null"]),
 ]
 
 

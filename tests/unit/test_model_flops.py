@@ -41,6 +41,18 @@ def _layer_forward(tokens, pairs, h, ffn, heads, groups, gated=False):
 GPT_SEGMENTS = (20, 12, 32, 7, 25)
 
 
+def test_wider_heads_than_hidden_over_heads_by_hand():
+    """``model.kv_channels`` (Qwen3-MoE's ``head_dim``): Q is heads x kv_channels
+    wide, so are the output projection's input and the attention core."""
+    cfg = _cfg("examples/gpt/tiny.yaml", "model.kv_channels=32")  # 4 heads x 32 = 128 at hidden 64
+    tokens = sum(GPT_SEGMENTS)
+    pairs = sum(s * (s + 1) / 2 for s in GPT_SEGMENTS)
+    matmul = 64 * (128 + 2 * 4 * 32) + 128 * 64 + 2 * 64 * 256
+    layer = 3 * (2 * tokens * matmul + 4 * pairs * 128)
+    expected = 4 * layer + 3 * tokens * 64 + 3 * 2 * tokens * 64 * 128 + 5 * tokens * 128
+    assert step_model_flops(cfg, lm_cost_model, BatchShape(segments=GPT_SEGMENTS)) == expected
+
+
 def test_packed_gpt_by_hand():
     # examples/gpt/tiny.yaml: 4 layers, h 64, 4 heads, ffn 256, vocab 128.
     cfg = _cfg("examples/gpt/tiny.yaml")

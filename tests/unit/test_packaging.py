@@ -31,6 +31,7 @@ DIST_OF_IMPORT = {
     "PIL": "pillow",
     "megatron": "megatron-core",
     "transformer_engine": "transformer-engine",
+    "pynvml": "nvidia-ml-py",
 }
 # Imports only optional features make; each must sit in these extras and not in install_requires,
 # and never at a module's top level (a core install would fail to import that module).
@@ -41,6 +42,7 @@ OPTIONAL_EXTRAS = {
     "matplotlib": {"report"},
     "transformer-engine": {"gpu"},
     "flash-attn": {"gpu"},
+    "nvidia-ml-py": {"gpu"},
     "einops": {"cp"},
     "av": {"video"},
 }

@@ -126,22 +126,6 @@ def test_grow_joins_a_warm_standby_and_a_new_standby_takes_its_place(launcher):
     assert records[-1] == "A A-r1 left after its drain (exit code 0)" and launcher.killed == []
 
 
-def test_a_group_torn_down_by_the_hang_watchdog_is_named_and_a_standby_takes_its_place(launcher):
-    records: list[str] = []
-    act = _actuator(launcher, records)
-    act.keep_standbys({"vm": 1})
-    act.grow("A", "vm", 1, "start")
-    _until("A-r0 trains", lambda: act.groups["A-r0"].state == "running", lambda: act.refresh(0.0))
-    launcher.groups["A-r0"].kill()
-    # EXIT_HUNG: the watchdog tore the group down (a code of its own, not the fake's kill).
-    launcher.exited = lambda group: 43 if group.replica_id == "A-r0" else FakeLauncher.exited(launcher, group)
-    act.refresh(0.0)
-    assert records[-1] == ("A A-r0 exited unexpectedly (exit code 43: a rank hung and the watchdog tore the group "
-                           "down)") and "A-r0" not in act.groups
-    act.keep_standbys({"vm": 1})
-    assert list(act.groups) == ["A-r1"] and act.groups["A-r1"].standby
-
-
 def test_grow_without_standby_cold_starts_and_a_starting_standby_is_joined_once_it_serves(tmp_path):
     launcher = FakeLauncher(tmp_path, serve=False)
     records: list[str] = []

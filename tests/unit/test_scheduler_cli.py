@@ -70,6 +70,20 @@ BAD_TRACES = [
     ("core too big", lambda d: d["jobs"][0]["replicas"].update(min=5, max=6),
      "omni-sched: config error: jobs[0].replicas.min=5: the core (5 x 8 GPUs) must fit the bare_metal pools "
      "(32 GPUs); lower it or add bare-metal nodes"),
+    ("costs and cost_model", lambda d: d.update(costs={"drain_s": 1}, cost_model={"state_gb": 10}),
+     "omni-sched: config error: cost_model={'state_gb': 10}: give either costs (latencies) or cost_model (state "
+     "size, bandwidths, start-up), not both"),
+    ("zero heal bandwidth", lambda d: d.update(cost_model={"heal_gb_per_s": 0}),
+     "omni-sched: config error: cost_model.heal_gb_per_s=0: must be >= 1e-09"),
+    ("stragglers not a list", lambda d: d.update(stragglers=5),
+     "omni-sched: config error: stragglers=5: must be a list of {job, at_min, until_min, slowdown} mappings (or "
+     "left out)"),
+    ("infinite horizon", lambda d: d.update(horizon_min=float("inf")),
+     "omni-sched: config error: horizon_min=inf: must be a finite number >= 1"),
+    ("mixed-type keys", lambda d: d["jobs"][0].update({1: "x", "replica": 8}),
+     "omni-sched: config error: jobs[0].1='x': keys must be text; int key 1: quote it or use a name"),
+    ("mixed-type policy keys", lambda d: d.update(policy={2: 1.0, "cooldown_min": 5}),
+     "omni-sched: config error: policy.2=1.0: keys must be text; int key 2: quote it or use a name"),
 ]
 
 
@@ -91,6 +105,22 @@ def test_unreadable_and_unparsable_traces(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "not valid YAML" in err and "Traceback" not in err
     code, _, err = _exit(["simulate", "--trace", _write(tmp_path, "{\"pools\": ", "broken.json")], capsys)
     assert code == 2 and err.count("\n") == 1 and "not valid JSON" in err
+
+
+def test_non_utf8_files_and_non_text_live_config_keys_exit_2(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    trace = _write(tmp_path, GOOD)
+    fix = "not UTF-8 text (byte 0xe9 at offset 9); save it as UTF-8"
+    for argv, flag in ((["simulate", "--trace", str(bad)], "--trace"),
+                       (["simulate", "--trace", trace, "--config", str(bad)], "--config"),
+                       (["run", "--config", str(bad)], "--config")):
+        code, out, err = _exit(argv, capsys)
+        assert (code, out, err) == (2, "", f"omni-sched: config error: {flag}='{bad}': {fix}\n")
+    live = _write(tmp_path, "out: runs/x\n1: one\nfoo: 2\n", "live.yaml")
+    code, out, err = _exit(["run", "--config", live], capsys)
+    assert (code, err) == (2, "omni-sched: config error: config.1='one': keys must be text; int key 1: quote it "
+                              "or use a name\n")
 
 
 def test_bad_knobs_and_flags_exit_2(tmp_path, capsys):
@@ -118,6 +148,9 @@ def test_validate_and_simulate_good_trace(tmp_path, capsys):
     assert lines[3].startswith("| elastic | ") and "| 1/1 | 0 |" in lines[3]
     summary = json.loads((out_dir / "trace" / "elastic" / "summary.json").read_text())
     assert summary["reclaims_met"] == summary["reclaim_events"] == 1
+    assert 0 < summary["cluster_utilisation"] <= summary["held_utilisation"] <= 1
+    assert summary["jobs"][0]["below_min_minutes"] == 0 and summary["jobs"][0]["queue_min"] == 0
+    assert {"gpu_hours_held", "jct_mean_min", "jct_p95_min", "queue_mean_min", "queue_p95_min"} <= set(summary)
     assert (out_dir / "trace" / "comparison.md").read_text().splitlines()[2] == lines[3]
     run = out_dir / "trace" / "elastic"
     assert sorted(p.name for p in run.iterdir()) == sorted([*PLOTS, "summary.json", "decisions.log"])

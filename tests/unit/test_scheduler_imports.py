@@ -22,9 +22,11 @@ ALLOWED = frozenset({
     "megascale_omni.errors",  # ConfigError: bad input exits 2 as in every entry point
     "megascale_omni.utils.files",  # atomic writes of the scheduler's state snapshot
     "megascale_omni.utils.processes",  # killing a launched replica group
+    "megascale_omni.preflight.result",  # a group's pre-flight result file: the nodes to exclude (exit 44)
 })
 #: Packages whose __init__ runs on the way to an allowed module (kept free of other imports).
-PACKAGES = frozenset({"megascale_omni", "megascale_omni.control", "megascale_omni.metrics", "megascale_omni.utils"})
+PACKAGES = frozenset({"megascale_omni", "megascale_omni.control", "megascale_omni.metrics", "megascale_omni.utils",
+                      "megascale_omni.preflight"})
 
 
 def framework_imports(source: str, module: str) -> set[str]:

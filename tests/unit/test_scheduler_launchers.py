@@ -10,14 +10,8 @@ import pytest
 import yaml
 
 from megascale_omni.scheduler.cli import cli
-from megascale_omni.scheduler.launchers import (
-    GroupSpec,
-    JobTemplate,
-    KubernetesLauncher,
-    LocalLauncher,
-    SlurmLauncher,
-    k8s_name,
-)
+from megascale_omni.scheduler.cluster_launchers import KubernetesLauncher, SlurmLauncher, k8s_name
+from megascale_omni.scheduler.launchers import GroupSpec, JobTemplate, LocalLauncher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,11 +32,12 @@ def test_slurm_dry_run_srun_and_scancel():
     (start, stdin), (kill, _) = launcher.runner.commands
     assert stdin is None
     assert start[:-1] == ["srun", "--job-name=omni-A-r3", "--partition=spot", "--nodes=2", "--ntasks-per-node=1",
-                          "--gpus-per-node=8", "--kill-on-bad-exit=1", "--output=/shared/runs/A/A-r3.log",
+                          "--gpus-per-node=8", "--comment=omni,job=A,replica=A-r3,pool=vm,standby=1",
+                          "--kill-on-bad-exit=1", "--output=/shared/runs/A/A-r3.log",
                           "--account=ml", "bash", "-c"]
     assert start[-1] == (
         "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-id=omni-A-r3 "
-        '--rdzv-endpoint="$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n1):29500" '
+        '--rdzv-endpoint="$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n1):$((29500 + SLURM_JOB_ID % 1000))" '
         f"{ARGS} control.tcp_host=0.0.0.0 control.tcp_port=0")
     assert kill == ["scancel", "--signal=KILL", "--full", "--name=omni-A-r3"]
     assert launcher.exited(GROUP) is None

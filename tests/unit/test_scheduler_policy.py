@@ -133,6 +133,45 @@ def test_straggler_moved_after_its_patience():
     assert "straggler since t=10 min" in decisions[0].reason
 
 
+def test_a_core_groups_replacement_goes_to_bare_metal_first():
+    # A runs on its core only (2 groups on bare metal); r2 straggles. Its replacement must not go to
+    # a VM, where a reclaim could take it and leave A below its minimum (issue 34).
+    policy = ElasticPolicy(Knobs(rebalance_min=1e9))
+    job = _job("A", bm=2, vm=0, demand=16.0, straggler=(2, 10.0))
+    decisions = policy.decide(_snap(15, [job], bm_nodes=4, vm_nodes=4))
+    assert [(d.action, d.replica_ids, d.pool) for d in decisions] == [(Action.MOVE, ("A-r2",), "bm")]
+    # An elastic group's replacement still goes to a VM first (bare metal stays free for cores).
+    job = _job("A", bm=2, vm=1, demand=24.0, straggler=(3, 10.0))
+    decisions = ElasticPolicy(Knobs(rebalance_min=1e9)).decide(_snap(15, [job], bm_nodes=4, vm_nodes=4))
+    assert [(d.action, d.replica_ids, d.pool) for d in decisions] == [(Action.MOVE, ("A-r3",), "vm")]
+
+
+def test_a_reclaim_re_places_a_core_group_instead_of_draining_it():
+    # A's core (min 2) has one group on a VM whose node is reclaimed: it moves to free bare metal.
+    job = _job("A", bm=1, vm=1, demand=16.0)
+    snap = _snap(58, [job], bm_nodes=3, vm_nodes=1, reclaims=(Reclaim("vm", 1, 60.0),))
+    decisions = ElasticPolicy(Knobs(rebalance_min=1e9)).decide(snap)
+    assert [(d.action, d.replica_ids, d.pool) for d in decisions] == [(Action.MOVE, ("A-r2",), "bm")]
+    assert decisions[0].reason == "reclaim at t=60 min would leave A below its core of 2: re-place on bm"
+    # With no bare metal free the deadline still wins: drained, never killed.
+    full = _snap(58, [job, _job("B", bm=2, vm=0, demand=16.0)], bm_nodes=3, vm_nodes=1,
+                 reclaims=(Reclaim("vm", 1, 60.0),))
+    decisions = ElasticPolicy(Knobs(rebalance_min=1e9)).decide(full)
+    assert [(d.job, d.action, d.replica_ids) for d in decisions] == [("A", Action.DRAIN, ("A-r2",))]
+
+
+def test_a_group_is_never_drained_twice_in_one_round():
+    # At t=30 X's load (32 / 64 GPUs) triggers a shrink to 4 groups and the periodic rebalance then
+    # gives high-priority Y more: the rebalance must pick other groups of X, and the nodes Y grows
+    # onto must exist (free nodes not counted twice).
+    x = _job("X", bm=2, vm=6, demand=32.0)
+    y = _job("Y", bm=2, vm=0, demand=64.0, priority=3.0)
+    decisions = ElasticPolicy(Knobs(confirm_min=0)).decide(_snap(30, [x, y], bm_nodes=4, vm_nodes=6))
+    drained = [rid for d in decisions if d.action is Action.DRAIN for rid in d.replica_ids]
+    assert drained == ["X-r8", "X-r7", "X-r6", "X-r5", "X-r4", "X-r3"]  # shrink 8 -> 4, rebalance 4 -> 2
+    assert sum(d.count for d in decisions if d.action is Action.GROW) == len(drained)  # nothing else is free
+
+
 def test_rebalance_moves_groups_to_the_higher_priority_job():
     low = _job("X", bm=4, vm=4, demand=64.0, priority=1.0)  # 8 groups, load 1.0
     high = _job("Y", bm=2, vm=2, demand=64.0, priority=3.0)  # 4 groups, load 2.0, nothing free

@@ -4,6 +4,7 @@ checked through the CLI in test_scheduler_cli.py)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from megascale_omni.scheduler.model import Costs
 from megascale_omni.scheduler.policy import ElasticPolicy
 from megascale_omni.scheduler.report import table
 from megascale_omni.scheduler.simulator import decision_log, simulate
-from megascale_omni.scheduler.trace import load_trace
+from megascale_omni.scheduler.trace import load_trace, parse_trace
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +124,70 @@ def test_decision_log_has_one_line_per_decision_with_its_reason(two_jobs):
 def test_table_has_one_row_per_policy(two_jobs):
     text = table([two_jobs["elastic"], two_jobs["static"]])
     rows = text.splitlines()
-    assert rows[0].startswith("| policy | utilisation | A completion (h) | B completion (h) | moves/hour")
+    assert rows[0] == ("| policy | cluster util. | held util. | GPU-hours held | mean JCT (h) | p95 JCT (h) | "
+                       "mean queue (h) | p95 queue (h) | below min (min) | A completion (h) | B completion (h) | "
+                       "moves/hour | reclaim deadlines met | groups killed |")
     assert [r.split(" | ")[0] for r in rows[2:]] == ["| elastic", "| static"]
-    assert f"| {two_jobs['elastic'].utilisation:.3f} |" in rows[2]
+    e = two_jobs["elastic"]
+    assert rows[2].startswith(f"| elastic | {e.cluster_utilisation:.3f} | {e.utilisation:.3f} | {e.gpu_hours:.0f} |")
+
+
+def _flat_trace(policy=None):
+    """One job whose demand says 8 groups but whose throughput is flat past 4, on 10 nodes."""
+    return parse_trace({
+        "horizon_min": 1200, "policy": policy or {},
+        "pools": [{"name": "bm", "kind": "bare_metal", "gpus_per_node": 8, "nodes": 10}],
+        "jobs": [{"name": "A", "replica_gpus": 8, "replicas": {"min": 2, "max": 8}, "work_samples": 1.0e+7,
+                  "throughput": [[4, 400], [8, 400]], "demand": {"phases": [{"at_min": 0, "gpus": 64}]}}],
+    })
+
+
+def test_groups_past_the_throughput_curve_are_not_useful_and_not_bought():
+    trace = _flat_trace()
+    static, elastic, greedy = (simulate(trace, p) for p in (StaticPolicy(), ElasticPolicy(), GreedyGoodputPolicy()))
+    # Static holds 8 groups, 4 of which add nothing: held utilisation about 1/2, not 1.
+    assert static.utilisation == pytest.approx(0.5, abs=0.01)
+    for r in (static, elastic, greedy):
+        useful = sum(j.useful_gpu_hours for j in r.jobs)
+        assert r.cluster_utilisation == pytest.approx(useful / r.cluster_gpu_hours, rel=1e-9)
+        assert r.cluster_utilisation <= 0.4 + 1e-9  # at most 4 useful groups of 10 nodes
+    # The elastic policy sizes the job from its curve's marginal gain: it stops at 4 groups.
+    assert max(elastic.alloc["A"]) == 32
+    assert elastic.gpu_hours < 0.55 * static.gpu_hours
+    assert elastic.jobs[0].completion_min <= static.jobs[0].completion_min * 1.02
+    # With the floor at 0 it still stops where the curve is flat.
+    assert max(simulate(_flat_trace({"min_marginal_gain": 0}), ElasticPolicy()).alloc["A"]) == 32
+
+
+def test_straggler_slowdown_is_not_useful_work(diurnal):
+    static = diurnal["static"]
+    a = next(j for j in static.jobs if j.name == "A")
+    assert a.useful_gpu_hours < a.gpu_hours
+
+
+CORE_STRAGGLER = {
+    "horizon_min": 90,
+    "pools": [{"name": "bm", "kind": "bare_metal", "gpus_per_node": 8, "nodes": 3},
+              {"name": "vm", "kind": "vm", "gpus_per_node": 8, "nodes": 2, "reclaim_notice_min": 10,
+               "availability": [{"at_min": 0, "nodes": 2}, {"at_min": 40, "nodes": 0}]}],
+    "jobs": [{"name": "A", "replica_gpus": 8, "replicas": {"min": 2, "max": 2}, "work_samples": 1.0e+9,
+              "throughput": [[2, 200]], "demand": {"phases": [{"at_min": 0, "gpus": 16}]}}],
+    "stragglers": [{"job": "A", "at_min": 10, "until_min": 90, "slowdown": 0.5}],
+}
+
+
+@pytest.mark.parametrize("bm_nodes", [3, 2])
+def test_a_job_never_runs_below_its_core(bm_nodes):
+    # A runs on its core (2 groups); a core group straggles at t=10 and is replaced at t=15; the VM
+    # pool is reclaimed at t=40. Before issue 34's fix the replacement went to a VM and the reclaim
+    # drained it: A ran on 1 group from t=38 until a grow brought it back.
+    doc = copy.deepcopy(CORE_STRAGGLER)
+    doc["pools"][0]["nodes"] = bm_nodes
+    result = simulate(parse_trace(doc), ElasticPolicy())
+    assert result.jobs[0].below_min_minutes == 0
+    assert (result.reclaims_met, result.groups_killed) == (1, 0)
+    moves = [(t, text.split(":")[0]) for t, text in result.decisions if " move " in text]
+    if bm_nodes == 3:  # a bare-metal node is free: the replacement goes there
+        assert moves == [(15.0, "A move A-r1 -> bm")]
+    else:  # bare metal is full: the replacement goes to a VM, and the reclaim moves it back to bare metal
+        assert moves == [(15.0, "A move A-r1 -> vm"), (38.0, "A move A-r3 -> bm")]

@@ -2,9 +2,10 @@
 LLaVA-OneVision video processor, ingestion of clips (mp4, mkv, webm: the
 last two report no frame count) and frame folders mixed with image and
 text records, the index's frame counts and sizes, the reader's
-``[frames, H, W, 3]`` arrays, the batcher's per-frame tower inputs, the
-plan's video tokens, every rejection reason counted, and the model's
-refusal of a batch with videos. Clips are a few 32x48 frames, made here."""
+``[frames, H, W, 3]`` arrays, the batcher's per-frame tower inputs and
+video placeholders, the plan's video tokens equal to what the model lays
+out (it consumes the batch; a placeholder count off by one is refused), and
+every rejection reason counted. Clips are a few 32x48 frames, made here."""
 
 from __future__ import annotations
 
@@ -28,12 +29,11 @@ from megascale_omni.data.shards import INDEX_FILENAME, ShardedSampleReader
 from megascale_omni.data.tokenizer import build_word_tokenizer
 from megascale_omni.data.video import VideoSampling, sample_indices, subsample
 from megascale_omni.demo.clips import frame_pixels, level, write_audio_only, write_clip
-from megascale_omni.models.llava_spec import LlavaModelSpec
 
 FRAMES = 12  # per generated clip
 KEEP = 5  # --video-frames
 H, W = 32, 48
-WORDS = "what happens in the clip a ball rolls and then stops look at this".split()
+WORDS = "what happens in the clip a ball rolls and then stops look at this <video>".split()
 
 
 def _conv(question: str, answer: str = "a ball rolls") -> list[dict]:
@@ -172,15 +172,33 @@ def test_index_records_frames_and_size_and_the_reader_returns_the_chosen_frames(
     assert reader[6].videos == [] and reader[6].kind == "text_only"
 
 
+#: The tiny tower of these tests: 32 px, 8 px patches (4 x 4 features a frame,
+#: pooled to 2 x 2), OneVision's newline after each image and video.
+VISION = {"image_size": 32, "patch_size": 8, "num_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+          "image_newline": True}
+
+
+def _cfg():
+    from megascale_omni.config import JobConfig, from_dict
+
+    return from_dict(JobConfig, {"model": {"family": "llava", "num_layers": 1, "hidden_size": 32,
+                                           "num_attention_heads": 2, "seq_length": 256,
+                                           "position_embedding_type": "rope"}, "vision": VISION})
+
+
 def _batcher(out: Path, video_frames: int, preprocess=None) -> LlavaBatcher:
     from megascale_omni.data.tokenizer import TextTokenizer
 
-    encoder = LlavaEncoder(TextTokenizer.from_path(out.parent / "tokenizer.json"), tokens_per_image=4)
+    v = _cfg().vision
+    tok = TextTokenizer.from_path(out.parent / "tokenizer.json")
+    encoder = LlavaEncoder(tok, v.image_tokens, tok.token_to_id("<video>"), v.video_tokens)
     return LlavaBatcher(ShardedSampleReader(out), encoder, 256, 0, image_size=32, preprocess=preprocess,
                         video_frames=video_frames)
 
 
-def test_batcher_gives_per_frame_tower_inputs_and_the_model_refuses_them(ingested):
+def test_batcher_gives_per_frame_tower_inputs_and_the_model_lays_them_out(ingested):
+    from megascale_omni.models.standalone import build_model, one_process
+
     out, _, _ = ingested
     pre = ImagePreprocessor("resize_crop", PreprocessorSpec.plain(32), 32)
     batcher = _batcher(out, video_frames=3, preprocess=pre)
@@ -192,31 +210,66 @@ def test_batcher_gives_per_frame_tower_inputs_and_the_model_refuses_them(ingeste
     assert torch.equal(batch["videos"][:3], want)
     anyres = ImagePreprocessor("anyres", PreprocessorSpec.plain(32), 32)
     assert anyres(stored[0]).shape[0] > 1 and anyres.frame(stored[0]).shape == (1, 3, 32, 32)
-    with pytest.raises(ConfigError) as err:
-        LlavaModelSpec._refuse_videos(batch)
-    line = str(err.value)
-    assert "\n" not in line and line.startswith("config error: model.family='llava': got a batch of 2 videos with "
-                                                "<video>: the llava model does not consume video yet (issue 32")
+    # Placeholders: 3 frames x 2 x 2 pooled + 1 newline per video, 16 + 1 per image, in text order.
+    video_id, image_id = batcher.encoder.video_token_id, batcher.encoder.tok.image_token_id
+    tokens = batch["tokens"][0].tolist()
+    assert tokens.count(video_id) == 2 * (3 * 4 + 1) and tokens.count(image_id) == 17
+    mixed = tokens[tokens.index(image_id):]  # "look at this <image> and <video> ...": the image first
+    assert mixed[:17] == [image_id] * 17 and mixed[18:31] == [video_id] * 13
     text_only = batcher.microbatch([Pack((0,), (0,), (0,))], [6])
     assert "videos" not in text_only
-    LlavaModelSpec._refuse_videos(text_only)  # no videos: nothing to refuse
+
+    cfg = _cfg()
+    with one_process():
+        model = build_model(cfg, cfg.model.padded_vocab_size(64), image_id, video_id)
+        for p in model.parameters():  # zeros leave nothing to tell features from embeddings
+            torch.nn.init.normal_(p, std=0.2)
+        b = {k: batch[k] for k in ("tokens", "position_ids")}
+        emb = model.embed(b["tokens"], b["position_ids"], batch["images"], None, batch["videos"],
+                          batch["video_frames"])[:, 0]  # [s, h]
+        image_seq, video_seq = model.vision_features(batch["images"], batch["videos"], [3, 3])
+        assert torch.equal(emb[batch["tokens"][0] == video_id], video_seq)
+        assert torch.equal(emb[batch["tokens"][0] == image_id], image_seq)
+        assert torch.equal(video_seq[12], model.image_newline) and torch.equal(image_seq[16], model.image_newline)
+        with pytest.raises(ValueError, match=r"26 video placeholder tokens but 2 videos of \[3, 2\] frames "
+                                             r"\(22 tokens\)"):
+            model.embed(b["tokens"], b["position_ids"], batch["images"], None, batch["videos"][:5],
+                        torch.tensor([3, 2]))
+
+
+def test_a_video_marker_without_a_video_token_is_a_bad_sample_with_its_reason(ingested):
+    from megascale_omni.data.shards import BadSampleError
+    from megascale_omni.data.tokenizer import TextTokenizer
+
+    out, _, _ = ingested
+    encoder = LlavaEncoder(TextTokenizer.from_path(out.parent / "tokenizer.json"), 17)  # no video token given
+    with pytest.raises(BadSampleError, match="the tokenizer has no <video> token for video placeholders"):
+        encoder.encode(ShardedSampleReader(out)[0])
 
 
 def test_plan_costs_videos_from_the_index_alone(ingested):
     out, _, _ = ingested
     cost = SampleCost(10, ((32, 32),), ((5, 32, 48), (3, 32, 48)))
-    assert video_tokens(cost, 4, 16) == (4 + 3) * 16 and video_tokens(cost, 0, 16) == 8 * 16
+    v = _cfg().vision
+    assert video_tokens(cost, 4, v.video_tokens) == (4 * 4 + 1) + (3 * 4 + 1)
+    assert video_tokens(cost, 0, v.video_tokens) == (8 * 4 + 2)
     assert SampleCost.from_json(cost.to_json()) == cost and "videos" not in SampleCost(1, ()).to_json()
     reader = ShardedSampleReader(out)
     batcher = _batcher(out, video_frames=4)
     for frames in (0, 4):
-        scan = PlanScanner(batcher.encoder, 4, 256, 1, video_frames=frames).scan(reader)
+        scan = PlanScanner(batcher.encoder, v.image_tokens, 256, 1, video_frames=frames,
+                           video_tokens=v.video_tokens).scan(reader)
         assert scan.video_samples == 7 and scan.bad == 0
         text = [batcher.encoder.length_from_metadata(reader.read_metadata(i), [1] * reader[i].num_images)
                 for i in range(8)]
         stored = [KEEP] * 5 + [3, 0, reader[7].videos[0].shape[0]]
         per_video = [min(f, frames or f) for f in stored]
-        assert scan.lengths.tolist() == [t + 4 * f for t, f in zip(text, per_video)]
+        assert scan.lengths.tolist() == [t + (4 * f + 1 if f else 0) for t, f in zip(text, per_video)]
+        assert scan.frames.tolist() == per_video  # tower inputs besides the images, for the model FLOPs
+        # What the batcher lays out is what the plan counted.
+        built = _batcher(out, video_frames=frames)
+        for i in (0, 5, 7):
+            assert len(built.encoder.encode(reader[i], frames_per_video=[per_video[i]]).tokens) == scan.lengths[i]
 
 
 def test_rerun_with_other_video_settings_is_refused(ingested, tmp_path):
@@ -227,20 +280,6 @@ def test_rerun_with_other_video_settings_is_refused(ingested, tmp_path):
     with pytest.raises(ConfigError, match="holds an ingestion of other inputs or settings"):
         ingest(IngestInputs(llava_json=[str(records)], image_root=str(media)), copy, samples_per_shard=4,
                video=VideoSampling(frames=KEEP + 1))
-
-
-def test_a_run_with_video_samples_stops_before_building_the_model():
-    from types import SimpleNamespace
-
-    from megascale_omni.config import JobConfig, from_dict
-
-    cfg = from_dict(JobConfig, {"model": {"family": "llava"}, "data": {"path": "/sets/video"}})
-    platform = SimpleNamespace(default_dtype=lambda precision: torch.float32)
-    spec = LlavaModelSpec(cfg, platform, None, SimpleNamespace(video_samples=3))
-    with pytest.raises(ConfigError) as err:
-        spec.build_model()
-    assert str(err.value).startswith("config error: data.path='/sets/video': has 3 training samples with <video>: "
-                                     "the llava model does not consume video yet (issue 32")
 
 
 def test_ingest_tool_video_flags(ingested, tmp_path):
@@ -265,3 +304,60 @@ def test_ingest_tool_video_flags(ingested, tmp_path):
                             "--video-fps", 0)
     assert r.returncode == 2 and r.stderr.strip() == "config error: --video-fps=0.0: must be > 0 (e.g. 1.0)", r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_chat_encoder_lays_out_videos_and_images_in_text_order(tmp_path):
+    from megascale_omni.data.conversation import ChatEncoder, ConversationError
+    from tests.hf_models import chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path)
+    v = _cfg().vision
+    with pytest.raises(ConversationError, match="the tokenizer has no '<video>' token for video placeholders"):
+        ChatEncoder(tok, "<image>", v.image_tokens, "<video>", v.video_tokens).encode(
+            _conv("<video> what"), 0, frames_per_video=[3])
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    enc = ChatEncoder(tok, "<image>", v.image_tokens, "<video>", v.video_tokens)
+    image_id, video_id = enc.image_token_id, enc.video_token_id
+    conv = _conv("<video> and then <image> compare them", "the first") + _conv("and <video>", "a ball")
+    out = enc.encode(conv, 1, frames_per_video=[3, 2])
+    ids = out.tokens
+    first_video, first_image = ids.index(video_id), ids.index(image_id)
+    assert ids[first_video : first_video + 13] == [video_id] * 13 and first_video + 13 < first_image
+    assert ids[first_image : first_image + 17] == [image_id] * 17
+    assert ids.count(video_id) == 13 + 9 and out.num_videos == 2
+    # The text-only count (the index's cost.tokens) leaves the videos out; the plan adds vision.video_tokens.
+    assert len(enc.encode(conv, 1).tokens) == len(ids) - 22
+    # Truncation drops the last round with its video.
+    cut = enc.encode(conv, 1, max_length=len(ids) - 5, frames_per_video=[3, 2])
+    assert (cut.num_videos, cut.truncated, cut.tokens.count(video_id)) == (1, True, 13)
+    with pytest.raises(ConversationError, match="text has 2 <video> markers but the sample has 1 videos"):
+        enc.encode(conv, 1, frames_per_video=[3])
+
+
+def test_checkpoints_from_before_the_video_fields_still_resume():
+    from megascale_omni.checkpoint.state import PRETRAINED_FREE_FIELDS, incompatibilities
+    from megascale_omni.config import JobConfig, from_dict, to_dict
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}})
+    old = to_dict(cfg)
+    del old["vision"]["video_pool_stride"], old["vision"]["image_newline"]  # as main wrote them before issue 32
+    assert incompatibilities(old, cfg) == []
+    onevision = from_dict(JobConfig, {"model": {"family": "llava"}, "vision": {"image_newline": True,
+                                                                              "video_pool_stride": 3}})
+    assert incompatibilities(old, onevision) == ["vision.image_newline: checkpoint False, config True",
+                                                 "vision.video_pool_stride: checkpoint 2, config 3"]
+    # Starting from weights: the pooling may change (no tensor depends on it), the newline parameter not.
+    assert incompatibilities(old, onevision, PRETRAINED_FREE_FIELDS) == [
+        "vision.image_newline: checkpoint False, config True"]
+
+
+def test_image_newline_with_anyres_is_refused_in_one_line():
+    from megascale_omni.config import JobConfig, from_dict
+    from megascale_omni.config.validate import validate_job
+
+    cfg = from_dict(JobConfig, {"model": {"family": "llava"}, "vision": {"image_newline": True},
+                                "data": {"image_mode": "anyres"}})
+    with pytest.raises(ConfigError) as err:
+        validate_job(cfg, 1)
+    assert str(err.value).startswith("config error: vision.image_newline=True: is not built for "
+                                     "data.image_mode=anyres (LLaVA-OneVision puts a newline after every row")

@@ -6,6 +6,9 @@ Token layout of one sample (word-level tokenizer, ``P`` = tokens per image)::
     loss:  0 ...................................0        1 ..........  1
     eval:  0 ...................................0        1 on image-dependent answer words
 
+(``P`` = ``vision.image_tokens``; each ``<video>`` becomes
+``vision.video_tokens(frames)`` video placeholders.)
+
 Packed rows come from :mod:`megascale_omni.data.packing`; images of a
 micro-batch are stacked in the order their placeholder blocks appear in the
 row-major ``[batch, seq]`` token tensor, which is the order the model writes
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +34,8 @@ from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.health import SkipCounter
 from megascale_omni.data.image_preprocess import ImagePreprocessor
 from megascale_omni.data.packing import Pack, collate_pack, packed_cu_seqlens
-from megascale_omni.data.sample import IMAGE_PLACEHOLDER, Sample, SampleValidationError, validate_metadata
+from megascale_omni.data.sample import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleValidationError,
+                                        validate_metadata)
 from megascale_omni.data.shards import BadSampleError, ShardedSampleReader
 from megascale_omni.data.tokenizer import TextTokenizer
 from megascale_omni.data.video import subsample
@@ -54,44 +58,73 @@ class EncodedSample:
     images: list
     #: Per ``<video>``: after :class:`LlavaBatcher`, float32 ``[frames, 3, S, S]`` (one tower input per frame).
     videos: list = field(default_factory=list)
+    #: Videos whose placeholders ``tokens`` hold: the sample's first ``num_videos``
+    #: (the chat format drops those of truncated rounds).
+    num_videos: int = 0
 
 
 class LlavaEncoder:
-    """Turns conversations into token ids with expanded image placeholders.
+    """Turns conversations into token ids with expanded image and video placeholders.
 
     ``views_per_image`` (anyres): tower inputs per image, each expanded to
-    ``tokens_per_image`` placeholders; None = one view per image."""
+    ``tokens_per_image`` placeholders (``vision.image_tokens``); None = one
+    view per image. Each ``<video>`` word becomes ``video_tokens(frames)``
+    placeholders (``vision.video_tokens``) holding ``video_token_id`` (the
+    vocabulary's ``<video>``; -1: it has none and videos cannot be encoded)."""
 
-    def __init__(self, tokenizer: TextTokenizer, tokens_per_image: int):
+    def __init__(self, tokenizer: TextTokenizer, tokens_per_image: int, video_token_id: int = -1,
+                 video_tokens: Optional[Callable[[int], int]] = None):
         self.tok = tokenizer
         self.tokens_per_image = tokens_per_image
+        self.video_token_id = video_token_id
+        self.video_tokens = video_tokens
 
     def cost_basis(self) -> dict[str, str]:
         """What this encoder's :meth:`text_tokens` are valid for (``index.json``'s ``cost_basis``)."""
         return {"format": "words", "tokenizer": fingerprint(self.tok.to_str())}
 
-    def _prompt_ids(self, user_text: str, views: Optional[Sequence[int]] = None) -> list[int]:
+    def _prompt_ids(self, user_text: str, views: Optional[Sequence[int]] = None,
+                    frames: Optional[Sequence[int]] = None) -> list[int]:
+        """``frames`` None: ``<video>`` words take no tokens (the text-only count)."""
         ids: list[int] = [self.tok.bos_id]
         image = 0
-        for tid in self.tok.encode(user_text):
-            if tid != self.tok.image_token_id:
-                ids.append(tid)
-                continue
-            if views is not None and image >= len(views):
-                raise ValueError(f"text has more {IMAGE_PLACEHOLDER} than the {len(views)} image views given")
-            ids.extend([tid] * (self.tokens_per_image * (1 if views is None else views[image])))
-            image += 1
+        for k, piece in enumerate(user_text.split(VIDEO_PLACEHOLDER)):
+            if k and frames is not None:
+                ids.extend(self._video_ids(frames, k - 1))
+            for tid in self.tok.encode(piece):
+                if tid != self.tok.image_token_id:
+                    ids.append(tid)
+                    continue
+                if views is not None and image >= len(views):
+                    raise ValueError(f"text has more {IMAGE_PLACEHOLDER} than the {len(views)} image views given")
+                ids.extend([tid] * (self.tokens_per_image * (1 if views is None else views[image])))
+                image += 1
+        if frames is not None and len(frames) != user_text.count(VIDEO_PLACEHOLDER):
+            raise ValueError(f"text has {user_text.count(VIDEO_PLACEHOLDER)} {VIDEO_PLACEHOLDER} but "
+                             f"{len(frames)} videos are given")
         return ids
 
-    def length_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> int:
-        """Encoded length computed from the JSON member alone (no image decode)."""
+    def _video_ids(self, frames: Sequence[int], video: int) -> list[int]:
+        if video >= len(frames):
+            raise ValueError(f"text has more {VIDEO_PLACEHOLDER} than the {len(frames)} videos given")
+        if self.video_token_id < 0 or self.video_tokens is None:
+            raise ValueError(f"the tokenizer has no {VIDEO_PLACEHOLDER} token for video placeholders; add the word "
+                             f"{VIDEO_PLACEHOLDER} to its vocabulary")
+        return [self.video_token_id] * self.video_tokens(frames[video])
+
+    def length_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None,
+                             frames: Optional[Sequence[int]] = None) -> int:
+        """Encoded length computed from the JSON member alone (no image decode;
+        ``frames``: frames read per video, None: videos count no tokens)."""
         user = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "user")
         answer = " ".join(t["text"] for t in meta["conversation"] if t["role"] == "assistant")
-        return len(self._prompt_ids(user, views)) + len(self.tok.encode(answer)) + 1
+        return len(self._prompt_ids(user, views, frames)) + len(self.tok.encode(answer)) + 1
 
-    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> tuple[int, int]:
-        """(tokens, images) of the encoded sample from its JSON member alone."""
-        return self.length_from_metadata(meta, views), int(meta["num_images"])
+    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None,
+                           frames: Sequence[int] = ()) -> tuple[int, int]:
+        """(tokens, images) of the encoded sample from its JSON member alone
+        (``frames``: frames read per video, from the index)."""
+        return self.length_from_metadata(meta, views, frames), int(meta["num_images"])
 
     def text_tokens(self, meta: Mapping) -> int:
         """Encoded length without image placeholders (the index's ``cost.tokens``).
@@ -102,30 +135,36 @@ class LlavaEncoder:
             raise ValueError(f"the tokenizer finds another number of {IMAGE_PLACEHOLDER} than num_images")
         return self.length_from_metadata(meta, [0] * meta["num_images"])
 
-    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None) -> EncodedSample:
+    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None,
+               frames_per_video: Optional[Sequence[int]] = None) -> EncodedSample:
+        """``frames_per_video``: frames read of each video (default: all of ``sample.videos``)."""
         views = [1] * sample.num_images if views_per_image is None else list(views_per_image)
+        frames = [len(v) for v in sample.videos] if frames_per_video is None else list(frames_per_video)
         markers = self.tok.encode(sample.user_text).count(self.tok.image_token_id)
         if markers != sample.num_images or len(views) != sample.num_images:
             raise BadSampleError(
                 sample.id, "<encoded>", f"text has {markers} {IMAGE_PLACEHOLDER} but the sample has "
                 f"{sample.num_images} images"
             )
-        prompt = self._prompt_ids(sample.user_text, views)
+        try:
+            prompt = self._prompt_ids(sample.user_text, views, frames)
+        except ValueError as err:
+            raise BadSampleError(sample.id, "<encoded>", str(err)) from None
         answer = self.tok.encode(sample.answer_text)
         dependent = set(sample.image_dependent_positions())
         tokens = prompt + answer + [self.tok.eos_id]
         target = [0.0] * len(prompt) + [1.0] * (len(answer) + 1)
         evalm = [0.0] * len(prompt) + [1.0 if i in dependent else 0.0 for i in range(len(answer))] + [0.0]
-        return EncodedSample(sample.id, tokens, target, evalm, list(sample.images))
+        return EncodedSample(sample.id, tokens, target, evalm, list(sample.images), num_videos=len(frames))
 
 
 def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int,
-                views: Optional[Sequence[int]] = None) -> tuple[int, int]:
+                views: Optional[Sequence[int]] = None, frames: Sequence[int] = ()) -> tuple[int, int]:
     """(tokens, images) of sample ``idx`` from its JSON member alone, as the
     plan is built (every rank; a pure function of the bytes on disk, so every
     rank excludes the same samples). ``views``: tower inputs per image
-    (anyres; None = 1 each); ``images`` counts the images kept (chat
-    truncation drops trailing ones).
+    (anyres; None = 1 each); ``frames``: frames read per video (from the
+    index); ``images`` counts the images kept (chat truncation drops trailing ones).
 
     Raises:
         BadSampleError: the sample must be excluded (unreadable or corrupt
@@ -139,7 +178,7 @@ def plan_sample(reader: ShardedSampleReader, encoder: "LlavaEncoder", idx: int,
     loc = reader.index.samples[idx]
     try:
         validate_metadata(meta)
-        return encoder.plan_from_metadata(meta, views)
+        return encoder.plan_from_metadata(meta, views, frames)
     except (SampleValidationError, KeyError, TypeError, ValueError) as err:
         raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name, str(err)) from None
 
@@ -160,7 +199,7 @@ def pad_encoded(enc: EncodedSample, multiple: int, pad_id: int) -> EncodedSample
         return enc
     return EncodedSample(
         enc.sample_id, enc.tokens + [pad_id] * extra, enc.target_mask + [0.0] * extra,
-        enc.eval_mask + [0.0] * extra, enc.images, enc.videos,
+        enc.eval_mask + [0.0] * extra, enc.images, enc.videos, enc.num_videos,
     )
 
 
@@ -220,14 +259,14 @@ class LlavaBatcher:
                         sample_id, self.reader.root, f"image shape {img.shape} != "
                         f"({self.image_size}, {self.image_size}, 3); re-run data preparation at this resolution",
                     )
+            frames = [len(subsample(video, self.video_frames)) for video in sample.videos]
+            views = None
             if self.preprocess is not None and self.preprocess.mode == "anyres":
                 views = [self.preprocess.num_views(img.shape[:2]) for img in sample.images]
-                enc = self.encoder.encode(sample, views_per_image=views)
-            else:
-                enc = self.encoder.encode(sample)
+            enc = self.encoder.encode(sample, views_per_image=views, frames_per_video=frames)
             if self.preprocess is not None:
                 enc.images = [self._preprocess(sample_id, img) for img in enc.images]
-            enc.videos = [self._video(sample_id, video) for video in sample.videos]
+            enc.videos = [self._video(sample_id, video) for video in sample.videos[: enc.num_videos]]
         except BadSampleError as err:
             self.counter.record_skip(err)
             return None
@@ -268,8 +307,8 @@ class LlavaBatcher:
         attends within each only) and ``images: [n, 3, H, W]`` float32
         (``n`` counts tower inputs: anyres tiles each count). A micro-batch
         with videos also has ``videos: [f, 3, H, W]`` float32 (every video's
-        frames, in sample order) and ``video_frames: [v]`` int64 (frames per
-        video); the model refuses it until it consumes video.
+        frames, in token order) and ``video_frames: [v]`` int64 (frames per
+        video), whose ``vision.video_tokens`` placeholders the tokens hold.
         """
         rows, images, videos = [], [], []
         for pack in packs:

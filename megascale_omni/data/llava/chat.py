@@ -4,7 +4,8 @@ task's plan use (``plan_from_metadata``, ``encode``).
 
 Token layout of one sample: whatever the model's chat template renders for
 its turns, in order, with each ``<image>`` marker replaced by
-``tokens_per_image`` image-token placeholders; ``target_mask`` is 1 on the
+``tokens_per_image`` image-token placeholders and each ``<video>`` by
+``vision.video_tokens(frames)`` video-token placeholders; ``target_mask`` is 1 on the
 assistant tokens (content + end-of-turn) of every kept turn. Samples longer
 than ``seq_length`` lose whole trailing rounds (and the images those
 reference); a sample whose first round alone is too long, or whose marker
@@ -22,9 +23,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from megascale_omni.data.conversation import ChatEncoder, ConversationError, EncodedConversation
+from megascale_omni.data.conversation import VIDEO_MARKER, ChatEncoder, ConversationError, EncodedConversation
 from megascale_omni.data.costs import fingerprint
 from megascale_omni.data.llava.batches import EncodedSample
 from megascale_omni.data.sample import Sample, validate_metadata
@@ -50,6 +51,11 @@ class ChatTokenizerView:
     def image_token_id(self) -> int:
         return self._chat.image_token_id
 
+    @property
+    def video_token_id(self) -> int:
+        """Id of ``data.video_token``; -1 when the vocabulary has none."""
+        return self._chat.video_token_id
+
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` if it is one vocabulary entry, else None."""
         tid = self._chat.tok.get_vocab().get(token)
@@ -67,10 +73,17 @@ class ChatLlavaEncoder:
         self.seq_length = seq_length
         self.tok = ChatTokenizerView(chat)
 
+    @property
+    def video_token_id(self) -> int:
+        """Id of the video placeholders; -1 when the vocabulary has none."""
+        return self.chat.video_token_id
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, image_token: str, tokens_per_image: int,
-                        seq_length: int) -> "ChatLlavaEncoder":
-        return cls(ChatEncoder.from_pretrained(Path(path), image_token, tokens_per_image), seq_length)
+                        seq_length: int, video_token: str = VIDEO_MARKER,
+                        video_tokens: Optional[Callable[[int], int]] = None) -> "ChatLlavaEncoder":
+        return cls(ChatEncoder.from_pretrained(Path(path), image_token, tokens_per_image, video_token, video_tokens),
+                   seq_length)
 
     def cost_basis(self) -> dict[str, str]:
         """What :meth:`text_tokens` are valid for (``index.json``'s ``cost_basis``):
@@ -81,10 +94,11 @@ class ChatLlavaEncoder:
             json.dumps(tok.special_tokens_map, sort_keys=True, default=str))}
 
     def _encode(self, sample_id: int, conversation: Sequence[Mapping[str, Any]], num_images: int,
-                views: Optional[Sequence[int]] = None, max_length: Optional[int] = -1) -> EncodedConversation:
+                views: Optional[Sequence[int]] = None, max_length: Optional[int] = -1,
+                frames: Optional[Sequence[int]] = None) -> EncodedConversation:
         try:
             return self.chat.encode(conversation, num_images, max_length=self.seq_length if max_length == -1
-                                    else max_length, views_per_image=views)
+                                    else max_length, views_per_image=views, frames_per_video=frames)
         except ConversationError as err:
             raise BadSampleError(sample_id, "<encoded>", str(err)) from None
 
@@ -96,17 +110,23 @@ class ChatLlavaEncoder:
         n = meta["num_images"]
         return len(self._encode(int(meta["id"]), meta["conversation"], n, [0] * n, max_length=None).tokens)
 
-    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None) -> tuple[int, int]:
+    def plan_from_metadata(self, meta: Mapping, views: Optional[Sequence[int]] = None,
+                           frames: Sequence[int] = ()) -> tuple[int, int]:
         """(tokens, images) of the encoded, possibly truncated sample from its
-        JSON member alone (``views``: tower inputs per image, anyres). Raises
+        JSON member alone (``views``: tower inputs per image, anyres;
+        ``frames``: frames read per video, from the index). Raises
         BadSampleError for a sample to exclude."""
-        enc = self._encode(int(meta["id"]), meta["conversation"], int(meta["num_images"]), views)
+        enc = self._encode(int(meta["id"]), meta["conversation"], int(meta["num_images"]), views, frames=frames)
         return len(enc.tokens), enc.num_images
 
-    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None) -> EncodedSample:
-        """Raises BadSampleError (see module docstring)."""
-        enc = self._encode(sample.id, sample.conversation, sample.num_images, views_per_image)
+    def encode(self, sample: Sample, views_per_image: Optional[Sequence[int]] = None,
+               frames_per_video: Optional[Sequence[int]] = None) -> EncodedSample:
+        """Raises BadSampleError (see module docstring). ``frames_per_video``:
+        frames read of each video (default: all of ``sample.videos``); videos
+        of truncated rounds are dropped with them (:attr:`EncodedSample.num_videos`)."""
+        frames = [len(v) for v in sample.videos] if frames_per_video is None else frames_per_video
+        enc = self._encode(sample.id, sample.conversation, sample.num_images, views_per_image, frames=frames)
         return EncodedSample(
             sample.id, enc.tokens, [float(m) for m in enc.loss_mask], [float(m) for m in enc.loss_mask],
-            list(sample.images[: enc.num_images]),
+            list(sample.images[: enc.num_images]), num_videos=enc.num_videos,
         )

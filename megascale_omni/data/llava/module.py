@@ -48,12 +48,15 @@ logger = logging.getLogger(__name__)
 def build_encoder(cfg: JobConfig, root: Path) -> LlavaEncoder | ChatLlavaEncoder:
     """The conversation encoder of ``data.format`` (every rank); its ``tok``
     gives the vocabulary size, pad and image token ids."""
+    v = cfg.vision
     if cfg.data.format == "words":
-        return LlavaEncoder(load_tokenizer(cfg, root), cfg.vision.tokens_per_image)
+        tok = load_tokenizer(cfg, root)
+        video_id = tok.token_to_id(cfg.data.video_token)
+        return LlavaEncoder(tok, v.image_tokens, -1 if video_id is None else video_id, v.video_tokens)
     path = tokenizer_dir(cfg, root)
     try:
-        return ChatLlavaEncoder.from_pretrained(path, cfg.data.image_token, cfg.vision.tokens_per_image,
-                                                cfg.model.seq_length)
+        return ChatLlavaEncoder.from_pretrained(path, cfg.data.image_token, v.image_tokens, cfg.model.seq_length,
+                                                cfg.data.video_token, v.video_tokens)
     except (OSError, ValueError) as err:
         field = "data.image_token" if "image token" in str(err) else "data.tokenizer"
         raise ConfigError(field, cfg.data.image_token if field == "data.image_token" else str(path),
@@ -123,9 +126,10 @@ class ConversationData(DataModule):
         self.multiple = sequence_multiple(cfg)
         self.bad_samples = BadSampleAccount(cfg, dims, platform.device)
         self.scanner = PlanScanner(
-            self.encoder, cfg.vision.tokens_per_image, self.seq_length, self.multiple,
+            self.encoder, cfg.vision.image_tokens, self.seq_length, self.multiple,
             num_views=self.preprocess.num_views if cfg.data.image_mode == "anyres" else None,
             truncates=cfg.data.format == "chat", video_frames=cfg.data.video_frames,
+            video_tokens=cfg.vision.video_tokens, tower_tokens=cfg.vision.tokens_per_image,
         )
         self.train_reader = _train_reader(cfg, root)
         self.val_reader = ShardedSampleReader(root / "val") if (root / "val").is_dir() else None
@@ -137,10 +141,17 @@ class ConversationData(DataModule):
         scan = self.scanner.scan(self.train_reader)
         self.bad_samples.exclude(scan.bad, len(self.train_reader), str(self.train_reader.root))
         self.train_ids, lengths, self.train_images = scan.ids, scan.lengths, scan.images
-        #: Usable training samples with videos (the model says whether it takes them).
+        #: Usable training samples with videos.
         self.video_samples = scan.video_samples
-        #: Tower inputs per usable sample (anyres: its images' views), for the model FLOPs.
-        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64)
+        #: Id of the video placeholders (``data.video_token``); -1: the vocabulary has none.
+        self.video_token_id = self.encoder.video_token_id
+        if self.video_samples and self.video_token_id < 0:
+            raise ConfigError("data.video_token", cfg.data.video_token, f"is not in the tokenizer's vocabulary, and "
+                              f"{self.video_samples} training samples have videos: add it to the tokenizer (a "
+                              "special token, or a word of a word-level vocabulary) or name the one it has")
+        #: Tower inputs per usable sample (its images' views, anyres: tiles too, and its
+        #: video frames), for the model FLOPs.
+        self.train_views = np.asarray([sum(v) for v in scan.views], dtype=np.int64) + scan.frames
         self._identity = _data_identity(cfg, self.train_reader, self.scanner.basis["tokenizer"])
         order = None
         if cfg.data.blend:

@@ -10,11 +10,11 @@ rounds, which the total alone cannot reproduce, so such a sample (and every
 sample without a known count) is read as before (:func:`plan_sample`). Both
 ways give the same lengths, so a plan does not depend on which was used.
 
-Videos: each costs ``min(stored frames, data.video_frames)`` tower inputs
-of ``tokens_per_image`` tokens (:func:`~megascale_omni.data.costs.video_tokens`),
-from the index's frame counts in both ways (a video sample whose index
-entry has none is excluded); the balance cost counts each frame as a tower
-input. :attr:`PlanScan.video_samples` counts the usable samples with videos.
+Videos: each reads ``min(stored frames, data.video_frames)`` frames, one
+tower input each, and takes ``vision.video_tokens(frames)`` LM tokens (the
+rule the model lays them out by: pooled frames plus the newline), from the
+index's frame counts in both ways (a video sample whose index entry has
+none is excluded); the balance cost counts each frame as a tower input. :attr:`PlanScan.video_samples` counts the usable samples with videos.
 
 anyres: a sample's view count comes from the index's image sizes in both
 ways; a format-1 index has none, which is fatal (re-ingest or re-index).
@@ -37,7 +37,7 @@ import numpy as np
 
 from megascale_omni.config import ConfigError
 from megascale_omni.data.balance import sample_cost
-from megascale_omni.data.costs import is_video_member, video_tokens
+from megascale_omni.data.costs import frames_read, is_video_member
 from megascale_omni.data.errors import DataFileError
 from megascale_omni.data.llava.batches import padded_length, plan_sample
 from megascale_omni.data.shards import INDEX_FILENAME, BadSampleError, ShardedSampleReader
@@ -91,6 +91,8 @@ class PlanScan:
     from_index: int
     #: Usable samples that have videos.
     video_samples: int = 0
+    #: Video frames read per usable sample (tower inputs besides its image views).
+    frames: Optional[np.ndarray] = None
 
 
 class PlanScanner:
@@ -99,17 +101,22 @@ class PlanScanner:
 
     Args:
         encoder: the run's conversation encoder (``plan_from_metadata``, ``cost_basis``).
-        tokens_per_image: placeholders per tower input (``vision.tokens_per_image``).
+        tokens_per_image: LM placeholders per image view (``vision.image_tokens``).
         seq_length: ``model.seq_length``; longer (padded) samples are excluded.
         multiple: samples are padded to a multiple of this many tokens.
         num_views: image ``(height, width)`` -> tower inputs (anyres), or None: one per image.
         truncates: the encoder cuts samples over ``seq_length`` (chat format).
         video_frames: frames read per video (``data.video_frames``; 0: all stored).
+        video_tokens: frames of a video -> its LM placeholders (``vision.video_tokens``;
+            needed when the data has videos).
+        tower_tokens: features of one tower input (``vision.tokens_per_image``;
+            default ``tokens_per_image``), for the balance cost.
     """
 
     def __init__(self, encoder, tokens_per_image: int, seq_length: int, multiple: int,
                  num_views: Optional[Callable[[tuple[int, int]], int]] = None, truncates: bool = False,
-                 video_frames: int = 0):
+                 video_frames: int = 0, video_tokens: Optional[Callable[[int], int]] = None,
+                 tower_tokens: Optional[int] = None):
         self.encoder = encoder
         self.tokens_per_image = tokens_per_image
         self.seq_length = seq_length
@@ -117,6 +124,8 @@ class PlanScanner:
         self.num_views = num_views
         self.truncates = truncates
         self.video_frames = video_frames
+        self.video_tokens = video_tokens
+        self.tower_tokens = tower_tokens or tokens_per_image
         #: ``encoder.cost_basis()``: the index token counts this run can use.
         self.basis = encoder.cost_basis()
 
@@ -153,14 +162,14 @@ class PlanScanner:
                                  "an image member has no readable header (no size in index.json)")
         return [self.num_views(hw) for hw in image_hw]
 
-    def _frames(self, reader: ShardedSampleReader, idx: int, cost) -> int:
-        """Tower inputs of sample ``idx``'s videos (BadSampleError when it has
-        video members but no frame counts in the index)."""
+    def _frames(self, reader: ShardedSampleReader, idx: int, cost) -> tuple[int, ...]:
+        """Frames read of each of sample ``idx``'s videos (BadSampleError when
+        it has video members but no frame counts in the index)."""
         loc = reader.index.samples[idx]
         if cost is None and any(is_video_member(s) for s in loc.members):
             raise BadSampleError(loc.id, reader.root / reader.index.shards[loc.shard].name,
                                  "a video frame member has no readable header (no frame count in index.json)")
-        return video_tokens(cost, self.video_frames, 1)
+        return frames_read(cost, self.video_frames)
 
     def _plan_one(self, reader, i: int, use_index: dict) -> tuple[int, int, tuple[int, ...], bool, int]:
         """(unpadded tokens, images kept, views of the kept images, from the
@@ -170,23 +179,23 @@ class PlanScanner:
         if key not in use_index:
             use_index[key] = self._use_index(src)
         cost = src.index.samples[j].cost
-        frames = self._frames(src, j, cost)
+        video_frames = self._frames(src, j, cost)
+        frames = sum(video_frames)
         views = None  # tower inputs per image, when the index knows the images
         if self.num_views is not None:
             views = self._views(src, j, None if cost is None else cost.image_hw)
         elif cost is not None:
             views = [1] * len(cost.image_hw)
         if use_index[key] and cost is not None and cost.tokens is not None:
-            n = cost.tokens + self.tokens_per_image * (sum(views) + frames)
+            n = cost.tokens + self.tokens_per_image * sum(views) + sum(map(self.video_tokens, video_frames))
             if not (self.truncates and n > self.seq_length):
                 return n, len(views), tuple(views), True, frames
-        n, kept = plan_sample(reader, self.encoder, i, views if self.num_views is not None else None)
-        n += self.tokens_per_image * frames
+        n, kept = plan_sample(reader, self.encoder, i, views if self.num_views is not None else None, video_frames)
         return n, kept, tuple(views[:kept]) if views is not None else (1,) * kept, False, frames
 
     def scan(self, reader) -> PlanScan:
         """Plan every sample of ``reader`` (a split or a blend of splits)."""
-        ids, lengths, costs, images, views = [], [], [], [], []
+        ids, lengths, costs, images, views, frame_counts = [], [], [], [], [], []
         bad = from_index = video_samples = 0
         use_index: dict[int, bool] = {}
         for i in range(len(reader)):
@@ -205,9 +214,10 @@ class PlanScanner:
             video_samples += frames > 0
             ids.append(i)
             lengths.append(n)
-            costs.append(sample_cost(n, sum(sample_views) + frames, self.tokens_per_image))
+            costs.append(sample_cost(n, sum(sample_views) + frames, self.tower_tokens))
             images.append(kept)
             views.append(sample_views)
+            frame_counts.append(frames)
         logger.info("planned %d of %d samples of %s from index.json alone", from_index, len(reader), reader.root)
         return PlanScan(np.asarray(ids), np.asarray(lengths), np.asarray(costs), np.asarray(images), views, bad,
-                        from_index, video_samples)
+                        from_index, video_samples, np.asarray(frame_counts, dtype=np.int64))

@@ -1,0 +1,105 @@
+"""Load-aware live demand (issue 34 item 6) from recorded step records.
+
+tests/data/scheduler/gpt_pp2_steps.jsonl holds the step records of a real
+run (examples/elastic/gpt_pp2.yaml, pp=2, 6 micro-batches, one replica
+group, 8 steps, CPU), reduced to the fields the scheduler reads. The
+quorum size (``participants``), the modality mix (``images``), a slow
+input pipeline (``data_s_max``) and the allocator high-water
+(``mem_peak_gib_max``, CUDA only) are set on copies of those records where a
+case needs them, as an elastic, LLaVA or GPU run reports them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megascale_omni.scheduler.live import METRIC_FIELDS, Observation
+from megascale_omni.scheduler.live_demand import DATA_WAIT_HIGH, DemandModel, job_load
+from tests.unit.test_scheduler_actuator import FakeLauncher, _lines, _scheduler, _until
+
+pytestmark = pytest.mark.timeout(60)
+
+RECORDS = [json.loads(line) for line in
+           (Path(__file__).parents[1] / "data" / "scheduler" / "gpt_pp2_steps.jsonl").read_text().splitlines()]
+
+
+def seen(record: dict, **changes) -> Observation:
+    """What observe() returns for a group whose last step record is ``record`` (with ``changes``)."""
+    r = {**record, **changes}
+    return Observation("A", True, 1, state="running", step=r["step"], metrics={k: r[k] for k in METRIC_FIELDS if k in r})
+
+
+def test_the_recorded_pipeline_bubble_shapes_the_curve_at_sizes_not_run_yet():
+    model = DemandModel()
+    for r in RECORDS:
+        model.update(job_load([seen(r, participants=1)]))
+    load = job_load([seen(RECORDS[-1], participants=1)])
+    assert load.bubble_analytic == pytest.approx(1 / 7) and load.microbatches == 6  # pp=2, m=6
+    assert load.bubble == pytest.approx(RECORDS[-1]["pipeline_wait_s_max"] / RECORDS[-1]["step_s"])
+    measured = model.rates[1]
+    curve = model.curve(3)
+    assert curve(1) == measured
+    # Two groups run 3 micro-batches each: bubble 1/4 instead of 1/7; three run 2: bubble 1/3.
+    assert curve(2) == pytest.approx(2 * measured * (3 / 4) / (6 / 7), rel=1e-12)
+    assert curve(3) == pytest.approx(3 * measured * (2 / 3) / (6 / 7), rel=1e-12)
+    # A job without a pipeline scales linearly, as before.
+    flat = DemandModel()
+    flat.update(job_load([seen(RECORDS[-1], participants=1, bubble_analytic=0.0)]))
+    assert flat.curve(2)(2) == pytest.approx(2 * flat.rates[1])
+
+
+def test_rates_are_smoothed_per_quorum_size_and_kept_while_the_mix_holds():
+    model = DemandModel()
+    a, b = RECORDS[-2], RECORDS[-1]
+    model.update(job_load([seen(a, participants=2, images=12)]))
+    model.update(job_load([seen(b, participants=2, images=12)]))
+    assert model.rates == {2: pytest.approx(0.5 * a["samples_per_s"] + 0.5 * b["samples_per_s"])}
+    model.update(job_load([seen(b, participants=1, images=11)]))  # 0.92 images per sample: same mix
+    assert sorted(model.rates) == [1, 2] and model.events == []
+
+
+def test_a_modality_mix_shift_drops_the_rates_measured_under_the_old_mix():
+    model = DemandModel()
+    for r in RECORDS[:4]:
+        model.update(job_load([seen(r, participants=2, images=12)]))  # one image per sample
+    assert sorted(model.rates) == [2] and model.mix == 1.0
+    model.update(job_load([seen(RECORDS[4], participants=2, images=3)]))  # text-heavy now: 0.25
+    assert model.events == ["modality mix moved from 1.00 to 0.25 images per sample: throughput re-measured"]
+    assert model.rates == {2: RECORDS[4]["samples_per_s"]} and model.mix == 0.25
+
+
+def test_a_data_wait_above_the_threshold_caps_demand_at_what_the_groups_keep_busy():
+    r = RECORDS[-1]
+    quick = job_load([seen(r, participants=2), seen(r, participants=2)])
+    assert quick.data_wait == pytest.approx(r["data_s_max"] / r["step_s"]) and quick.data_wait < DATA_WAIT_HIGH
+    assert DemandModel.demand(16.0, 2, 4, quick) == 16.0
+    starved = job_load([seen(r, participants=2), seen(r, participants=2, data_s_max=0.5 * r["step_s"])])
+    assert starved.data_wait == pytest.approx(0.5)  # the slowest rank of any group
+    assert DemandModel.demand(16.0, 2, 4, starved) == pytest.approx(2 * 4 * 0.5)
+
+
+def test_the_allocator_high_water_is_reported_and_moves_no_decision():
+    r = RECORDS[-1]
+    load = job_load([seen(r, participants=2, mem_peak_gib_max=61.5, mem_peak_gib=60.0),
+                     seen(r, participants=2, mem_peak_gib=70.25)])
+    assert load.mem_high_water_gib == 70.25  # the group without a group-wide maximum gives its own peak
+    assert DemandModel.demand(16.0, 2, 4, load) == 16.0
+    assert job_load([seen(r)]).mem_high_water_gib is None  # a CPU run: no allocator, nothing invented
+
+
+def test_the_loop_feeds_the_policy_from_what_the_groups_report(tmp_path):
+    launcher = FakeLauncher(tmp_path)
+    try:
+        sched, _ = _scheduler(tmp_path, launcher)
+        _until("A runs", lambda: any(g.state == "running" for g in sched.actuator.groups.values()), sched.tick)
+        sched.tick()
+        state = json.loads((tmp_path / "out" / "state.json").read_text())
+        assert state["load"]["A"]["samples_per_s"] == 50.0  # the fake groups' records
+        assert state["load"]["A"]["data_wait"] == 0.0 and state["load"]["A"]["participants"] == 1
+        assert sched.demand["A"].rates == {1: 50.0}
+        assert any(line.startswith("A grow 1 on vm: load ") for line in _lines(tmp_path))
+    finally:
+        launcher.close()
