@@ -16,7 +16,10 @@ clock by :class:`PeerTracker`). The rules, first match wins:
    a collective (computing, reading data, saving), is held up by that peer:
    the peer is named, with the wait. When
    every watched rank waits in a collective, the collective itself (or a
-   rank nobody here watches) is stuck, and this rank names itself.
+   rank nobody here watches) is stuck, and this rank names itself; in an
+   elastic job such a group waits on another replica group, which
+   torchft's timeouts settle (the step is abandoned and retried without
+   it), so only ``step_timeout_s`` applies.
 
 A live culprit is judged by the same limits by itself, so several ranks may
 reach the same verdict; the first one published in the store is the one
@@ -101,9 +104,11 @@ def limit_of(phase: str, cfg: WatchdogConfig) -> tuple[float, str]:
     return getattr(cfg, name), f"watchdog.{name}"
 
 
-def judge(me: Beat, peers: Sequence[tuple[Beat, float]], cfg: WatchdogConfig) -> Optional[Verdict]:
+def judge(me: Beat, peers: Sequence[tuple[Beat, float]], cfg: WatchdogConfig,
+          elastic: bool = False) -> Optional[Verdict]:
     """The stuck rank among this rank (``me``, just read) and its watched
-    ``peers`` (``(beat, seconds silent)``), or None (see the module docstring)."""
+    ``peers`` (``(beat, seconds silent)``), or None (see the module docstring).
+    ``elastic``: replica groups on torchft, whose waits on each other torchft bounds."""
     for beat, silent_s in peers:
         if beat.phase == "exited":
             continue
@@ -131,6 +136,12 @@ def judge(me: Beat, peers: Sequence[tuple[Beat, float]], cfg: WatchdogConfig) ->
             holder = min(holders, key=lambda b: (b.step, b.rank))
             return Verdict(holder, stuck_s, limit, setting, silent=False, reporter=me.rank,
                            detail=f"rank {me.rank} waits on it in {me.phase}")
+        if elastic and setting == "watchdog.collective_timeout_s":
+            # The whole group waits on another replica group (the cross-replica
+            # sums, one wait per bucket); torchft abandons that step itself.
+            if me.since_step_s <= cfg.step_timeout_s:
+                return None
+            stuck_s, limit, setting = me.since_step_s, cfg.step_timeout_s, "watchdog.step_timeout_s"
         return Verdict(me, stuck_s, limit, setting, silent=False, reporter=me.rank,
                        detail="every watched rank waits in a collective (a stuck collective, or a rank "
                               "outside this watch holds it)")

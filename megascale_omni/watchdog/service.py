@@ -220,7 +220,7 @@ class Watchdog:
                 return Verdict.decode(published)
             self.tracker.update(Beat.decode(b) for b in map(lambda r: self._read(store, f"beat/{r}"), self.peers)
                                 if b is not None)
-            verdict = judge(me, self.tracker.views(), self.cfg)
+            verdict = judge(me, self.tracker.views(), self.cfg, self.elastic)
             if verdict is None:
                 return None
             # The first verdict published is the one everybody acts on.

@@ -146,9 +146,16 @@ def test_a_waiting_rank_names_the_peer_that_holds_it_up():
     # A peer silent for over two polls holds it up, before its own silence passes the limit.
     verdict = judge(me, [(waiting, 0.5), (beat(2, "optimizer"), 2.5)], CFG)
     assert verdict.culprit.rank == 2 and verdict.silent
-    # Everybody waits: the collective itself is stuck, this rank says so.
+    # Everybody waits: the collective itself is stuck, this rank says so ...
     verdict = judge(me, [(waiting, 0.5)], CFG)
     assert verdict.culprit.rank == 0 and "every watched rank waits" in verdict.detail
+    # ... except in an elastic job: the group waits on another replica group, torchft's to settle;
+    # only the step limit applies then.
+    assert judge(me, [(waiting, 0.5)], CFG, elastic=True) is None
+    late = beat(0, "grad-sync", in_phase_s=10.5, since_step_s=100.5)
+    assert judge(late, [(waiting, 0.5)], CFG, elastic=True).setting == "watchdog.step_timeout_s"
+    # A peer of its own group that holds it up is still named.
+    assert judge(me, [(computing, 0.5)], CFG, elastic=True).culprit.rank == 1
 
 
 def test_watched_ranks_are_the_node_and_the_next_nodes_first():
