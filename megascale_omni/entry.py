@@ -5,8 +5,9 @@ turn the errors a user can fix into one line and an exit code.
 
 Exit codes: 2 config error, 3 data error (too many bad samples), 4
 checkpoint error (none intact), 44 failed pre-flight check
-(docs/preflight.md). Everything else is a bug and keeps its
-traceback.
+(docs/preflight.md); 43 comes from the hang watchdog's own thread
+(``EXIT_HUNG``, docs/hang-detection.md). Everything else is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ class ConfigError(ValueError):
         super().__init__(f"config error: {field}={value!r}: {hint}")
 
 
-#: Exit code of a replica group whose hang watchdog ended it: the live scheduler replaces the group on its pool
-#: (docs/scheduler.md, "Robustness").
+#: Exit code of a rank whose replica group the hang watchdog tore down (a rank
+#: of it was stuck; docs/hang-detection.md). ``omni-run`` passes it on; the
+#: live scheduler replaces the group on its pool (docs/scheduler.md,
+#: "Robustness"); a requeue restarts a fixed job.
 EXIT_HUNG = 43
 #: Exit code of a process group whose pre-flight health checks failed
 #: (:mod:`megascale_omni.preflight`): the node named in the one-line message

@@ -11,7 +11,8 @@ parsed and validated for the launched world size (``nnodes * nproc_per_node``)
 first, so a bad config exits 2 with the same one line as a one-process run
 and nothing starts. Then torchrun's own launcher runs the workers, and a
 worker failure is summed up in one line with the worker's exit code passed on
-(2 config, 3 data, 4 checkpoint, 44 failed pre-flight check; 1 otherwise) instead of a traceback; the
+(2 config, 3 data, 4 checkpoint, 44 failed pre-flight check, 43 a rank hung:
+docs/hang-detection.md; 1 otherwise) instead of a traceback; the
 workers' own messages stay above it.
 
 Scripts it knows (``pretrain_llava.py``, ``pretrain_dit.py``,
@@ -35,7 +36,7 @@ import sys
 from typing import Optional, Sequence
 
 from megascale_omni.config import ConfigError
-from megascale_omni.errors import EXIT_PREFLIGHT_FAILED
+from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ FAMILY_OF_ENTRY = {"pretrain_llava.py": "llava", "pretrain_dit.py": "dit", "mega
 CONFIG_ONLY_ENTRIES = ("megascale_omni.preflight",)
 #: Worker exit codes that mean "the user can fix this" (see megascale_omni.entry.run_cli).
 USER_ERROR_CODES = (2, 3, 4, EXIT_PREFLIGHT_FAILED)
+#: Worker exit codes passed on as they are: the user errors and a hang torn down by the watchdog.
+PASSED_ON_CODES = (*USER_ERROR_CODES, EXIT_HUNG)
 
 
 def _entry_of(args) -> str:
@@ -138,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rank, code = first_failure(e.failures)
         sys.stderr.write(f"omni-run: {len(e.failures)} worker(s) failed; first: rank {rank} exited with code "
                          f"{code} (its message is above)\n")
-        sys.exit(code if code in USER_ERROR_CODES else 1)
+        sys.exit(code if code in PASSED_ON_CODES else 1)
 
 
 def forward_sigusr1_to_workers() -> None:

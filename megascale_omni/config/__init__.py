@@ -17,6 +17,7 @@ from megascale_omni.config.schema import (
     PreflightConfig,
     TrainConfig,
     VisionConfig,
+    WatchdogConfig,
 )
 from megascale_omni.config.validate import (
     control_socket_path,
@@ -41,6 +42,7 @@ __all__ = [
     "PreflightConfig",
     "TrainConfig",
     "VisionConfig",
+    "WatchdogConfig",
     "apply_overrides",
     "coerce_field",
     "control_socket_path",

@@ -7,6 +7,7 @@ does the cheap, local checks (cross-section checks: :mod:`.validate`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -230,3 +231,46 @@ class ElasticConfig:
                 "elastic.replica_id", self.replica_id,
                 "must be 1-64 letters, digits, '-' or '_' and unique per replica group, e.g. replica_id=r1",
             )
+
+
+@dataclass
+class WatchdogConfig:
+    """Per-rank hang detection (see docs/hang-detection.md).
+
+    Every rank publishes a heartbeat (committed step, phase, time in phase)
+    in its replica group's c10d store, and a watchdog thread in every rank
+    judges its own progress and its peers'. A rank over a limit below is
+    named in one log line, its stack goes to its log (when it can still
+    run), and the replica group exits with code 43 (``EXIT_HUNG``).
+    """
+
+    #: Run the watchdog thread on every rank.
+    enabled: bool = True
+    #: A rank that ended no step (committed or not) for this many seconds is
+    #: stuck, whatever its phase. Sized for GPUs at scale (a first step that
+    #: compiles, a long evaluation or a synchronous save count too); seconds in tests.
+    step_timeout_s: float = checked(1800.0, gt=0)
+    #: A rank waiting this long in a collective (pipeline send/receive, DP
+    #: gradient sync, the cross-replica sums and commit) while a peer is not
+    #: in one names that peer; the whole group waiting this long names the
+    #: collective; a peer whose heartbeat stopped (its process does not run,
+    #: e.g. SIGSTOP) for this long is named by the others. Below the process
+    #: groups' own timeout (300 s, ``MEGASCALE_DIST_TIMEOUT_S``), past which a
+    #: blocked collective raises without naming anyone.
+    collective_timeout_s: float = checked(240.0, gt=0)
+    #: A rank waiting this long for its micro-batches (a wedged data read or loader worker).
+    data_wait_timeout_s: float = checked(600.0, gt=0)
+    #: Seconds between two checks (and heartbeat publications) of the watchdog
+    #: thread; a hang is reported at most about two of these after its limit.
+    poll_s: float = checked(5.0, gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "watchdog")
+        for name in ("step_timeout_s", "collective_timeout_s", "data_wait_timeout_s", "poll_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ConfigError(f"watchdog.{name}", value, "must be a finite number of seconds > 0, e.g. 600")
+        limits = min(self.step_timeout_s, self.collective_timeout_s, self.data_wait_timeout_s)
+        if self.poll_s >= limits:
+            raise ConfigError("watchdog.poll_s", self.poll_s,
+                              f"must be below every watchdog limit (the smallest is {limits:g} s), e.g. a tenth of it")

@@ -25,13 +25,14 @@ from megascale_omni.config.runtime_sections import (
     ControlConfig,
     ElasticConfig,
     LoggingConfig,
+    WatchdogConfig,
 )
 
 __all__ = [
     "CheckpointConfig", "ControlConfig", "DataConfig", "DitConfig", "ElasticConfig", "JobConfig",
     "LoggingConfig", "ModelConfig", "MoeConfig", "OUTPUT_DIR_PLACEHOLDER", "ParallelConfig", "PlatformConfig", "PreflightConfig",
     "TrainConfig",
-    "VisionConfig",
+    "VisionConfig", "WatchdogConfig",
 ]
 
 
@@ -378,6 +379,7 @@ class JobConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     platform: PlatformConfig = field(default_factory=PlatformConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 

@@ -300,6 +300,16 @@ def _validate_elastic(cfg: JobConfig) -> None:
             "elastic.standby", True,
             "needs the control socket (a standby joins on `omni-ctl join`); set control.enabled=true",
         )
+    watchdog = cfg.watchdog
+    if watchdog.enabled and watchdog.collective_timeout_s <= cfg.elastic.timeout_s:
+        # A survivor waits in the cross-replica sums for a lost group until
+        # torchft abandons the step (elastic.timeout_s); the watchdog must not
+        # tear the survivor down first.
+        raise ConfigError(
+            "watchdog.collective_timeout_s", watchdog.collective_timeout_s,
+            f"must exceed elastic.timeout_s={cfg.elastic.timeout_s:g} (torchft abandons a step whose peer "
+            "replica group is lost; survivors must not be torn down first)",
+        )
 
 
 def require_divisible_by_tp(name: str, value: int, tp: int) -> None:

@@ -17,6 +17,10 @@ megatron (:mod:`megascale_omni.metrics.breakdown`) time their phases with
 :meth:`PhaseClock.phase` on the same clock. The step record, the breakdown
 and straggler detection (``busy_s``) all read what :meth:`PhaseClock.read`
 returns. Training thread only.
+
+A listener (:meth:`PhaseClock.listen`; the hang watchdog's heartbeat) hears
+of every mark and outermost phase as it happens, so a stuck step shows
+where it is stuck without waiting for :meth:`PhaseClock.read`.
 """
 
 from __future__ import annotations
@@ -80,6 +84,36 @@ def events_for(device: torch.device) -> EventSource:
     return CudaEvents() if device.type == "cuda" else HostEvents()
 
 
+class PhaseListener(Protocol):
+    """Hears the clock's marks and phases as they happen (training thread; must be cheap)."""
+
+    def step_started(self) -> None:
+        """:meth:`PhaseClock.start` ran."""
+
+    def marked(self, name: str) -> None:
+        """Span ``name`` ended (:meth:`PhaseClock.mark`)."""
+
+    def phase_entered(self, name: str) -> None:
+        """Outermost phase ``name`` began."""
+
+    def phase_left(self, name: str) -> None:
+        """Outermost phase ``name`` ended."""
+
+
+class _NoListener:
+    def step_started(self) -> None:
+        pass
+
+    def marked(self, name: str) -> None:
+        pass
+
+    def phase_entered(self, name: str) -> None:
+        pass
+
+    def phase_left(self, name: str) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class ClockReading:
     """One step's times, seconds. ``spans``: from the previous mark (the
@@ -95,6 +129,7 @@ class PhaseClock:
 
     def __init__(self, events: Optional[EventSource] = None) -> None:
         self.events: EventSource = events or HostEvents()
+        self.listener: PhaseListener = _NoListener()
         self._depth = 0
         self._clear()
 
@@ -109,6 +144,10 @@ class PhaseClock:
         self._clear()
         return previous
 
+    def listen(self, listener: Optional[PhaseListener]) -> None:
+        """Tell ``listener`` of every mark and phase from now on (None: nobody)."""
+        self.listener = listener if listener is not None else _NoListener()
+
     def _record(self) -> Any:
         self._last = self.events.record()
         return self._last
@@ -118,11 +157,13 @@ class PhaseClock:
         recorded between steps, e.g. by evaluation) and mark the start."""
         self._clear()
         self._marks.append(("start", self._record()))
+        self.listener.step_started()
 
     def mark(self, name: str) -> Any:
         """Mark the end of span ``name`` (it began at the previous mark); returns the opaque event."""
         event = self._record()
         self._marks.append((name, event))
+        self.listener.marked(name)
         return event
 
     @contextlib.contextmanager
@@ -134,12 +175,14 @@ class PhaseClock:
             yield
             return
         self._depth += 1
+        self.listener.phase_entered(name)
         begin = self._record()
         try:
             yield
         finally:
             self._phases.append((name, begin, self._record()))
             self._depth -= 1
+            self.listener.phase_left(name)
 
     def stamp(self) -> Any:
         """An opaque timestamp for :meth:`interval` (e.g. from an autograd

@@ -83,9 +83,15 @@ def init_distributed(platform: Platform, timeout_s: int | None = None) -> tuple[
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    timeout = timeout_s or int(os.environ.get("MEGASCALE_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    timeout = timeout_s or dist_timeout_s()
     dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def dist_timeout_s() -> int:
+    """Seconds a collective of the default process group may block before it
+    raises (``MEGASCALE_DIST_TIMEOUT_S``, default :data:`DEFAULT_TIMEOUT_S`)."""
+    return int(os.environ.get("MEGASCALE_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 def seed_everything(seed: int) -> None:

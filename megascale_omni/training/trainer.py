@@ -4,7 +4,7 @@ Reads top to bottom: platform -> pipeline plan -> process groups ->
 pre-flight checks (``preflight.enabled``) -> megatron
 parallel state -> task (model + data) -> layout-invariant init -> DDP ->
 optimizer -> TrainState -> services (checkpoints, replica membership,
-control, metrics) -> loop.
+control, metrics, the hang watchdog) -> loop.
 
 Model families plug in through their declaration (:class:`FamilySpec`, see
 :mod:`megascale_omni.tasks.registry`) and their task; the loop never branches
@@ -47,6 +47,7 @@ from megascale_omni.parallel import (
 )
 from megascale_omni.parallel.pipeline_plan import format_plan_table, resolve_partition
 from megascale_omni.platform import init_distributed, init_platform, seed_everything
+from megascale_omni.platform.device import dist_timeout_s
 from megascale_omni.platform.logging_setup import setup_logging
 from megascale_omni.preflight.runner import preflight_before_training
 from megascale_omni.training.optimizer import (
@@ -58,6 +59,7 @@ from megascale_omni.training.optimizer import (
 )
 from megascale_omni.training.param_gather import ParamGather
 from megascale_omni.training.step import StepProgress, StepStats, train_step
+from megascale_omni.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,16 @@ class Trainer:
             straggler_info=self.group_metrics.describe, settle_records=self.group_exchange.settle,
         )
         self._teardown.callback(self.control.close)
+        # Started when the loop starts stepping (a standby group waits for `join` first).
+        self.watchdog = Watchdog(
+            cfg.watchdog, rank, world_size, cfg.elastic.replica_id if cfg.elastic.enabled else "job",
+            elastic=cfg.elastic.enabled, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), held=lambda: self.control.paused,
+            dist_timeout_s=dist_timeout_s(),
+        )
+        PHASES.listen(self.watchdog.heartbeat)
+        self._teardown.callback(PHASES.listen, None)
+        self._teardown.callback(self.watchdog.close)
 
     def _build_recorder(self, family: FamilySpec, world_size: int) -> StepRecorder:
         """The step recorder, counting each step's model FLOPs with the family's cost model."""
@@ -232,6 +244,8 @@ class Trainer:
             return self.history
         bar = self._progress_bar()
         stopped = drained = False
+        beat = self.watchdog.heartbeat
+        self.watchdog.start()
         try:
             with _redirect_logging_for(bar):
                 while self.state.step < cfg.train.steps:
@@ -240,12 +254,15 @@ class Trainer:
                         continue  # elastic step not committed: retry it with the same samples
                     bar.update(1)
                     if cfg.train.eval_interval and self.state.step % cfg.train.eval_interval == 0:
+                        beat.enter("evaluation")
                         self._evaluate()
+                    beat.enter("step-boundary")
                     # Control commands (pause, drain, config set, checkpoint) apply here on every rank.
                     t0 = time.perf_counter()
                     loss_record = self.group_exchange(self.state.step, record, rank_row(record))
                     serving = self.control.step_boundary(self.state.step, loss_record)
                     t1 = time.perf_counter()
+                    beat.enter("checkpoint")
                     stop = self.checkpointer.at_step_boundary(self.state)
                     # Reported in the next step's record (its step_s starts here).
                     self._boundary.update(control_s=t1 - t0, checkpoint_s=time.perf_counter() - t1)
@@ -256,9 +273,12 @@ class Trainer:
                         stopped = True
                         break
                 if not (stopped or drained) and (not cfg.train.eval_interval or self.state.step % cfg.train.eval_interval):
+                    beat.enter("evaluation")
                     self._evaluate()
+                beat.enter("checkpoint")
                 self.checkpointer.finish(self.state, save=cfg.checkpoint.save_at_end and not stopped)
         finally:
+            self.watchdog.close()
             self.membership.leave()
             bar.close()
             self.sink.close()
@@ -283,9 +303,12 @@ class Trainer:
 
     def _step(self, progress: StepProgress) -> Optional[dict]:
         """Quorum (elastic), this rank's micro-batches, the step, the record (every rank)."""
+        beat = self.watchdog.heartbeat
         t0 = time.perf_counter()
+        beat.enter("quorum")
         share = self.membership.begin_step()
         t_quorum = time.perf_counter()
+        beat.enter("data-wait")
         mbs = self.membership.microbatches(share)
         t_data = time.perf_counter() - t_quorum
         # What ran since the previous step (its record, the boundary; not
@@ -296,6 +319,7 @@ class Trainer:
         self.state.param_gather.step_done(stats.update_successful)
         t_end = time.perf_counter()
         self.membership.end_step(share, stats.committed)
+        beat.step_ended(self.state.step + int(stats.committed))
         membership_s = (t_quorum - t0) + (time.perf_counter() - t_end)
         if not stats.committed:
             return None

@@ -65,6 +65,13 @@ EXPECTED = {
         r"^\| layout \| steps \| median step \| median metrics \| metrics / step \(median\) \| \(p90\) \|$",
         *(rf"^\| {layout} \| 7 \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+% \| [\d.]+% \|$" for layout in ("DP2", "PP2")),
     ],
+    "watchdog_overhead": [
+        r"^training thread, stand-in PP2 step with 8 micro-batches, 200 steps x 15 rounds:$",
+        r"^  phase clock alone \(baseline\): [\d.]+ us per step$",
+        r"^  with the heartbeat listening: [\d.]+ us per step; ratio [\d.]+x$",
+        r"^  added -?[\d.]+ us per step = -?[\d.]+% of the tiny GPT's PP2 step",
+        *(rf"^  {n} watched peer\(s\): \d+ us per poll = [\d.]+% of one core at poll_s=5" for n in (1, 8)),
+    ],
     "scheduler_sim": [
         *(rf"^trace {name}, noise 0:$" for name in ("two_jobs", "diurnal_vm")),
         *(rf"^\| {policy} \| [\d.]+ \| " for policy in ("elastic", "static", "greedy", "pollux")),
@@ -196,6 +203,7 @@ TIMEOUT_S = {
     "video_decode": 240,
     "moe_routing": 900,
     "video_mix_plan": 240,
+    "watchdog_overhead": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
@@ -206,11 +214,13 @@ DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_j
 #: import megatron, over 20 s; elastic_shard 4 torchrun jobs and 2
 #: lighthouses; heal_transport 6 processes and 2 lighthouses, about 30 s;
 #: gpu_mfu builds and trains a LLaVA, 30-80 s; moe_routing 2 torchrun jobs and 4
-#: training runs, minutes on a loaded host); `make test-all` runs them.
+#: training runs, minutes on a loaded host; watchdog_overhead, in one process,
+#: leaves the hang detection's make-test time to its SIGSTOP test);
+#: `make test-all` runs them.
 #: The other single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
         "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "gpu_mfu",
-        "moe_routing"}
+        "moe_routing", "watchdog_overhead"}
 
 
 def documented_commands() -> dict[str, list[str]]:
