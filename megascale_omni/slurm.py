@@ -121,17 +121,23 @@ def _expand_ids(idlist: str, bad) -> list[str]:
 
 def nodelist_hosts(nodelist: str, variable: str) -> list[str]:
     """Expand ``nodelist`` with ``scontrol show hostnames`` when the Slurm client
-    is installed, else with :func:`expand_nodelist`. Raises ConfigError naming
-    ``variable`` when either rejects it."""
+    is installed, else with :func:`expand_nodelist`. A client that cannot run
+    (installed on a host that is not configured for a cluster: "Could not
+    establish a configuration source") falls back to :func:`expand_nodelist`
+    too. Raises ConfigError naming ``variable`` when both reject it."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return expand_nodelist(nodelist, variable)
     done = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
     hosts = done.stdout.split()
-    if done.returncode != 0 or not hosts:
-        why = (done.stderr.strip().splitlines() or ["no host names"])[-1]
-        raise ConfigError(variable, nodelist, f"scontrol show hostnames rejected it ({why}); check the value")
-    return hosts
+    if done.returncode == 0 and hosts:
+        return hosts
+    why = (done.stderr.strip().splitlines() or ["no host names"])[-1]
+    try:
+        return expand_nodelist(nodelist, variable)
+    except ConfigError:
+        raise ConfigError(variable, nodelist, f"scontrol show hostnames rejected it ({why}), and so does Slurm's "
+                                              "hostlist grammar; check the value") from None
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,11 @@ def test_scontrol_expands_the_nodelist_when_installed(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     args, _ = _derive([], {**SLURM, "SLURM_JOB_NODELIST": "weird{1,2}"})
     assert args["rdzv_endpoint"] == f"w1:{BASE_PORT + 731}"
-    with pytest.raises(ConfigError, match=r"^config error: SLURM_JOB_NODELIST='other': scontrol show hostnames "
-                                          r"rejected it \(no host names\); check the value$"):
-        _derive([], {**SLURM, "SLURM_JOB_NODELIST": "other"})
+    # A client that cannot run (no cluster configured on this host) leaves it to our parser...
+    args, _ = _derive([], {**SLURM, "SLURM_JOB_NODELIST": "other[3-4]"})
+    assert args["rdzv_endpoint"] == f"other3:{BASE_PORT + 731}"
+    # ...and what both reject is one line naming the variable.
+    with pytest.raises(ConfigError, match=r"^config error: SLURM_JOB_NODELIST='other\[3-': scontrol show hostnames "
+                                          r"rejected it \(no host names\), and so does Slurm's hostlist grammar; "
+                                          r"check the value$"):
+        _derive([], {**SLURM, "SLURM_JOB_NODELIST": "other[3-"})
