@@ -102,7 +102,8 @@ def job_overrides(cfg: ChaosConfig, ckpt_dir: Path, ledger: Path) -> list[str]:
             f"elastic.quorum_timeout_s={cfg.quorum_timeout_s:g}", f"elastic.timeout_s={cfg.elastic_timeout_s:g}",
             f"checkpoint.dir={ckpt_dir}", f"checkpoint.interval={cfg.checkpoint_interval}",
             "checkpoint.async_save=true", "checkpoint.save_at_end=false", "checkpoint.resume=auto",
-            f"data.num_workers={cfg.data_workers}", *capabilities.watchdog_overrides(cfg.dist_timeout_s / 2),
+            f"data.num_workers={cfg.data_workers}",
+            *capabilities.watchdog_overrides(cfg.dist_timeout_s / 2, cfg.elastic_timeout_s + 5),
             *cfg.overrides]
 
 
