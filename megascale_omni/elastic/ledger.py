@@ -6,7 +6,10 @@ first-stage process of TP rank 0 and CP rank 0. Two kinds of line::
     {"event": "attempt", "step": s, "quorum": q, "replica": "r1",
      "participant": p, "participants": P, "dp_rank": d, "dp_size": D,
      "samples": [ids...]}
-    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "committed": true|false}
+    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "dp_rank": i, "committed": true|false}
+
+(``dp_rank`` of a commit line is the writer's inner DP rank, which names its
+file; that of an attempt is its DP rank over all participants.)
 
 Order and durability (elastic groups, :mod:`.service`): the attempt line of
 step ``s`` is written as soon as the step's quorum ``q`` is known, before the
@@ -26,12 +29,13 @@ quorum ``q`` if
 2. no replica wrote ``committed: true`` for step ``s`` under any quorum,
    some line of a later step ``s' > s`` exists (the step a group attempts
    is its committed-step count, so step ``s`` committed somewhere), and
-   ``q`` is the greatest quorum id among the quorums of step ``s`` whose
-   attempts have no outcome line at all (every participant was killed
-   before writing it). Quorum ids of one lighthouse increase with each new
-   quorum and a step is attempted again only in a later quorum, so the
-   greatest is the one whose update survived. ``committed: false`` for
-   ``(s, q)`` rules ``q`` out.
+   ``q`` is the greatest quorum id among the quorums of step ``s`` with an
+   attempt left without outcome: some writer has more attempt lines than
+   commit lines for ``(s, q)`` (it was killed before writing the outcome;
+   a step retried in an unchanged quorum, whose id torchft keeps, writes
+   one attempt line per try). Quorum ids of one lighthouse increase with
+   each new quorum, so the greatest is the latest try, the one whose
+   update survived.
 
 Otherwise step ``s`` did not commit (an attempt without outcome and
 without later steps is the last, interrupted step of the ledger). The
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -58,6 +62,7 @@ class SampleLedger:
         os.makedirs(directory, exist_ok=True)
         self.path = Path(directory) / f"ledger-{replica_id}-dp{dp_rank}.jsonl"
         self.replica_id = replica_id
+        self.dp_rank = dp_rank
         # Line-buffered: each line reaches the OS when written, so SIGKILL
         # of this process cannot lose a line written before it.
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
@@ -82,7 +87,7 @@ class SampleLedger:
     def commit(self, step: int, quorum: int, committed: bool) -> None:
         """Record the outcome of ``(step, quorum)`` (flushed; a lost one is inferred)."""
         self._write({"event": "commit", "step": step, "quorum": quorum, "replica": self.replica_id,
-                     "committed": committed})
+                     "dp_rank": self.dp_rank, "committed": committed})
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -113,21 +118,23 @@ def committed_quorums(records: Iterable[dict]) -> dict[int, Any]:
     """
     records = list(records)
     out: dict[int, Any] = {}
-    outcome: set[tuple[int, Any]] = set()
+    # (step, quorum, replica, writer's inner DP rank) -> attempt lines minus outcome lines.
+    open_tries: Counter = Counter()
     for r in records:
-        if r["event"] != "commit":
-            continue
-        outcome.add((r["step"], r["quorum"]))
-        if r["committed"]:
-            q = out.setdefault(r["step"], r["quorum"])
-            if q != r["quorum"]:
-                raise ValueError(f"step {r['step']} committed under quorums {q} and {r['quorum']}")
+        if r["event"] == "commit":
+            open_tries[(r["step"], r["quorum"], r["replica"], r.get("dp_rank"))] -= 1
+            if r["committed"]:
+                q = out.setdefault(r["step"], r["quorum"])
+                if q != r["quorum"]:
+                    raise ValueError(f"step {r['step']} committed under quorums {q} and {r['quorum']}")
+        elif r["participant"] is not None:
+            inner = None if r["dp_rank"] is None else r["dp_rank"] % (r["dp_size"] // r["participants"])
+            open_tries[(r["step"], r["quorum"], r["replica"], inner)] += 1
     last_step = max((r["step"] for r in records), default=-1)
     unresolved: dict[int, set] = defaultdict(set)
-    for r in records:
-        if (r["event"] == "attempt" and r["participant"] is not None and r["step"] not in out
-                and r["step"] < last_step and (r["step"], r["quorum"]) not in outcome):
-            unresolved[r["step"]].add(r["quorum"])
+    for (step, quorum, _, _), n in open_tries.items():
+        if n > 0 and step not in out and step < last_step:
+            unresolved[step].add(quorum)
     for step, quorums in unresolved.items():
         out[step] = max(quorums)
     return out

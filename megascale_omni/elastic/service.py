@@ -294,6 +294,7 @@ class ElasticMembership:
         written when the quorum was known, :meth:`_record_attempt`); on
         commit add the job-wide step counts to the task's totals (every rank)."""
         self.last_committed = committed
+        self._recorded = None  # a retry in an unchanged quorum writes its own attempt line
         p = self.quorum.participation  # confirmed by the step's collectives
         if self.account is not None:
             if committed:

@@ -248,14 +248,19 @@ def test_ledger_infers_a_lost_outcome_from_later_steps(tmp_path):
     b.commit(0, 2, False)
     a.attempt(0, 3, 0, 2, 0, 2, [0, 1])
     b.attempt(0, 3, 1, 2, 1, 2, [2, 3])
+    # Step 1 failed in quorum 4 and was retried in it (torchft keeps the id
+    # of an unchanged quorum); the retry's outcome died with r0.
     a.attempt(1, 4, 0, 1, 0, 1, [4, 5, 6, 7])
+    a.commit(1, 4, False)
+    a.attempt(1, 4, 0, 1, 0, 1, [4, 5, 6, 7])
+    b.attempt(2, 5, 0, 1, 0, 1, [8, 9, 10, 11])
     a.close()
     b.close()
     records = read_ledger(tmp_path)
-    assert consumed_samples(records) == {0: [0, 1, 2, 3]}
+    assert consumed_samples(records) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
     # A recorded outcome wins over inference; a later step alone proves nothing of its own.
     assert consumed_samples(records + [{"event": "commit", "step": 0, "quorum": 1, "replica": "r1",
-                                        "committed": True}]) == {0: [0, 1, 2, 3]}
+                                        "committed": True}]) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
 
 
 class _Work:
