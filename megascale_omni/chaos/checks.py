@@ -97,6 +97,17 @@ def worst_loss_difference(merged: dict[int, dict], reference: dict[int, float]) 
     return max(diffs, default=0.0)
 
 
+def latest_epoch_lines(ledger: list[dict]) -> list[dict]:
+    """The ledger lines of each step's latest epoch with a committed line
+    (all of a step's lines when none has one), their ``quorum`` made
+    ``(epoch, quorum)``: quorum ids start over with each lighthouse epoch,
+    and the tuples order as the ledger's inference needs (later epoch first,
+    then greater id; :mod:`megascale_omni.elastic.ledger`)."""
+    latest = _latest_epoch(ledger, lambda r: r["event"] == "commit" and r["committed"])
+    return [{**r, "quorum": (r.get("epoch", 0), r["quorum"])} for r in ledger
+            if r.get("epoch", 0) == latest.get(r["step"], r.get("epoch", 0))]
+
+
 def ledger_problems(chaos: list[dict], reference: list[dict], last_step: int) -> list[str]:
     """Exactly-once: ledger lines (:func:`~megascale_omni.elastic.ledger.read_ledger`)
     of the chaos run against the reference run's, over ledger steps
@@ -104,9 +115,7 @@ def ledger_problems(chaos: list[dict], reference: list[dict], last_step: int) ->
     Names each committed step whose consumed samples lack one of the
     reference's (lost) or hold one more often (repeated), a step committed
     twice in one epoch, and a step missing from either ledger."""
-    latest = _latest_epoch(chaos, lambda r: r["event"] == "commit" and r["committed"])
-    chaos = [{**r, "quorum": f"{r.get('epoch', 0)}:{r['quorum']}"} for r in chaos
-             if r.get("epoch", 0) == latest.get(r["step"], r.get("epoch", 0))]
+    chaos = latest_epoch_lines(chaos)
     try:
         got = consumed_samples(chaos)
     except ValueError as exc:  # one step's update applied twice

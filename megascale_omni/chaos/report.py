@@ -7,7 +7,9 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from megascale_omni.chaos.checks import latest_epoch_lines
 from megascale_omni.chaos.plan import FAULT_CLASSES
+from megascale_omni.elastic.ledger import committed_quorums
 
 
 def uncommitted_attempts(ledger: list[dict]) -> dict[int, int]:
@@ -16,6 +18,11 @@ def uncommitted_attempts(ledger: list[dict]) -> dict[int, int]:
         return r["step"], r.get("epoch", 0), r["quorum"]
 
     committed = {key(r) for r in ledger if r["event"] == "commit" and r["committed"]}
+    try:  # attempts whose outcome line was lost with their group, committed by inference
+        inferred = committed_quorums(latest_epoch_lines(ledger))
+    except ValueError:  # a step committed twice: ledger_problems reports it
+        inferred = {}
+    committed |= {(step, epoch, quorum) for step, (epoch, quorum) in inferred.items()}
     attempts = {key(r) for r in ledger if r["event"] == "attempt"}
     out: dict[int, int] = {}
     for step, _, _ in attempts - committed:

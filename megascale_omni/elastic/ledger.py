@@ -6,24 +6,53 @@ first-stage process of TP rank 0 and CP rank 0. Two kinds of line::
     {"event": "attempt", "step": s, "quorum": q, "replica": "r1",
      "participant": p, "participants": P, "dp_rank": d, "dp_size": D,
      "samples": [ids...]}
-    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "committed": true|false}
+    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "dp_rank": i, "committed": true|false}
 
-An attempt is written *before* its gradients leave the process, so a
-replica killed mid-step still has its contribution on record. Step ``s``
-counts as committed under quorum ``q`` if any replica wrote a ``commit`` line
-with ``committed: true`` for ``(s, q)``; the samples it consumed are the union
-of all attempts of ``(s, q)``. :func:`consumed_samples` computes exactly that,
-so a test can check each committed step took its global batch exactly once
-and that uncommitted attempts count for nothing.
+(``dp_rank`` of a commit line is the writer's inner DP rank, which names its
+file; that of an attempt is its DP rank over all participants.)
+
+Order and durability (elastic groups, :mod:`.service`): the attempt line of
+step ``s`` is written as soon as the step's quorum ``q`` is known, before the
+first cross-replica collective of the step, and is flushed and fsynced
+before the call returns; the commit line follows the commit decision
+(flushed, not fsynced). So a group killed at any point after its gradients
+entered the cross-replica sum has its share on record, also if its node
+went down (fsync); a missing commit line is what readers infer (below). A
+fixed group (no cross-replica sum) writes both lines after its step.
+
+Committed, precisely (:func:`consumed_samples`): step ``s`` committed under
+quorum ``q`` if
+
+1. some replica wrote ``commit`` with ``committed: true`` for ``(s, q)``
+   (torchft's commit is a vote of all participants: one line speaks for the
+   quorum); or
+2. no replica wrote ``committed: true`` for step ``s`` under any quorum,
+   some line of a later step ``s' > s`` exists (the step a group attempts
+   is its committed-step count, so step ``s`` committed somewhere), and
+   ``q`` is the greatest quorum id among the quorums of step ``s`` with an
+   attempt left without outcome: some writer has more attempt lines than
+   commit lines for ``(s, q)`` (it was killed before writing the outcome;
+   a step retried in an unchanged quorum, whose id torchft keeps, writes
+   one attempt line per try). Quorum ids of one lighthouse increase with
+   each new quorum, so the greatest is the latest try, the one whose
+   update survived.
+
+Otherwise step ``s`` did not commit (an attempt without outcome and
+without later steps is the last, interrupted step of the ledger). The
+samples step ``s`` consumed are the union of all attempts of ``(s, q)``.
+Quorum ids start over when the lighthouse restarts; torchft 0.2.0 shows a
+manager no incarnation of its lighthouse (``QuorumResult`` has none), so a
+reader that spans lighthouse restarts qualifies ``quorum`` itself, e.g.
+with ``(epoch, quorum)`` tuples (:mod:`megascale_omni.chaos.checks`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 
 class SampleLedger:
@@ -33,23 +62,32 @@ class SampleLedger:
         os.makedirs(directory, exist_ok=True)
         self.path = Path(directory) / f"ledger-{replica_id}-dp{dp_rank}.jsonl"
         self.replica_id = replica_id
-        # Line-buffered: each line reaches the OS before the step's gradients
-        # are sent, so SIGKILL cannot lose an attempt that contributed.
+        self.dp_rank = dp_rank
+        # Line-buffered: each line reaches the OS when written, so SIGKILL
+        # of this process cannot lose a line written before it.
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
 
     def attempt(
         self, step: int, quorum: int, participant: Optional[int], participants: int,
         dp_rank: Optional[int], dp_size: int, samples: Sequence[int],
     ) -> None:
+        """Record an attempt; returns once the line is on disk (fsync).
+
+        fsync, once per step and writer: the attempt is the line readers
+        cannot infer, and SIGKILL is not the only fault (a node that goes
+        down loses what is only in its page cache). One fsync of a short
+        append per step costs far less than a training step."""
         self._write({
             "event": "attempt", "step": step, "quorum": quorum, "replica": self.replica_id,
             "participant": participant, "participants": participants, "dp_rank": dp_rank, "dp_size": dp_size,
             "samples": [int(s) for s in samples],
         })
+        os.fsync(self._file.fileno())
 
     def commit(self, step: int, quorum: int, committed: bool) -> None:
+        """Record the outcome of ``(step, quorum)`` (flushed; a lost one is inferred)."""
         self._write({"event": "commit", "step": step, "quorum": quorum, "replica": self.replica_id,
-                     "committed": committed})
+                     "dp_rank": self.dp_rank, "committed": committed})
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -71,28 +109,50 @@ def read_ledger(directory: str | Path) -> list[dict]:
     return records
 
 
-def consumed_samples(records: Iterable[dict]) -> dict[int, list[int]]:
-    """Committed step -> sample ids its update consumed (with repeats, in
-    participant order), from :func:`read_ledger` records.
+def committed_quorums(records: Iterable[dict]) -> dict[int, Any]:
+    """Committed step -> the quorum it committed under, by the module
+    docstring's rules (recorded outcome, else inferred from later steps).
 
     Raises ValueError if a step committed under two different quorums (the
     same update applied twice would be a torchft bug, not a data issue).
     """
     records = list(records)
-    committed_quorum: dict[int, int] = {}
+    out: dict[int, Any] = {}
+    # (step, quorum, replica, writer's inner DP rank) -> attempt lines minus outcome lines.
+    open_tries: Counter = Counter()
     for r in records:
-        if r["event"] == "commit" and r["committed"]:
-            q = committed_quorum.setdefault(r["step"], r["quorum"])
-            if q != r["quorum"]:
-                raise ValueError(f"step {r['step']} committed under quorums {q} and {r['quorum']}")
-    attempts: dict[tuple[int, int], dict[tuple[str, int], list[int]]] = defaultdict(dict)
+        if r["event"] == "commit":
+            open_tries[(r["step"], r["quorum"], r["replica"], r.get("dp_rank"))] -= 1
+            if r["committed"]:
+                q = out.setdefault(r["step"], r["quorum"])
+                if q != r["quorum"]:
+                    raise ValueError(f"step {r['step']} committed under quorums {q} and {r['quorum']}")
+        elif r["participant"] is not None:
+            inner = None if r["dp_rank"] is None else r["dp_rank"] % (r["dp_size"] // r["participants"])
+            open_tries[(r["step"], r["quorum"], r["replica"], inner)] += 1
+    last_step = max((r["step"] for r in records), default=-1)
+    unresolved: dict[int, set] = defaultdict(set)
+    for (step, quorum, _, _), n in open_tries.items():
+        if n > 0 and step not in out and step < last_step:
+            unresolved[step].add(quorum)
+    for step, quorums in unresolved.items():
+        out[step] = max(quorums)
+    return out
+
+
+def consumed_samples(records: Iterable[dict]) -> dict[int, list[int]]:
+    """Committed step -> sample ids its update consumed (with repeats, in
+    participant order), from :func:`read_ledger` records; committed as
+    :func:`committed_quorums` decides (raises its ValueError)."""
+    records = list(records)
+    attempts: dict[tuple[int, Any], dict[tuple[str, int], list[int]]] = defaultdict(dict)
     for r in records:
         if r["event"] == "attempt" and r["participant"] is not None:
             # A repeated attempt of the same (step, quorum) by one writer has
             # the same split; keep one.
             attempts[(r["step"], r["quorum"])][(r["replica"], r["dp_rank"])] = r["samples"]
     out = {}
-    for step, quorum in sorted(committed_quorum.items()):
+    for step, quorum in sorted(committed_quorums(records).items()):
         shares = attempts.get((step, quorum), {})
         out[step] = [s for key in sorted(shares, key=lambda k: k[1]) for s in shares[key]]
     return out

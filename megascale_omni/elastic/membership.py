@@ -78,6 +78,10 @@ class ReplicaQuorum:
     any cross-replica collective (raises on a mismatch). ``device``: where
     the gradient buffers live (selects the cross-replica process group, see
     :func:`~megascale_omni.elastic.adapter.process_group_for`).
+    ``on_quorum(participation)`` runs each time a step's quorum has been
+    awaited (once or twice a step, same participation; on torchft's answer,
+    before any cross-replica collective of the step can start): the sample
+    ledger's attempt line is written there.
     """
 
     def __init__(
@@ -87,8 +91,10 @@ class ReplicaQuorum:
         load_state_dict: Callable[[dict], None],
         check_peer_state: Optional[Callable[[dict], None]] = None,
         device: torch.device = torch.device("cpu"),
+        on_quorum: Optional[Callable[["Participation"], None]] = None,
     ):
         self.cfg = cfg
+        self._on_quorum = on_quorum
         self.device = device
         self._check_peer_state = check_peer_state
         self.group_rank = dist.get_rank()
@@ -206,6 +212,8 @@ class ReplicaQuorum:
             raise self.transport.mismatch
         if not self._participation.participating and pending is not None and self._check_peer_state is not None:
             self._check_peer_state(pending)
+        if self._on_quorum is not None:
+            self._on_quorum(self._participation)
         return self._participation
 
     def _quorum_size(self) -> int:

@@ -150,8 +150,8 @@ class ElasticMembership:
         #: Whether the last finished attempt committed (None before the first).
         self.last_committed: Optional[bool] = None
         self.retries = 0
-        #: Sample ids of the attempt in flight (for the ledger).
-        self._samples: list[int] = []
+        #: (step, quorum id, participant, participants) of the last attempt line written.
+        self._recorded: Optional[tuple] = None
         # Bad-sample counts are summed over the participants and committed
         # with the step, so every replica holds the job's totals.
         self.account = state.task.bad_samples
@@ -174,7 +174,8 @@ class ElasticMembership:
         """Create the torchft manager and hook the cross-replica gradient sum (every rank)."""
         device = next(self.state.chunks[0].parameters()).device
         self.quorum = ReplicaQuorum(self.cfg, self.state.state_dict, self._load_peer_state,
-                                    check_peer_state=self.state.check_peer_state, device=device)
+                                    check_peer_state=self.state.check_peer_state, device=device,
+                                    on_quorum=self._record_attempt)
         self.sums = CrossReplicaSums(self.quorum, device)
         self.sums.attach(self.state.chunks)
         for chunk in self.state.chunks:
@@ -241,26 +242,46 @@ class ElasticMembership:
             share = self._share(changed.participation)
             return share, attempt(self.microbatches(share))
 
+    def _coordinates(self, part: Participation) -> StepShare:
+        """This rank's share of the current step in ``part`` (no checks)."""
+        dp_rank = part.rank * self.inner_dp + self.dp_rank if part.participating else None
+        return StepShare(self.quorum.current_step(), dp_rank, part.size * self.inner_dp)
+
     def _share(self, part: Participation) -> StepShare:
-        step = self.quorum.current_step()
-        dp_size = part.size * self.inner_dp
+        share = self._coordinates(part)
         if not part.participating:
-            logger.info("elastic: healing from a live peer at step %d (quorum %d)", step, part.quorum_id)
-            return StepShare(step, None, dp_size)
-        if step != self.state.step:
-            raise RuntimeError(f"elastic: torchft is at step {step} but the trainer at {self.state.step}")
-        return StepShare(step, part.rank * self.inner_dp + self.dp_rank, dp_size)
+            logger.info("elastic: healing from a live peer at step %d (quorum %d)", share.step, part.quorum_id)
+        elif share.step != self.state.step:
+            raise RuntimeError(f"elastic: torchft is at step {share.step} but the trainer at {self.state.step}")
+        return share
+
+    def _record_attempt(self, part: Participation) -> None:
+        """Write the ledger's attempt line of this step in quorum ``part``
+        (every rank; the ledger's writer writes, once per step and quorum):
+        called by :class:`ReplicaQuorum` as soon as the step's quorum is
+        known, so the line is on disk (:meth:`SampleLedger.attempt`) before
+        this group's gradients enter the cross-replica sum, and a group
+        killed after that sum still has its share on record. The samples
+        are those :meth:`microbatches` computes for the same share (a pure
+        function of step and DP coordinates)."""
+        if self.ledger is None:
+            return
+        share = self._coordinates(part)
+        key = (share.step, part.quorum_id, part.rank, part.size)
+        if key == self._recorded:
+            return
+        samples = ([] if share.dp_rank is None
+                   else self.state.task.sample_ids(share.step, share.dp_rank, share.dp_size))
+        self.ledger.attempt(share.step, part.quorum_id, part.rank, part.size, share.dp_rank, share.dp_size,
+                            samples)
+        self._recorded = key
 
     def microbatches(self, share: StepShare) -> list[dict]:
-        """This rank's micro-batches (empty while healing); notes their
-        samples for the ledger, written with the attempt's outcome."""
+        """This rank's micro-batches (empty while healing)."""
         if share.dp_rank is None:
-            samples, mbs = [], []
+            mbs = []
         else:
-            task = self.state.task
-            mbs = task.microbatches(share.step, share.dp_rank, share.dp_size)
-            samples = task.sample_ids(share.step, share.dp_rank, share.dp_size) if self.ledger else []
-        self._samples = samples
+            mbs = self.state.task.microbatches(share.step, share.dp_rank, share.dp_size)
         if self.account is not None:
             # This replica's counts of the attempt (zero while healing); they
             # ride in the step's cross-replica all-reduce, so settle them now.
@@ -269,10 +290,11 @@ class ElasticMembership:
         return mbs
 
     def end_step(self, share: StepShare, committed: bool) -> None:
-        """Record the attempt's outcome in the ledger (its samples, the
-        quorum it ran in); on commit add the job-wide step counts to the
-        task's totals (every rank)."""
+        """Record the attempt's outcome in the ledger (its attempt line was
+        written when the quorum was known, :meth:`_record_attempt`); on
+        commit add the job-wide step counts to the task's totals (every rank)."""
         self.last_committed = committed
+        self._recorded = None  # a retry in an unchanged quorum writes its own attempt line
         p = self.quorum.participation  # confirmed by the step's collectives
         if self.account is not None:
             if committed:
@@ -281,7 +303,6 @@ class ElasticMembership:
                 self.account.abandon()
         self.retries += 0 if committed else 1
         if self.ledger is not None:
-            self.ledger.attempt(share.step, p.quorum_id, p.rank, p.size, share.dp_rank, share.dp_size, self._samples)
             self.ledger.commit(share.step, p.quorum_id, committed)
         if not committed:
             logger.warning(

@@ -74,6 +74,20 @@ def test_ledger_exactly_once_passes_a_re_split_and_ignores_uncommitted_attempts(
     assert report.uncommitted_attempts(chaos) == {1: 1}
 
 
+def test_ledger_exactly_once_counts_attempts_whose_outcome_died_with_their_group():
+    """Step 0: r1 killed right after the cross-replica sum (no outcome line
+    of its own), r0 committed. Step 1: both killed before any outcome, step
+    2 on record proves step 1 committed under its quorum: nothing lost,
+    and no attempt of a committed step counts as thrown away."""
+    chaos = [r for r in _ledger({0: [[1, 2], [3, 4]], 1: [[5, 6], [7, 8]], 2: [[9]]})
+             if (r["event"], r["step"]) != ("commit", 1)]
+    reference = REFERENCE + _ledger({2: [[9]]})
+    assert checks.ledger_problems(chaos, reference, last_step=3) == []
+    assert report.uncommitted_attempts(chaos) == {}
+    planted = [r for r in chaos if (r["event"], r["step"], r.get("replica")) != ("attempt", 1, "r1")]
+    assert checks.ledger_problems(planted, reference, last_step=3) == ["ledger step 1: samples lost [7, 8]"]
+
+
 def test_ledger_catches_a_planted_lost_sample():
     chaos = _ledger({0: [[1, 2], [3]], 1: [[5, 6, 7, 8]]})
     assert checks.ledger_problems(chaos, REFERENCE, 2) == ["ledger step 0: samples lost [4]"]
@@ -90,7 +104,7 @@ def test_ledger_catches_a_lost_step_and_a_step_committed_twice():
     twice = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]]}) + [
         {"event": "commit", "step": 1, "quorum": 5, "replica": "r1", "committed": True}]
     [problem] = checks.ledger_problems(twice, REFERENCE, 2)
-    assert "step 1 committed under quorums 0:1 and 0:5" in problem
+    assert "step 1 committed under quorums (0, 1) and (0, 5)" in problem
 
 
 def test_losses_equal_within_tolerance_and_a_planted_mismatch_is_caught():

@@ -233,3 +233,133 @@ def test_replica_config_carries_the_moe_section():
     cfg = from_dict(JobConfig, {"moe": {"num_experts": 4, "topk": 2}})
     fields = replica_config(cfg)
     assert fields["moe.num_experts"] == 4 and fields["moe.topk"] == 2 and "moe.token_dispatcher" in fields
+
+
+def test_ledger_infers_a_lost_outcome_from_later_steps(tmp_path):
+    """Every participant of step 0 was killed before its commit line; step 1
+    on record proves step 0 committed, under its latest quorum without an
+    outcome (quorum 2's explicit `false` rules it out; quorum 1 was retried
+    in quorum 3). The last step's attempt without outcome did not commit."""
+    a = SampleLedger(str(tmp_path), "r0", 0)
+    b = SampleLedger(str(tmp_path), "r1", 0)
+    a.attempt(0, 1, 0, 2, 0, 2, [0, 1])
+    b.attempt(0, 1, 1, 2, 1, 2, [2, 3])
+    b.attempt(0, 2, 0, 1, 0, 1, [0, 1, 2, 3])
+    b.commit(0, 2, False)
+    a.attempt(0, 3, 0, 2, 0, 2, [0, 1])
+    b.attempt(0, 3, 1, 2, 1, 2, [2, 3])
+    # Step 1 failed in quorum 4 and was retried in it (torchft keeps the id
+    # of an unchanged quorum); the retry's outcome died with r0.
+    a.attempt(1, 4, 0, 1, 0, 1, [4, 5, 6, 7])
+    a.commit(1, 4, False)
+    a.attempt(1, 4, 0, 1, 0, 1, [4, 5, 6, 7])
+    b.attempt(2, 5, 0, 1, 0, 1, [8, 9, 10, 11])
+    a.close()
+    b.close()
+    records = read_ledger(tmp_path)
+    assert consumed_samples(records) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    # A recorded outcome wins over inference; a later step alone proves nothing of its own.
+    assert consumed_samples(records + [{"event": "commit", "step": 0, "quorum": 1, "replica": "r1",
+                                        "committed": True}]) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+class _Manager:
+    """torchft Manager stand-in: a two-replica quorum 7 at step 3; every
+    cross-replica sum first reads what the ledger holds at that moment."""
+
+    _quorum_id = 7
+    _pending_state_dict = None
+
+    def __init__(self, ledger_dir, rank: int):
+        self.ledger_dir, self.rank = ledger_dir, rank
+        self.ledger_at_sum: list[list[dict]] = []
+
+    def start_quorum(self) -> None:
+        pass
+
+    def participating_rank(self) -> int:
+        return self.rank
+
+    def num_participants(self) -> int:
+        return 2
+
+    def is_participating(self) -> bool:
+        return True
+
+    def current_step(self) -> int:
+        return 3
+
+    def allreduce(self, tensor, reduce_op):
+        self.ledger_at_sum.append(read_ledger(self.ledger_dir))
+        tensor.mul_(2)  # the other replica holds the same values
+        return _Work()
+
+
+class _Pg:
+    def size(self) -> int:
+        return 2
+
+
+class _Killed(BaseException):
+    """The replica group dies right after its cross-replica sum."""
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["awaited", "overlapped"])
+def test_attempt_is_on_record_before_the_cross_replica_sum(tmp_path, monkeypatch, overlap):
+    """Replica r1 (participant 1 of 2) is killed right after the step's
+    cross-replica sum, before any outcome: its attempt line was on disk
+    when the sum started, and with survivor r0's commit the step consumed
+    its global batch exactly once. With elastic.overlap_quorum the quorum
+    is awaited at the sum itself, and the line still precedes it."""
+    import types
+
+    import torch
+
+    from megascale_omni.config import ElasticConfig
+    from megascale_omni.elastic import adapter, membership
+    from megascale_omni.elastic.cross_replica import CrossReplicaSums
+    from megascale_omni.elastic.service import ElasticMembership
+
+    manager = _Manager(tmp_path, rank=1)
+    monkeypatch.setattr(adapter, "new_manager", lambda **kwargs: manager)
+    monkeypatch.setattr(adapter, "process_group_for", lambda device, timeout: _Pg())
+    monkeypatch.setattr(membership, "checkpoint_transport",
+                        lambda *args: types.SimpleNamespace(mismatch=None, name="fake"))
+    monkeypatch.setattr(membership.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(membership.dist, "get_world_size", lambda: 1)
+    batch = list(range(100, 108))  # step 3's global batch, split over 2 participants x 1 inner DP rank
+    task = types.SimpleNamespace(bad_samples=None,
+                                 sample_ids=lambda step, dp_rank, dp_size: batch[dp_rank::dp_size])
+    state = types.SimpleNamespace(task=task, dims=types.SimpleNamespace(dp=1), step=3, sync_params=lambda: None)
+    cfg = ElasticConfig(enabled=True, lighthouse="http://localhost:29510", replica_id="r1",
+                        overlap_quorum=overlap, ledger_dir=str(tmp_path))
+
+    service = ElasticMembership(state, cfg, dp_rank=0)
+    service.ledger = SampleLedger(str(tmp_path), "r1", 0)
+    service.quorum = membership.ReplicaQuorum(cfg, dict, lambda sd: None, on_quorum=service._record_attempt)
+    service.sums = CrossReplicaSums(service.quorum)
+    if overlap:  # as after a committed step of the same participation: the share is assumed
+        service.quorum._participation = membership.Participation(1, 2, 6)
+        service.last_committed = True
+    share = service.begin_step()
+    assert (share.step, share.dp_rank, share.dp_size) == (3, 1, 2)
+    # Awaited at begin_step, the quorum is known and its attempt written; assumed, not yet.
+    assert len(read_ledger(tmp_path)) == (0 if overlap else 1)
+    with pytest.raises(_Killed):
+        service.sums.reduce_sum(torch.ones(4))
+        raise _Killed
+    # What the ledger held when the sum started: r1's attempt in quorum 7, once.
+    mine = {"event": "attempt", "step": 3, "quorum": 7, "replica": "r1", "participant": 1, "participants": 2,
+            "dp_rank": 1, "dp_size": 2, "samples": [101, 103, 105, 107]}
+    assert manager.ledger_at_sum == [[mine]]
+    survivor = SampleLedger(str(tmp_path), "r0", 0)
+    survivor.attempt(3, 7, 0, 2, 0, 2, batch[0::2])
+    survivor.commit(3, 7, True)
+    survivor.close()
+    consumed = consumed_samples(read_ledger(tmp_path))
+    assert sorted(consumed[3]) == batch and list(consumed) == [3]
