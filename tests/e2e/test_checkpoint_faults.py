@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from megascale_omni.checkpoint import layout
-from tests.launcher import REPO, finish, spawn
+from tests.launcher import REPO, finish, launch_cmd, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,14 +37,16 @@ PARENT = textwrap.dedent("""
 """)
 
 #: Loaded first by every process of the run (ranks and their spawned writer
-#: processes): opening a shard file of step $OMNI_TEST_ENOSPC_STEP for writing
-#: fails as a full file system does.
+#: processes, which tests/fault_injection.py does not reach): on rank
+#: $OMNI_TEST_ENOSPC_RANK, opening a shard file of step
+#: $OMNI_TEST_ENOSPC_STEP for writing fails as a full file system does.
 ENOSPC = textwrap.dedent("""
     import builtins, errno, os
     _open, _step = builtins.open, os.environ["OMNI_TEST_ENOSPC_STEP"]
+    _ours = os.environ.get("RANK", "0") == os.environ["OMNI_TEST_ENOSPC_RANK"]
     def _full(file, mode="r", *args, **kwargs):
         name = str(file)
-        if "w" in str(mode) and f"step_{int(_step):08d}" in name and name.endswith(".distcp"):
+        if _ours and "w" in str(mode) and f"step_{int(_step):08d}" in name and name.endswith(".distcp"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
         return _open(file, mode, *args, **kwargs)
     builtins.open = _full
@@ -86,12 +88,12 @@ def test_writer_process_dies_with_its_sigkilled_rank():
         finish(parent, timeout=10)
 
 
-def _smoke(out, ckpt, steps, *extra):
-    return [
-        sys.executable, "-m", "megascale_omni.smoke", "--config", "examples/gpt/tiny.yaml", f"train.steps={steps}",
-        f"logging.output_dir={out}", "logging.tensorboard=false", "logging.progress_bar=false",
-        f"checkpoint.dir={ckpt}", "checkpoint.interval=2", "checkpoint.keep_last=10", *extra,
-    ]
+def _smoke(nproc, out, ckpt, steps, *extra):
+    return launch_cmd(nproc, "megascale_omni.smoke", [
+        "--config", "examples/gpt/tiny.yaml", f"train.steps={steps}", f"logging.output_dir={out}",
+        "logging.tensorboard=false", "logging.progress_bar=false", f"checkpoint.dir={ckpt}", "checkpoint.interval=2",
+        "checkpoint.keep_last=10", *extra,
+    ])
 
 
 def _steps(run_dir):
@@ -99,19 +101,28 @@ def _steps(run_dir):
         return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
 
 
-def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path):
+#: (processes, the rank whose disk is full): one process in `make test`; two,
+#: the other rank writing fine, in `make test-all`.
+LAYOUTS = [pytest.param(1, 0, id="1-process"), pytest.param(2, 1, id="2-processes", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("nproc,full_rank", LAYOUTS)
+def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path, nproc, full_rank):
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(ENOSPC)
-    env = {"OMNI_TEST_ENOSPC_STEP": "4", "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
+    env = {"OMNI_TEST_ENOSPC_STEP": "4", "OMNI_TEST_ENOSPC_RANK": str(full_rank),
+           "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
     ckpt = tmp_path / "ckpt"
-    res = finish(spawn(_smoke(tmp_path / "a", ckpt, 8), timeout=240, env=env), timeout=240)
+    res = finish(spawn(_smoke(nproc, tmp_path / "a", ckpt, 8), timeout=240, env=env), timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
-    # Async saves at 2, 4 (no space), 6, 8: step 4 is abandoned with one line naming the errno and the fix.
+    # Async saves at 2, 4 (no space), 6, 8: every rank abandons step 4 with one
+    # line naming the failing rank, the errno, the directory and the fix.
     abandoned = [ln for ln in res.stderr.splitlines() if "checkpoint step 4 abandoned" in ln]
-    assert len(abandoned) == 1, res.stderr[-4000:]
-    assert "ENOSPC" in abandoned[0] and str(ckpt) in abandoned[0] and "free space" in abandoned[0]
-    assert "1 failed save(s)" in abandoned[0]
+    assert len(abandoned) == nproc, res.stderr[-4000:]
+    for line in abandoned:
+        assert f"rank {full_rank}: ENOSPC" in line and str(ckpt) in line and "free space" in line, line
+        assert "1 failed save(s)" in line
     found = {info.step: info for info in layout.scan_tier(ckpt, "persistent")}
     assert sorted(found) == [2, 6, 8], found
     for info in found.values():
@@ -119,7 +130,7 @@ def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path):
     assert not (ckpt / layout.step_dir_name(4)).exists()
 
     # The save after the failed one resumes bit-identically.
-    resumed = finish(spawn(_smoke(tmp_path / "b", tmp_path / "ckpt_b", 8,
+    resumed = finish(spawn(_smoke(nproc, tmp_path / "b", tmp_path / "ckpt_b", 8,
                                   f"checkpoint.resume={ckpt / layout.step_dir_name(6)}"), timeout=240), timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "at step 6" in resumed.stderr
