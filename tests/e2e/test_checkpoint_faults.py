@@ -138,3 +138,53 @@ def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path, nproc, fu
     assert sorted(second) == [7, 8]
     for step in (7, 8):
         assert (second[step]["loss"], second[step]["grad_norm"]) == (first[step]["loss"], first[step]["grad_norm"])
+
+
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.slow  # `make test` keeps the async case above
+def test_synchronous_and_commit_failures_are_abandoned_too(tmp_path, monkeypatch):
+    """In one process, synchronous saves: step 2's shard write and step 4's
+    commit marker find no space; step 6 commits and the run finishes."""
+    import builtins
+    import errno
+
+    from megascale_omni.entry import parse_for_family
+    from megascale_omni.training.trainer import Trainer
+
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    run = tmp_path / "run"
+    cfg, family = parse_for_family("gpt", [
+        "--config", "examples/gpt/tiny.yaml", f"logging.output_dir={run}", "logging.tensorboard=false",
+        "logging.progress_bar=false", "train.steps=6", f"checkpoint.dir={run / 'ckpt'}", "checkpoint.interval=2",
+        "checkpoint.keep_last=10", "checkpoint.async_save=false",
+    ], world_size=1)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real_open, real_commit = builtins.open, layout.write_commit
+
+    def open_(file, mode="r", *args, **kwargs):
+        if "w" in str(mode) and str(file).endswith(".distcp") and layout.step_dir_name(2) in str(file):
+            raise full
+        return real_open(file, mode, *args, **kwargs)
+
+    def write_commit(path, step, extra):
+        if step == 4:
+            raise full
+        return real_commit(path, step, extra)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(layout, "write_commit", write_commit)
+    trainer = Trainer(cfg, family)
+    try:
+        trainer.train()
+        trainer.checkpointer.wait()
+        assert trainer.checkpointer.failed_saves == 2
+    finally:
+        trainer.close()
+        for var in ENV:
+            os.environ.pop(var, None)
+    found = layout.scan_tier(run / "ckpt", "persistent")
+    assert [(info.step, info.complete) for info in found] == [(6, True)]
+    assert layout.verify(found[0]) == []
