@@ -4,6 +4,8 @@ while training goes on."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import os
 import signal
@@ -16,6 +18,7 @@ import pytest
 
 from megascale_omni.checkpoint import layout
 from tests.launcher import REPO, finish, launch_cmd, spawn
+from tests.one_process import tiny_gpt_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,27 +143,11 @@ def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path, nproc, fu
         assert (second[step]["loss"], second[step]["grad_norm"]) == (first[step]["loss"], first[step]["grad_norm"])
 
 
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 @pytest.mark.slow  # `make test` keeps the async case above
 def test_synchronous_and_commit_failures_are_abandoned_too(tmp_path, monkeypatch):
     """In one process, synchronous saves: step 2's shard write and step 4's
     commit marker find no space; step 6 commits and the run finishes."""
-    import builtins
-    import errno
-
-    from megascale_omni.entry import parse_for_family
-    from megascale_omni.training.trainer import Trainer
-
-    for var in ENV:
-        monkeypatch.delenv(var, raising=False)
     run = tmp_path / "run"
-    cfg, family = parse_for_family("gpt", [
-        "--config", "examples/gpt/tiny.yaml", f"logging.output_dir={run}", "logging.tensorboard=false",
-        "logging.progress_bar=false", "train.steps=6", f"checkpoint.dir={run / 'ckpt'}", "checkpoint.interval=2",
-        "checkpoint.keep_last=10", "checkpoint.async_save=false",
-    ], world_size=1)
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     real_open, real_commit = builtins.open, layout.write_commit
 
@@ -176,15 +163,11 @@ def test_synchronous_and_commit_failures_are_abandoned_too(tmp_path, monkeypatch
 
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(layout, "write_commit", write_commit)
-    trainer = Trainer(cfg, family)
-    try:
+    with tiny_gpt_trainer(monkeypatch, run, "train.steps=6", f"checkpoint.dir={run / 'ckpt'}",
+                          "checkpoint.interval=2", "checkpoint.keep_last=10", "checkpoint.async_save=false") as trainer:
         trainer.train()
         trainer.checkpointer.wait()
         assert trainer.checkpointer.failed_saves == 2
-    finally:
-        trainer.close()
-        for var in ENV:
-            os.environ.pop(var, None)
     found = layout.scan_tier(run / "ckpt", "persistent")
     assert [(info.step, info.complete) for info in found] == [(6, True)]
     assert layout.verify(found[0]) == []
