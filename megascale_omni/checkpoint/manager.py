@@ -32,6 +32,7 @@ a save newer than the newest committed one.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import time
@@ -108,6 +109,8 @@ class Checkpointer:
         self._reserved = False
         #: One record per committed save (rank 0): step, reason, blocking_s, total_s, bytes, phases.
         self.saves: list[dict] = []
+        #: Saves abandoned because a rank could not write (every rank) or rank 0 could not commit.
+        self.failed_saves = 0
         # Written by the committer thread only (one writer per file).
         self._log = JsonlWriter(os.path.join(run_dir, "checkpoints.jsonl")) if self.rank == 0 else None
 
@@ -272,8 +275,12 @@ class Checkpointer:
         target = self.save_root / layout.step_dir_name(step)
         skip = [self._prepare_target(target, step) if self.rank == 0 else None]
         dist.broadcast_object_list(skip, src=0, group=self.group)
-        if skip[0]:
+        if skip[0] is True:
             logger.info("checkpoint for step %d already committed; not saving again", step)
+            return
+        if skip[0]:  # rank 0 could not create the step directory
+            self.triggers.saved()
+            self._abandon(step, [skip[0]])
             return
         synchronous = wait or not self.cfg.async_save
         clock = _PhaseClock(t0 - waited, wait=waited)
@@ -318,14 +325,18 @@ class Checkpointer:
         self.writer.files.start()  # its interpreter starts while the buffers fill
         self._reserved = True
 
-    def _prepare_target(self, target: Path, step: int) -> bool:
-        """Rank 0: True if ``step`` is already committed; else an empty ``target``."""
+    def _prepare_target(self, target: Path, step: int) -> bool | str:
+        """Rank 0: True if ``step`` is already committed; else an empty
+        ``target`` and False, or why it could not be made (an ``OSError``)."""
         for tier, root in self.tiers:
             if any(c.step == step and c.complete for c in layout.scan_tier(root, tier)):
                 return True
-        if target.exists():
-            layout.remove(layout.CheckpointInfo(target, step, self.save_tier))
-        target.mkdir(parents=True)
+        try:
+            if target.exists():
+                layout.remove(layout.CheckpointInfo(target, step, self.save_tier))
+            target.mkdir(parents=True)
+        except OSError as e:
+            return _describe_failure(self.rank, e)
         return False
 
     def wait(self) -> None:
@@ -347,15 +358,65 @@ class Checkpointer:
             self._commits.pop(0)[1].result()
 
     def _finalize(self) -> None:
+        """Finalise the in-flight save if every rank wrote its files, else
+        abandon it (every rank; collective)."""
+        failures = self._agree_failures(self.writer.local_error())
+        if failures:
+            self._abandon(self.writer.abandon().step, failures)
+            return
         save = self.writer.finalize()
         if self.rank == 0:
             self._commits.append((save.step, self._committer.submit(self._publish, save)))
 
+    def _agree_failures(self, error: Optional[BaseException]) -> list[str]:
+        """Every rank's write failures, the same list on every rank (collective:
+        one flag all-reduce; the descriptions are gathered only on a failure).
+
+        A write that failed for lack of space or any other ``OSError`` is
+        abandoned (see :meth:`_abandon`); any other exception is a bug and
+        raises CheckpointError on every rank, failing the job."""
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if not failed.item():
+            return []
+        gathered: list = [None] * dist.get_world_size(self.group)
+        mine = None if error is None else (isinstance(error, OSError), _describe_failure(self.rank, error))
+        dist.all_gather_object(gathered, mine, group=self.group)
+        reports = [g for g in gathered if g is not None]
+        if not all(is_os for is_os, _ in reports):
+            raise CheckpointError("writing a checkpoint failed: " + "; ".join(text for _, text in reports))
+        return [text for _, text in reports]
+
+    def _abandon(self, step: int, failures: list[str]) -> None:
+        """Give up the save of ``step`` that some rank could not write (every
+        rank, after agreeing; or rank 0 alone when its commit failed): its
+        marker is never written, so resume and ``tools/ckpt.py verify`` never
+        pick it and the last committed checkpoint stays the newest; rank 0
+        removes its files. Training goes on; the next save tries again."""
+        self.failed_saves += 1
+        path = self.save_root / layout.step_dir_name(step)
+        logger.error(
+            "checkpoint step %d abandoned, not committed (%d failed save(s) so far): %s in %s; free space there "
+            "or point checkpoint.%s elsewhere; training goes on, the newest committed checkpoint stays the "
+            "resume point and the next save tries again",
+            step, self.failed_saves, "; ".join(failures), self.save_root,
+            "local_dir" if self.save_tier == "local" else "dir",
+        )
+        if self.rank == 0:
+            try:
+                layout.remove(layout.CheckpointInfo(path, step, self.save_tier))
+            except OSError as e:  # left without a marker: readers skip it, resume's clean-up removes it
+                logger.warning("could not remove the abandoned %s: %s", path, e)
+
     def _publish(self, save: InflightSave) -> None:
         """Rank 0, committer thread: tokenizer files, checksum, commit marker, replicate, prune."""
         path = self.save_root / layout.step_dir_name(save.step)
-        save.assets.write(path / ASSET_DIR, durable=True)
-        commit = layout.write_commit(path, save.step, {"reason": save.reason, **save.meta})
+        try:
+            save.assets.write(path / ASSET_DIR, durable=True)
+            commit = layout.write_commit(path, save.step, {"reason": save.reason, **save.meta})
+        except OSError as e:  # e.g. ENOSPC: the marker is written atomically or not at all
+            self._abandon(save.step, [_describe_failure(self.rank, e) + " (committing)"])
+            return
         info = layout.CheckpointInfo(path, save.step, self.save_tier, commit)
         total_s = time.perf_counter() - save.started
         # A synchronous save blocks training until its commit.
@@ -437,6 +498,14 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[name] = now - self._last
         self._last = now
+
+
+def _describe_failure(rank: int, e: BaseException) -> str:
+    """One rank's write failure in a log line: its errno's name for an OSError."""
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"rank {rank}: {errno.errorcode.get(e.errno, e.errno)} ({e.strerror}){where}"
+    return f"rank {rank}: {type(e).__name__}: {e}"
 
 
 def _portable(e: Optional[Exception]) -> Optional[tuple]:

@@ -37,8 +37,13 @@ GPU jobs the hand-over too (not done: no GPU to test it on).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import queue
+import signal
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -51,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 #: How the writer processes start: never a fork of the (multi-threaded) trainer.
 START_METHOD = "spawn"
+#: Linux ``prctl`` option: the signal the kernel sends this process when its parent dies.
+_PR_SET_PDEATHSIG = 1
+#: Seconds between checks of the parent in the watch thread (where prctl is unavailable).
+PARENT_POLL_S = 0.5
 #: megatron's multiproc writer, the ``async_fn`` this module replaces.
 _MULTIPROC = FileSystemWriterAsync.write_preloaded_data_multiproc
 
@@ -66,8 +75,36 @@ def _write_bucket(transform_list: list, index: int, bucket: Any, use_msc: bool) 
     return results.get()
 
 
-def _serve(conn: Connection) -> None:
-    """A writer process's loop: one bucket in, its write results (or the exception) out."""
+def _die_with(parent: int) -> None:
+    """Make this writer process end when ``parent`` (the rank that started it) dies.
+
+    A SIGKILLed rank runs no cleanup: its writer is re-parented to init
+    and can live on (the chaos soak found such writers, see
+    docs/operations.md), holding its shared-memory buffers and, through its
+    fd, multiprocessing's resource tracker, which ends once the writer does. On Linux the kernel kills us
+    with the parent (``PR_SET_PDEATHSIG``, immediate even inside a write);
+    the parent may already have died before the call, hence the check
+    right after it. Elsewhere a daemon thread polls the parent pid.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # died between our start and the prctl
+                os._exit(0)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ckpt-write-parent-watch", daemon=True).start()
+
+
+def _serve(conn: Connection, parent: int) -> None:
+    """A writer process's loop: one bucket in, its write results (or the exception) out.
+    Ends with ``parent`` (see :func:`_die_with`)."""
+    _die_with(parent)
     while True:
         try:
             job = conn.recv()
@@ -96,13 +133,16 @@ class WriteWorkers:
 
     def start(self) -> None:
         """Start the processes (idempotent). Not at construction: a run that
-        never saves asynchronously pays for no interpreter start."""
+        never saves asynchronously pays for no interpreter start. Call it
+        from a thread that lives as long as the processes (the training
+        thread): Linux delivers the parent-death signal when the starting
+        thread ends."""
         if self._workers or not self.count:
             return
         ctx = torch_mp.get_context(START_METHOD)
         for i in range(self.count):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs,), name=f"ckpt-write-{i}", daemon=True)
+            proc = ctx.Process(target=_serve, args=(theirs, os.getpid()), name=f"ckpt-write-{i}", daemon=True)
             proc.start()
             theirs.close()
             self._workers.append((proc, ours))
@@ -125,10 +165,12 @@ class WriteWorkers:
                     return f"its tensors are {'pinned' if tensor.is_pinned() else 'private'} memory, not shared"
         return None
 
-    def write(self, request: AsyncRequest) -> None:
+    def write(self, request: AsyncRequest) -> Optional[BaseException]:
         """Write ``request``'s buckets and put the results where megatron's
         finalisation reads them (its results queue), as
-        ``write_preloaded_data_multiproc`` does. Blocks until every bucket is written."""
+        ``write_preloaded_data_multiproc`` does. Blocks until every bucket is
+        written; returns the error of a bucket that failed (e.g. an
+        ``OSError`` ENOSPC), or None."""
         transform_list, use_msc = request.async_fn.args
         _, buckets, results_queue = request.async_fn_args
         jobs = [(transform_list, index, bucket, use_msc) for index, bucket in enumerate(buckets)]
@@ -151,6 +193,19 @@ class WriteWorkers:
             elif not isinstance(outcome, Exception):
                 outcome[index] = result
         results_queue.put(outcome)
+        return outcome if isinstance(outcome, BaseException) else None
+
+    @staticmethod
+    def discard_results(request: AsyncRequest) -> None:
+        """Empty the results queue of a written ``request`` whose save is
+        abandoned: megatron reuses it (its writer is cached with the save
+        plan), so the next save's finalisation would read this one's outcome."""
+        _, _, results_queue = request.async_fn_args
+        while True:
+            try:
+                results_queue.get_nowait()
+            except queue.Empty:
+                return
 
     def close(self) -> None:
         """Stop the processes (after the last write)."""

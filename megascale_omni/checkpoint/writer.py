@@ -30,7 +30,6 @@ every bucket's writer has reported.
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -87,12 +86,19 @@ class AsyncWriter:
         if self.inflight is not None:
             self.inflight.future.result()
 
-    def finalize(self) -> InflightSave:
-        """Run the request's collective finalisers (every rank, once all ranks are done).
+    def local_error(self) -> Optional[BaseException]:
+        """Why this rank could not write the in-flight save's files, or None
+        (blocks until they are written). The caller agrees on it across ranks
+        before :meth:`finalize` or :meth:`abandon`."""
+        assert self.inflight is not None
+        try:
+            return self.inflight.future.result()
+        except Exception as e:  # a writer that is not megatron's raised
+            return e
 
-        Re-raises a write error of this rank (the caller then fails the job:
-        a rank that could not write its shard leaves no complete checkpoint).
-        """
+    def finalize(self) -> InflightSave:
+        """Run the request's collective finalisers (every rank, once all
+        ranks have written their files without error)."""
         assert self.inflight is not None
         save, self.inflight = self.inflight, None
         save.future.result()
@@ -100,18 +106,28 @@ class AsyncWriter:
             fn()
         return save
 
+    def abandon(self) -> InflightSave:
+        """Drop the in-flight save without its finalisers (every rank, once
+        all ranks agreed that one of them failed): megatron's metadata is not
+        written and nothing is committed."""
+        assert self.inflight is not None
+        save, self.inflight = self.inflight, None
+        if self.files.handles(save.request):
+            self.files.discard_results(save.request)
+        return save
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.files.close()
 
 
-def _run_write(request: AsyncRequest, files: WriteWorkers) -> float:
-    t0 = time.perf_counter()
+def _run_write(request: AsyncRequest, files: WriteWorkers) -> Optional[BaseException]:
+    """Write ``request``'s files; the error of a bucket that failed, or None."""
     if request.async_fn is not None and files.handles(request):
-        files.write(request)
-    elif request.async_fn is not None:  # not megatron's forking writer: run it as given
+        return files.write(request)
+    if request.async_fn is not None:  # not megatron's forking writer: run it as given
         request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-    return time.perf_counter() - t0
+    return None
 
 
 def prepare_request(request: AsyncRequest) -> AsyncRequest:
