@@ -69,6 +69,9 @@ class SlurmLauncher:
     EXIT_KILLED_BY_SLURM = 137
     #: Slurm job states in which the group's processes may still run.
     ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"})
+    #: Final job states in which Slurm, not the group, ended the job.
+    ENDED_BY_SLURM = frozenset({"CANCELLED", "NODE_FAIL", "TIMEOUT", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+                                "OUT_OF_MEMORY"})
 
     def __init__(self, jobs: Mapping[str, JobTemplate], gpus_per_node: Mapping[str, int],
                  partitions: Mapping[str, str] = (),
@@ -127,10 +130,17 @@ class SlurmLauncher:
         proc = self.steps[name]
         if proc is not None:
             code = proc.poll()
-            if code == 0:  # srun returns 0 from a cancelled job too: Slurm's final state tells
-                ended = self._slurm_exit(name)
+            if code is None:
+                return None
+            # srun returns 0, or 1 ("job step aborted"), from a cancelled job too: Slurm's final state tells.
+            ended = self._slurm_exit(name)
+            if code == 0:
                 return 0 if ended == EXIT_UNKNOWN else ended
-            return code
+            if ended == EXIT_UNKNOWN:  # no such job: Slurm refused it (srun's own error)
+                return code
+            if ended is None:  # Slurm has not settled the job yet (completing): ask again next tick
+                return None
+            return ended if ended == self.EXIT_KILLED_BY_SLURM or ended > 128 else code
         if isinstance(self.runner, RecordingRunner):
             return None
         return self._slurm_exit(name)
@@ -150,6 +160,8 @@ class SlurmLauncher:
         code, _, sig = last.get("ExitCode", "0:0").partition(":")
         if sig.isdigit() and int(sig):
             return 128 + int(sig)
+        if state.split(" ")[0] in self.ENDED_BY_SLURM:  # whatever code its processes left (srun's 1, 0, ...)
+            return self.EXIT_KILLED_BY_SLURM
         if not code.isdigit():
             return EXIT_UNKNOWN
         return int(code) if int(code) or state == "COMPLETED" else self.EXIT_KILLED_BY_SLURM
