@@ -73,7 +73,7 @@ class ChaosConfig:
     #: resets its connections at once, so this only bounds a silent one; at
     #: 10 s an overloaded host (load average 45 on 2 cores) failed healthy
     #: groups with "Timed out waiting 10000ms for recv".
-    elastic_timeout_s: float = 30.0
+    elastic_timeout_s: float = 20.0
     #: elastic.quorum_timeout_s: a quorum request sent to a lighthouse that
     #: was killed hangs this long, then fails and its group exits (torchft
     #: 0.2.0, measured); the supervisor replaces the groups, which resume from

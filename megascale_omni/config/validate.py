@@ -310,6 +310,14 @@ def _validate_elastic(cfg: JobConfig) -> None:
             f"must exceed elastic.timeout_s={cfg.elastic.timeout_s:g} (torchft abandons a step whose peer "
             "replica group is lost; survivors must not be torn down first)",
         )
+    if watchdog.enabled and watchdog.step_timeout_s <= cfg.elastic.timeout_s:
+        # The same wait seen from the step deadline: a survivor's whole-group
+        # wait in the cross-replica sums is judged by step_timeout_s.
+        raise ConfigError(
+            "watchdog.step_timeout_s", watchdog.step_timeout_s,
+            f"must exceed elastic.timeout_s={cfg.elastic.timeout_s:g} (a survivor waits that long in the "
+            "cross-replica sums for a lost peer group; the watchdog must not tear it down first)",
+        )
 
 
 def require_divisible_by_tp(name: str, value: int, tp: int) -> None:
