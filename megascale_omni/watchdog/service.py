@@ -117,9 +117,20 @@ def kill_if_here(beat: Beat) -> bool:
 
 
 def _exit_hung() -> None:
+    """Flush the logs, end this rank's own child processes (checkpoint
+    writers, multiprocessing's resource tracker, data workers: ``os._exit``
+    runs no cleanup, and the chaos run found such children living on under
+    init), then exit with :data:`EXIT_HUNG`."""
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stderr.flush()
+    import psutil
+
+    try:
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except psutil.Error:
+        pass  # gone already, or not ours to end: exiting matters more
     os._exit(EXIT_HUNG)
 
 
