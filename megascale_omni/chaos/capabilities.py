@@ -83,18 +83,20 @@ def undetected() -> dict[str, str]:
     return {"hang_rank": NEEDS_WATCHDOG, "hang_data_worker": NEEDS_WATCHDOG}
 
 
-def watchdog_overrides(data_timeout_s: float, group_timeout_s: float) -> list[str]:
+def watchdog_overrides(data_timeout_s: float, collective_timeout_s: float, elastic_timeout_s: float) -> list[str]:
     """``watchdog.*`` overrides that make the watchdog detect the hang
-    classes: ``enabled``, a 1 s poll, ``group_timeout_s`` for the step and
-    collective deadlines (an elastic job requires both above
-    ``elastic.timeout_s``, so torchft abandons a lost peer group's step
-    before the watchdog would tear a survivor down) and ``data_timeout_s``
-    for every other ``*_timeout_s`` field (the data wait). Empty without the
-    watchdog: the collective timeouts detect hangs then."""
+    classes: ``enabled``, a 1 s poll, ``collective_timeout_s`` (a group
+    names its own stuck rank within it; above ``elastic.timeout_s``, as an
+    elastic job requires), a step deadline above ``collective_timeout_s +
+    elastic.timeout_s`` (a survivor outwaits the stuck group's own watchdog
+    and torchft's abandon, as an elastic job requires) and
+    ``data_timeout_s`` for the data wait. Empty without the watchdog: the
+    collective timeouts detect hangs then."""
     fields = section_fields("watchdog")
     if fields is None:
         return []
-    limits = {f: group_timeout_s if f in ("step_timeout_s", "collective_timeout_s") else data_timeout_s
+    step_timeout_s = collective_timeout_s + elastic_timeout_s + 15
+    limits = {f: {"collective_timeout_s": collective_timeout_s, "step_timeout_s": step_timeout_s}.get(f, data_timeout_s)
               for f in fields if f.endswith("_timeout_s")}
     poll = ["watchdog.poll_s=1"] if "poll_s" in fields else []
     return ["watchdog.enabled=true", *poll, *(f"watchdog.{f}={v:g}" for f, v in limits.items())]

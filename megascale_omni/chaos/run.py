@@ -103,7 +103,7 @@ def job_overrides(cfg: ChaosConfig, ckpt_dir: Path, ledger: Path) -> list[str]:
             f"checkpoint.dir={ckpt_dir}", f"checkpoint.interval={cfg.checkpoint_interval}",
             "checkpoint.async_save=true", "checkpoint.save_at_end=false", "checkpoint.resume=auto",
             f"data.num_workers={cfg.data_workers}",
-            *capabilities.watchdog_overrides(cfg.dist_timeout_s / 2, cfg.elastic_timeout_s + 5),
+            *capabilities.watchdog_overrides(cfg.dist_timeout_s / 2, cfg.elastic_timeout_s + 5, cfg.elastic_timeout_s),
             *cfg.overrides]
 
 

@@ -310,13 +310,16 @@ def _validate_elastic(cfg: JobConfig) -> None:
             f"must exceed elastic.timeout_s={cfg.elastic.timeout_s:g} (torchft abandons a step whose peer "
             "replica group is lost; survivors must not be torn down first)",
         )
-    if watchdog.enabled and watchdog.step_timeout_s <= cfg.elastic.timeout_s:
-        # The same wait seen from the step deadline: a survivor's whole-group
-        # wait in the cross-replica sums is judged by step_timeout_s.
+    survivor_wait = watchdog.collective_timeout_s + cfg.elastic.timeout_s
+    if watchdog.enabled and watchdog.step_timeout_s <= survivor_wait:
+        # A survivor waits in the cross-replica sums (judged by the step
+        # deadline) until the stuck group's own watchdog tears it down
+        # (collective_timeout_s) and torchft abandons the step (elastic.timeout_s).
         raise ConfigError(
             "watchdog.step_timeout_s", watchdog.step_timeout_s,
-            f"must exceed elastic.timeout_s={cfg.elastic.timeout_s:g} (a survivor waits that long in the "
-            "cross-replica sums for a lost peer group; the watchdog must not tear it down first)",
+            f"must exceed watchdog.collective_timeout_s + elastic.timeout_s = {survivor_wait:g} in an elastic job "
+            "(a survivor waits that long for a peer group with a stuck rank; the watchdog must not tear it down "
+            "first)",
         )
 
 

@@ -289,9 +289,11 @@ def test_elastic_survivors_are_not_torn_down_before_torchft_abandons_the_step():
     cfg.watchdog = WatchdogConfig(collective_timeout_s=60.0)
     with pytest.raises(ConfigError, match=r"watchdog.collective_timeout_s=60.0: must exceed elastic.timeout_s=60"):
         validate_job(cfg, 1)
-    cfg.watchdog = WatchdogConfig(collective_timeout_s=61.0, step_timeout_s=60.0)
-    # The same wait judged by the step deadline (a survivor in the cross-replica sums; found by the chaos run).
-    with pytest.raises(ConfigError, match=r"watchdog.step_timeout_s=60.0: must exceed elastic.timeout_s=60"):
+    cfg.watchdog = WatchdogConfig(collective_timeout_s=61.0, step_timeout_s=121.0)
+    # A survivor in the cross-replica sums (judged by the step deadline) outwaits the stuck group's own
+    # watchdog and torchft's abandon (found by the chaos run: survivors torn down while the peer hung).
+    with pytest.raises(ConfigError, match=r"watchdog.step_timeout_s=121.0: must exceed watchdog.collective_timeout_s "
+                                          r"\+ elastic.timeout_s = 121 in an elastic job"):
         validate_job(cfg, 1)
     cfg.watchdog = WatchdogConfig(collective_timeout_s=61.0)
     validate_job(cfg, 1)
