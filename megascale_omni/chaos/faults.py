@@ -12,6 +12,7 @@ in :meth:`Injector.cleanup`, which the harness calls whatever happened.
 
 from __future__ import annotations
 
+import abc
 import os
 import random
 import signal
@@ -43,8 +44,9 @@ class Context:
 
 
 @dataclass
-class Injector:
-    """Base: the fault, when it fired, and what it hit (``target``)."""
+class Injector(abc.ABC):
+    """Base: the fault, when it fired, and what it hit (``target``).
+    Each fault class implements :meth:`fire` and :meth:`recovered`."""
 
     fault: Fault
     fired: float = 0.0
@@ -54,8 +56,9 @@ class Injector:
     _detected: Optional[float] = field(default=None, repr=False)
 
     # The interface the harness drives.
+    @abc.abstractmethod
     def fire(self, ctx: Context) -> None:
-        raise NotImplementedError
+        """Inject the fault (once); set ``fired``, ``target`` and ``replica_id``."""
 
     def tick(self, ctx: Context) -> None:
         """Called at every poll while the fault is active."""
@@ -64,8 +67,9 @@ class Injector:
         """Monotonic time the system noticed the fault, or None (not yet, or nothing to notice)."""
         return self._detected
 
+    @abc.abstractmethod
     def recovered(self, ctx: Context) -> bool:
-        raise NotImplementedError
+        """Whether the system is whole again after the fault."""
 
     def cleanup(self, ctx: Context) -> None:
         """Undo whatever is still in effect (called once, always)."""
