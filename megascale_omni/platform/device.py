@@ -83,9 +83,30 @@ def init_distributed(platform: Platform, timeout_s: int | None = None) -> tuple[
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    timeout = timeout_s or dist_timeout_s()
-    dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(seconds=timeout))
+    timeout = datetime.timedelta(seconds=timeout_s or dist_timeout_s())
+    store, rank, world_size = attempt_store(timeout)
+    dist.init_process_group(backend=platform.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def attempt_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
+    """``(store, rank, world_size)`` of the env:// rendezvous, the store's keys
+    under a prefix of this launch attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    Why not plain ``init_process_group(init_method="env://")``: under
+    ``torchrun --max-restarts`` with a static rendezvous (``--master-addr``/
+    ``--master-port``), the agent's store still holds the first attempt's gloo
+    keys when the workers restart, and a restarted rank may read a dead peer's
+    address from them: ``Gloo connectFullMesh failed ... Connection refused``
+    (torch 2.13; 2 of 3 tries of a two-rank restart here). A prefix per
+    attempt gives each attempt its own keys, so ``--max-restarts`` works
+    (tests/dist/test_hang_detection.py, docs/hang-detection.md).
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return dist.PrefixStore(f"/megascale_omni/attempt_{attempt}", store), rank, world_size
 
 
 def dist_timeout_s() -> int:

@@ -29,8 +29,7 @@ On a verdict (this rank's, or one a peer published first):
   take part; a restart resumes from the newest committed checkpoint;
 - every rank that sees the verdict exits with ``EXIT_HUNG`` (43); torchrun
   stops the group's other workers and ``omni-run`` exits 43; a requeue (or
-  ``torchrun --max-restarts``, see docs/hang-detection.md for its known
-  problem on gloo) restarts a fixed job; an elastic job's other replica groups carry on
+  ``torchrun --max-restarts``) restarts a fixed job; an elastic job's other replica groups carry on
   (torchft abandons the step, the next quorum leaves the group out) and the
   scheduler starts a replacement group.
 """

@@ -95,11 +95,6 @@ def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow  # make test-all: two attempts of the job, ~1 min on 2 cores
 @pytest.mark.timeout(400)
-# Found with this test (2026-12-02): a restarted attempt of our entry points fails in
-# init_process_group (gloo connectFullMesh: connection refused), with or without the
-# watchdog (also after `--fail-at-step`); a plain torch script restarts under plain
-# torchrun but not under omni-run. docs/hang-detection.md; passes once that is fixed.
-@pytest.mark.xfail(strict=True, reason="torchrun --max-restarts: the restarted attempt cannot form its gloo group")
 def test_max_restarts_restarts_a_hung_job_from_its_newest_checkpoint(tmp_path):
     out, steps = tmp_path / "run", 8
     args = [*watchdog_args(2), f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2",
