@@ -32,8 +32,11 @@ from tests.launcher import read_metrics, torchrun
 pytestmark = pytest.mark.timeout(900)
 
 STEPS, INTERVAL = 6, 2
+#: Synchronous saves: what is tested is the resharding. The background writer (a process per rank that
+#: imports torch and megatron: ~6 s of CPU each here) runs in the dense checkpoint tests, where
+#: ``checkpoint.async_save`` keeps its default (tests/e2e/test_checkpoint_faults.py and others).
 BASE = ["--config", "examples/gpt/tiny_moe.yaml", f"train.steps={STEPS}", "logging.tensorboard=false",
-        "logging.progress_bar=false"]
+        "logging.progress_bar=false", "checkpoint.async_save=false"]
 #: A resume in another layout: the loss within this relative difference (fp32 rounding of another summation order).
 RESHARD_RTOL = 1e-6
 
