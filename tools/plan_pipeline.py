@@ -65,11 +65,15 @@ def main() -> None:
     if par.cp > 1:
         print(f"context parallel: each rank holds {cfg.model.seq_length // par.cp} of {cfg.model.seq_length} "
               "tokens per sequence (LM time and activations 1/cp); the first stage's ViT runs on all images")
-    layers = cost_model(cfg, cuda, world)
-    moved = layers.components[layers.layer].dispatch_bytes
-    if moved:
-        print(f"MoE token dispatch ({cfg.moe.token_dispatcher}, ep={par.ep}): {moved / 2**20:.2f} MiB sent per rank, "
-              "layer and micro-batch (forward + backward, even routing); not in the times above")
+    flops_model = cost_model(cfg, cuda, world)
+    layer = flops_model.components[flops_model.layer]
+    if layer.dispatch_bytes:
+        counted = ("in the times above" if configured.unit == "s" else
+                   "not in the times above (FLOPs): set logging.peak_tflops or parallel.pipeline_profile")
+        print(f"MoE token dispatch ({cfg.moe.token_dispatcher}, ep={par.ep}): {layer.dispatch_bytes / 2**20:.2f} MiB "
+              f"sent per rank, layer and micro-batch (forward + backward, even routing), "
+              f"{layer.dispatch_seconds * 1e3:.3f} ms at parallel.alltoall_bandwidth_gbs="
+              f"{par.alltoall_bandwidth_gbs:g}; {counted}")
     print(format_plan_table(plans))
     for plan in plans:
         print(f"{plan.mode:>9}: layers per chunk {list(plan.counts)}  max/mean {plan.imbalance:.3f}")

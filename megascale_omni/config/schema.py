@@ -67,6 +67,15 @@ class ParallelConfig:
     #: Tensor-parallel size inside each expert (megatron
     #: ``expert_tensor_parallel_size``); ``null`` = ``tp``, megatron's default.
     expert_tp: Optional[int] = checked(None, gt=0)
+    #: What one rank sends per second through the MoE token exchange over
+    #: its expert group (all-to-all, or the allgather dispatcher's all-gather
+    #: and reduce-scatter), GB/s (1e9 bytes/s). Planning only: the pipeline
+    #: planner turns the dispatch bytes of an MoE layer into time with it
+    #: (docs/moe.md). Default 50: one 400 Gb/s InfiniBand NIC per GPU, the
+    #: link of an expert group that spans nodes (DeepEP's README measures
+    #: 43-58 GB/s over a ConnectX-7 400 Gb/s NIC on H800); an expert group
+    #: inside one H100/H800 NVLink node reaches ~150.
+    alltoall_bandwidth_gbs: float = checked(50.0, gt=0)
     #: Virtual pipeline stages (model chunks) per pipeline rank; ``None`` = no interleaving.
     vpp: Optional[int] = None
     #: Shard optimizer state across DP ranks (megatron DistributedOptimizer).

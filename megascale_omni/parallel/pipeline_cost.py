@@ -41,6 +41,7 @@ from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
 from megascale_omni.parallel.activations import LayerShape, layer_activation_bytes, recompute_forward_flops
 from megascale_omni.parallel.batch_shape import BatchShape, causal_pairs
+from megascale_omni.parallel.moe_cost import dispatch_bytes, dispatch_seconds, mlp_widths
 
 #: Component names, in pipeline order. ``lm_layer`` is the cost of *one*
 #: decoder layer; the others appear once in the model.
@@ -64,8 +65,11 @@ class ComponentCost:
     activation_bytes: float
     seconds: Optional[float] = None
     #: Bytes this rank sends to other ranks for the MoE token dispatch
-    #: (forward + backward, :func:`dispatch_bytes`); 0 for a dense component.
+    #: (forward + backward, :func:`~megascale_omni.parallel.moe_cost.dispatch_bytes`); 0 for a dense component.
     dispatch_bytes: float = 0.0
+    #: Those bytes in seconds at ``parallel.alltoall_bandwidth_gbs``
+    #: (:func:`~megascale_omni.parallel.moe_cost.dispatch_seconds`).
+    dispatch_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,10 +103,12 @@ class PipelineCostModel:
     layer: str = LM_LAYER
 
     def time(self, name: str) -> float:
-        """Forward+backward time of one component for one micro-batch
-        (seconds when ``unit == 's'``, FLOPs otherwise)."""
+        """Forward+backward time of one component for one micro-batch:
+        seconds when ``unit == 's'``, its MoE token dispatch included;
+        FLOPs otherwise, which cannot hold the dispatch's seconds
+        (:func:`timed_at_peak` turns a FLOP model into seconds)."""
         c = self.components[name]
-        return c.seconds if self.unit == "s" else c.flops
+        return c.seconds + c.dispatch_seconds if self.unit == "s" else c.flops
 
     def static_bytes(self, name: str) -> float:
         """Weights + gradients + optimizer state of one component, bytes."""
@@ -189,54 +195,6 @@ def _transformer_layer(
         trainable_params=params // tp if trainable else 0,
         activation_bytes=act,
     )
-
-
-def mlp_widths(cfg: JobConfig) -> tuple[float, float, float]:
-    """``(active, stored, router)`` MLP widths of the average language-model
-    layer: the FFN width one token passes through, the width one TP rank of
-    ``tp`` holds times ``tp`` (the layer cost divides by ``tp``), and the
-    experts its router scores. Dense: ``(ffn, ffn, 0)``. MoE layers
-    (``moe.layer_freq``) activate ``topk`` experts plus the shared ones and
-    hold ``num_experts / ep`` experts of ``expert_tp``-split width; dense
-    layers in between count as dense."""
-    m, moe, par = cfg.model, cfg.moe, cfg.parallel
-    if not moe.enabled:
-        return float(m.ffn_size), float(m.ffn_size), 0.0
-    share = sum(moe.layer_pattern(m.num_layers)) / m.num_layers
-    expert = moe.ffn_hidden_size or m.ffn_size
-    shared = moe.shared_expert_ffn_hidden_size
-    active = moe.topk * expert + shared
-    stored = moe.num_experts // par.ep * expert * par.tp / par.expert_tp_size + shared
-    dense = (1 - share) * m.ffn_size
-    return dense + share * active, dense + share * stored, share * moe.num_experts
-
-
-def dispatch_bytes(cfg: JobConfig, tokens: float, dtype_bytes: int) -> float:
-    """Bytes one rank sends to the other ranks of its expert group for the
-    MoE token dispatch of the average language-model layer, per micro-batch,
-    forward + backward, for ``tokens`` tokens of this CP rank (before the
-    sequence-parallel split), assuming the router spreads the tokens evenly.
-
-    Per MoE layer the dispatcher moves each of the rank's ``topk`` routed
-    copies of a hidden state to its expert's rank and the expert output back
-    (combine); backward moves the gradients of both the other way. Under
-    ``alltoall`` a copy stays on the rank when its expert is local:
-    ``(ep - 1) / ep`` of them leave. Under ``allgather`` every rank gathers
-    the hidden states of the whole expert group of ``n = ep * expert_tp``
-    ranks and reduce-scatters the outputs: ``n - 1`` times its own tokens
-    each way, whatever the routing. The routing probabilities (fp32, a few
-    per token) are left out. Dense layers (``moe.layer_freq``) move nothing."""
-    moe, par = cfg.moe, cfg.parallel
-    if not moe.enabled:
-        return 0.0
-    share = sum(moe.layer_pattern(cfg.model.num_layers)) / cfg.model.num_layers
-    local = tokens / (par.tp if par.sequence_parallel else 1)
-    if moe.token_dispatcher == "alltoall":
-        copies = local * moe.topk * (par.ep - 1) / par.ep
-    else:
-        copies = local * (par.ep * par.expert_tp_size - 1)
-    # dispatch + combine, each in forward and again (transposed) in backward
-    return share * 4 * copies * cfg.model.hidden_size * dtype_bytes
 
 
 def fused_attention(cfg: JobConfig, cuda: bool) -> bool:
@@ -340,7 +298,8 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
             lm_trainable, lm_trainable or head_trains, tp, gated=m.activation == "swiglu", cp=cp,
             sequence_parallel=sp, hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0,
             fused_attention=fused_attention(cfg, cuda), stored_ffn=stored_ffn, router=router, head_dim=m.head_dim,
-        ), dispatch_bytes=dispatch_bytes(cfg, tokens, nbytes)),
+        ), dispatch_bytes=dispatch_bytes(cfg, tokens, nbytes),
+            dispatch_seconds=dispatch_seconds(cfg, dispatch_bytes(cfg, tokens, nbytes))),
         OUTPUT: ComponentCost(
             # Output projection (forward, input grad, weight grad if it trains)
             # + softmax/cross-entropy (~5 ops per logit).
@@ -438,6 +397,20 @@ def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[in
     )
 
 
+def timed_at_peak(model: PipelineCostModel, peak_tflops: float) -> PipelineCostModel:
+    """A FLOP-unit ``model`` in seconds: every component's FLOPs at
+    ``peak_tflops`` (one device's peak, ``logging.peak_tflops``), so that
+    seconds that are not FLOPs (the MoE token dispatch) add to them. At the
+    peak the compute is faster than any real run, so the dispatch's share of
+    a layer is an upper bound; a measured profile has no such bias."""
+    if model.unit == "s":
+        return model
+    rate = peak_tflops * 1e12
+    comps = {name: dataclasses.replace(c, seconds=c.flops / rate) for name, c in model.components.items()}
+    return dataclasses.replace(model, components=comps, unit="s",
+                               source=f"{model.source} at logging.peak_tflops={peak_tflops:g}")
+
+
 # -------------------------------------------------------------- the profile
 
 
@@ -531,7 +504,7 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
                 "re-run tools/profile_layers.py or fix that entry",
             )
         t = float(measured) * (images if name in (VISION, PROJECTOR) else 1.0 / cfg.parallel.cp)
-        comps[name] = ComponentCost(c.flops, c.params, c.trainable_params, c.activation_bytes, seconds=t)
+        comps[name] = dataclasses.replace(c, seconds=t)
     return dataclasses.replace(
         model, components=comps, unit="s", source=f"profile {path} ({data.get('device', 'unknown device')})"
     )

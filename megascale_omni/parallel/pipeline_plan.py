@@ -20,7 +20,7 @@ from typing import Optional
 
 from megascale_omni.config.errors import ConfigError
 from megascale_omni.config.schema import JobConfig
-from megascale_omni.parallel.pipeline_cost import CostModelFn, PipelineCostModel, load_profile
+from megascale_omni.parallel.pipeline_cost import CostModelFn, PipelineCostModel, load_profile, timed_at_peak
 from megascale_omni.parallel.pipeline_solver import StageProblem, min_memory, solve
 
 GIB = float(1 << 30)
@@ -61,10 +61,18 @@ class PipelinePlan:
 def build_cost_model(
     cfg: JobConfig, cost_model: CostModelFn, cuda: bool = False, world_size: Optional[int] = None
 ) -> PipelineCostModel:
-    """``cost_model`` of ``cfg``, with measured times if ``parallel.pipeline_profile`` is set."""
+    """``cost_model`` of ``cfg``, with measured times if ``parallel.pipeline_profile`` is set.
+
+    A model with MoE token dispatch (``ComponentCost.dispatch_seconds``)
+    plans in seconds so that the dispatch counts: measured times, or the FLOP
+    model at ``logging.peak_tflops``. With neither, its times stay FLOPs and
+    the dispatch is left out (tools/plan_pipeline.py says so)."""
     model = cost_model(cfg, cuda, world_size)
     if cfg.parallel.pipeline_profile:
         model = load_profile(cfg.parallel.pipeline_profile, model, cfg)
+    dispatch = any(c.dispatch_seconds for c in model.components.values())
+    if dispatch and cfg.logging.peak_tflops > 0:
+        model = timed_at_peak(model, cfg.logging.peak_tflops)
     return model
 
 

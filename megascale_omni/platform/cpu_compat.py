@@ -10,7 +10,9 @@ Contract:
   * Every patched call site would otherwise *raise* on a CUDA-less host
     ("Torch not compiled with CUDA enabled" or a type-check ``TypeError``), so
     the patches only turn crashes into CPU execution; they never change the
-    result of something that worked before.
+    result of something that worked before. One exception, for time only:
+    :func:`_patch_router_expert_bias` calls the body of a ``torch.compile``-d
+    counter directly (the same integer sums; the CPU compile cost seconds).
   * :func:`install` is idempotent and is called once per process by
     :func:`megascale_omni.platform.device.init_platform` before any megatron
     object is created.
@@ -301,6 +303,25 @@ def _patch_router_gemm(applied: list[str]) -> None:
         applied.append("moe_utils.te_general_gemm = None (router gating without transformer-engine)")
 
 
+def _patch_router_expert_bias(applied: list[str]) -> None:
+    """``TopKRouter._apply_expert_bias`` (the aux-loss-free bias's token
+    counter, ``local_tokens_per_expert += routing_map.sum(dim=0)``) is
+    decorated with megatron's ``jit_fuser``, i.e. ``torch.compile``. On CPU
+    the first call runs inductor's C++ code generation: 3 s of CPU and 9 s of
+    wall time per process on the 2-core CI host, for one sum of a boolean
+    map, which made a 6-step test with the expert bias take twice as long as
+    one without. The undecorated body (``__wrapped__``, kept by
+    ``torch.compile``) computes the same integer counts."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    compiled = TopKRouter._apply_expert_bias
+    body = getattr(compiled, "__wrapped__", None)
+    if body is not None and not getattr(compiled, "__megascale_cpu_compat__", False):
+        body.__megascale_cpu_compat__ = True  # type: ignore[attr-defined]
+        TopKRouter._apply_expert_bias = body
+        applied.append("TopKRouter._apply_expert_bias: eager (no torch.compile on CPU)")
+
+
 _PATCHES = (
     _patch_current_device,
     _patch_rng,
@@ -313,6 +334,7 @@ _PATCHES = (
     _patch_synchronize,
     _patch_moe_alltoall_dispatcher,
     _patch_router_gemm,
+    _patch_router_expert_bias,
 )
 
 

@@ -54,7 +54,8 @@ LAYOUTS = {
     "ep2-cp2": ("dropless", 4, ["parallel.ep=2", "parallel.cp=2"]),
     "ep2-pp2-vpp2": ("dropless", 4, ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"]),
 }
-SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt", "cp2", "pp2-vpp2", "ep2-cp2", "ep2-pp2-vpp2")
+#: The 4-process layouts run in make test-all; the 2-process ones in make test.
+SLOW = ("ep2-tp2-sp", "ep2-pp2", "ep2-dp2-distopt", "ep2-cp2", "ep2-pp2-vpp2")
 ROUTING = {"dropless": [], "capacity": CAPACITY}
 
 
@@ -120,18 +121,34 @@ def test_capacity_routing_drops_tokens_and_dropless_does_not(baselines):
 LLAVA_MOE = ["model.add_bias_linear=false", "moe.num_experts=4", "moe.topk=2", "moe.z_loss_coeff=1e-3",
              "train.micro_batch_size=1", "train.evaluator=none"]
 LLAVA_STEPS = 4
+LLAVA_LAYOUTS = {
+    "ep2": ["parallel.ep=2"],
+    # Each CP rank routes the tokens of its half of every packed row (image features included).
+    "cp2": ["parallel.cp=2"],
+    # One decoder layer per model chunk: the tower, projector and the first MoE layer on chunk 0.
+    "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+}
 
 
-def test_llava_language_model_experts_under_ep2(tmp_path_factory, llava_dataset):
-    """LLaVA with an MoE language model: under EP2 its image and text tokens are routed as on one process."""
-    def train(name: str, nproc: int, overrides: list[str]) -> list[dict]:
-        args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_dataset}",
-                f"train.steps={LLAVA_STEPS}", *LLAVA_MOE, *overrides]
-        return train_and_read("pretrain_llava.py", nproc, args, tmp_path_factory.mktemp(name), LLAVA_STEPS,
-                              timeout=600)
+def _train_llava(tmp_path_factory, llava_dataset, name: str, nproc: int, overrides: list[str]) -> list[dict]:
+    args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_dataset}", f"train.steps={LLAVA_STEPS}",
+            *LLAVA_MOE, *overrides]
+    return train_and_read("pretrain_llava.py", nproc, args, tmp_path_factory.mktemp(name), LLAVA_STEPS, timeout=600)
 
-    ref = train("llava-moe-base", 1, [])
-    got = train("llava-moe-ep2", 2, ["parallel.ep=2"])
-    assert_same_routing(ref, got, "llava ep2")
-    assert_same_training(ref, got, "llava ep2", RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))
+
+@pytest.fixture(scope="module")
+def llava_moe_baseline(tmp_path_factory, llava_dataset) -> list[dict]:
+    """The MoE LLaVA on one process (built on first use)."""
+    return _train_llava(tmp_path_factory, llava_dataset, "llava-moe-base", 1, [])
+
+
+@pytest.mark.parametrize("name", list(LLAVA_LAYOUTS))
+def test_llava_language_model_experts_match_single_process(tmp_path_factory, llava_dataset, llava_moe_baseline,
+                                                           name):
+    """LLaVA with an MoE language model: under EP2, CP2 and PP2 x VPP2 its
+    image and text tokens are routed as on one process, and it trains the same."""
+    ref = llava_moe_baseline
+    got = _train_llava(tmp_path_factory, llava_dataset, f"llava-moe-{name}", 2, LLAVA_LAYOUTS[name])
+    assert_same_routing(ref, got, f"llava {name}")
+    assert_same_training(ref, got, f"llava {name}", RTOL, GRAD_RTOL, counters=("samples", "loss_tokens"))
     assert max(relative_differences(ref, got, "moe_aux_loss")) <= RTOL

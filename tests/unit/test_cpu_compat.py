@@ -69,3 +69,21 @@ def test_rng_tracker_forks_the_cpu_generator():
     assert torch.equal(torch.cat([first, second]), expected)
     with pytest.raises(Exception, match="already exists"):
         tracker.add("b", 11)
+
+
+def test_router_expert_bias_counter_runs_eagerly_and_counts():
+    """The aux-loss-free bias's token counter is megatron's body, not a
+    ``torch.compile`` wrapper (whose CPU compile cost seconds per process)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    fn = TopKRouter._apply_expert_bias
+    assert fn.__megascale_cpu_compat__ and not hasattr(fn, "__wrapped__")
+
+    class Router:
+        enable_expert_bias = True
+        local_tokens_per_expert = torch.zeros(3)
+
+    routing = torch.tensor([[True, False, True], [True, True, False]])
+    fn(Router, routing)
+    fn(Router, routing, padding_mask=torch.tensor([[False], [True]]))
+    assert Router.local_tokens_per_expert.tolist() == [3.0, 1.0, 2.0]

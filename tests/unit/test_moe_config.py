@@ -137,7 +137,8 @@ def test_model_flops_count_the_active_experts():
     skips cost nothing. By hand against the dense model of the active width."""
     from megascale_omni.metrics.flops import step_model_flops
     from megascale_omni.parallel.batch_shape import BatchShape
-    from megascale_omni.parallel.pipeline_cost import lm_cost_model, mlp_widths
+    from megascale_omni.parallel.moe_cost import mlp_widths
+    from megascale_omni.parallel.pipeline_cost import lm_cost_model
 
     batch = BatchShape(segments=(20, 12, 32))
     tokens = 64
@@ -185,3 +186,58 @@ def test_expert_tp_is_refused_on_cpu():
     assert e.value.field == "parallel.expert_tp" and "set parallel.expert_tp: 1 on CPU" in e.value.hint
     validate_platform(cfg, cuda=True)
     validate_platform(_cfg(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"]), cuda=False)
+
+
+def test_dispatch_time_moves_the_planned_pipeline_split():
+    """The planner counts the token dispatch in seconds at
+    ``parallel.alltoall_bandwidth_gbs`` (with the FLOP model at
+    ``logging.peak_tflops``): an 8-layer MoE GPT at PP2 x EP2 whose last stage
+    also holds a 32k-vocabulary output layer. With a fast exchange the layers
+    cost their FLOPs and the last stage gets fewer of them; when the dispatch
+    dominates every layer the output layer matters less and the split moves
+    to even."""
+    from megascale_omni.parallel.pipeline_cost import LM_LAYER, lm_cost_model
+    from megascale_omni.parallel.pipeline_plan import build_cost_model, plan_for
+
+    base = ["model.num_layers=8", "model.vocab_size=32768", "parallel.pp=2", "parallel.ep=2",
+            "parallel.pipeline_partition=auto", "logging.peak_tflops=100"]
+
+    def plan(gbs: float, extra: tuple[str, ...] = ()):
+        cfg = _cfg([*base, f"parallel.alltoall_bandwidth_gbs={gbs}", *extra])
+        return cfg, plan_for(cfg, "auto", lm_cost_model, world_size=4)
+
+    cfg, fast = plan(1e6)
+    _, slow = plan(1e-3)
+    assert fast.unit == slow.unit == "s"
+    assert fast.counts == (7, 1) and slow.counts == (4, 4), (fast.counts, slow.counts)
+    # The layer's time by hand: its FLOPs at the peak plus its dispatch bytes at the bandwidth.
+    flops_model = lm_cost_model(cfg, cuda=False, world_size=4)
+    layer = flops_model.components[LM_LAYER]
+    moved = 4 * (2 * 32) * 2 * (1 / 2) * 64 * 4  # tokens x top-2 x half leave, hidden 64, fp32, fwd+bwd x 2
+    assert layer.dispatch_bytes == moved
+    timed = build_cost_model(cfg, lm_cost_model, world_size=4)
+    assert timed.layer_time == pytest.approx(layer.flops / 100e12 + moved / 1e15, rel=1e-12)
+    # Without a device peak the times stay FLOPs and the dispatch cannot count: the bandwidth changes nothing.
+    no_peak = ("logging.peak_tflops=0",)
+    assert plan(1e6, no_peak)[1].counts == plan(1e-3, no_peak)[1].counts == fast.counts
+    assert plan(1e6, no_peak)[1].unit == "FLOP"
+
+
+#: The issue's bad inputs through the entry points' own path (``run_cli`` around
+#: ``parse_for_family``, what ``train_family`` runs first): (overrides, world size, the line's words).
+SHOW_BAD_INPUTS = [
+    (["parallel.ep=3"], 3, "config error: moe.num_experts=4: must be divisible by parallel.ep=3"),
+    (["moe.topk=5"], 1, "config error: moe.topk=5:"),
+    (["parallel.ep=4"], 2, "config error: parallel.ep=4:"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,words", SHOW_BAD_INPUTS, ids=[c[0][0] for c in SHOW_BAD_INPUTS])
+def test_bad_moe_inputs_exit_2_with_one_line(overrides, world, words, capsys):
+    from megascale_omni.entry import parse_for_family, run_cli
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: parse_for_family("gpt", ["--config", MOE, *overrides], world_size=world))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(words) and "Traceback" not in err, err
