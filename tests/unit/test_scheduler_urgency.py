@@ -9,8 +9,16 @@ import dataclasses
 
 import pytest
 
-from megascale_omni.scheduler.model import BARE_METAL, Action, CostModel, JobView, PoolView, ReplicaView, Snapshot
-from megascale_omni.scheduler.model import ThroughputCurve
+from megascale_omni.scheduler.model import (
+    BARE_METAL,
+    Action,
+    CostModel,
+    JobView,
+    PoolView,
+    ReplicaView,
+    Snapshot,
+    ThroughputCurve,
+)
 from megascale_omni.scheduler.policy import ElasticPolicy, Knobs
 from megascale_omni.scheduler.urgency import critical_jobs, rank_by_remaining_work, work_bound_s
 
