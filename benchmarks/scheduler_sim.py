@@ -1,6 +1,6 @@
 """Elastic scheduling policy vs static peak allocation, greedy goodput and a Pollux-like policy.
 
-    .venv/bin/python benchmarks/scheduler_sim.py [--seeds 5] [--workload-seeds 3] [--quick]
+    .venv/bin/python benchmarks/scheduler_sim.py [--seeds 5] [--workload-seeds 5] [--gpus 32 16] [--quick]
 
 Part 1, the shipped traces (``examples/scheduler/two_jobs.yaml`` and
 ``diurnal_vm.yaml``) with each policy: without noise, with +-20% noise on
@@ -11,9 +11,12 @@ side-by-side tables, the worst moves-per-hour ratio elastic / greedy over
 the seeds and the reclaim deadlines met.
 
 Part 2, generated queued workloads (``megascale_omni/scheduler/workload.py``:
-Pollux's Philly-derived construction, ``--jobs`` jobs arriving over 8 hours
-on ``--gpus`` GPUs, GPU-like costs) for ``--workload-seeds`` seeds, with
-+-20% demand noise, and the means over the seeds.
+Pollux's construction from the Philly trace, ``--jobs`` jobs arriving over 8
+hours on each of ``--gpus`` cluster sizes, GPU-like costs) for
+``--workload-seeds`` seeds, with +-20% demand noise: per seed the table, each
+policy's makespan against the bound no schedule can beat, elastic's win /
+tie / loss against each baseline on mean JCT and cluster utilisation, and
+the means over the seeds.
 ``--quick``: 1 seed, the first 300 minutes of each trace, a 20-job workload.
 """
 
@@ -77,25 +80,59 @@ def shipped(args) -> None:
         print()
 
 
+def makespan_bound_min(trace) -> float:
+    """No schedule ends before every job has arrived and run alone at its
+    largest size, nor before the cluster has done all the work at each
+    job's best samples/s per GPU: the larger of the two, in minutes."""
+    alone = max(j.arrive_min + j.work_samples / j.curve(j.max_replicas) / 60 for j in trace.jobs)
+    gpus = sum(p.nodes * p.gpus_per_node for p in trace.pools)
+    work = sum(j.work_samples / j.curve.best_per_replica * j.replica_gpus for j in trace.jobs) / gpus / 60
+    return max(alone, min(j.arrive_min for j in trace.jobs) + work)
+
+
+def verdict(mine: float, theirs: float, lower_is_better: bool) -> str:
+    """'win', 'tie' (equal to 3 significant digits) or 'loss' for elastic's ``mine`` against ``theirs``."""
+    if f"{mine:.3g}" == f"{theirs:.3g}":
+        return "tie"
+    return "win" if (mine < theirs) == lower_is_better else "loss"
+
+
 def workloads(args) -> None:
-    spec = WorkloadSpec(jobs=args.jobs, gpus=args.gpus, window_min=480.0)
-    print(f"generated workloads: {spec.jobs} jobs over {spec.window_min:g} min on {spec.gpus} GPUs, "
-          f"costs {spec.cost_model}")
-    sums: dict[str, list[float]] = {name: [0.0] * 4 for name in POLICY_NAMES}
-    for seed in range(1, args.workload_seeds + 1):
-        trace = generate_trace(spec, seed)
-        print(f"workload {trace.name}, noise +-{args.noise:g}:")
-        results = run_all(trace, args.noise, 1)
-        print(table(results))
-        for r in results:
-            for k, value in enumerate((sum(r.jct_min()) / len(r.jobs), sum(r.queue_min()) / len(r.jobs),
-                                       r.cluster_utilisation, r.moves_per_hour)):
-                sums[r.policy][k] += value / args.workload_seeds
-    print(f"mean over {args.workload_seeds} workload seeds:")
-    print("| policy | mean JCT (h) | mean queue (h) | cluster util. | moves/hour |")
-    print("|---|---|---|---|---|")
-    for name, (jct, queue, util, moves) in sums.items():
-        print(f"| {name} | {jct / 60:.2f} | {queue / 60:.2f} | {util:.3f} | {moves:.2f} |")
+    for gpus in args.gpus if isinstance(args.gpus, list) else [args.gpus]:
+        spec = WorkloadSpec(jobs=args.jobs, gpus=gpus, window_min=480.0)
+        print(f"generated workloads: {spec.jobs} jobs over {spec.window_min:g} min on {spec.gpus} GPUs, "
+              f"costs {spec.cost_model}")
+        sums: dict[str, list[float]] = {name: [0.0] * 4 for name in POLICY_NAMES}
+        goal = []
+        for seed in range(1, args.workload_seeds + 1):
+            trace = generate_trace(spec, seed)
+            print(f"workload {trace.name}, noise +-{args.noise:g}:")
+            results = run_all(trace, args.noise, 1)
+            print(table(results))
+            bound = makespan_bound_min(trace)
+            print("makespan (h): " + ", ".join(f"{r.policy} {r.end_min / 60:.2f}" for r in results)
+                  + f"; no schedule ends before {bound / 60:.2f}")
+            jct = {r.policy: sum(r.jct_min()) / len(r.jobs) for r in results}
+            util = {r.policy: r.cluster_utilisation for r in results}
+            for r in results:
+                for k, value in enumerate((jct[r.policy], sum(r.queue_min()) / len(r.jobs),
+                                           util[r.policy], r.moves_per_hour)):
+                    sums[r.policy][k] += value / args.workload_seeds
+            row = []
+            for base in POLICY_NAMES[1:]:
+                row.append(f"JCT {verdict(jct['elastic'], jct[base], True)} "
+                           f"({jct['elastic'] / jct[base] - 1:+.1%}), cluster util. "
+                           f"{verdict(util['elastic'], util[base], False)} ({util['elastic'] - util[base]:+.3f})")
+            goal.append(f"| {seed} | " + " | ".join(row) + " |")
+        print(f"elastic against each baseline, {spec.gpus} GPUs (JCT: relative; cluster util.: difference):")
+        print("| seed | " + " | ".join(POLICY_NAMES[1:]) + " |")
+        print("|---" * len(POLICY_NAMES) + "|")
+        print("\n".join(goal))
+        print(f"mean over {args.workload_seeds} workload seeds:")
+        print("| policy | mean JCT (h) | mean queue (h) | cluster util. | moves/hour |")
+        print("|---|---|---|---|---|")
+        for name, (jct_h, queue, util_, moves) in sums.items():
+            print(f"| {name} | {jct_h / 60:.3f} | {queue / 60:.3f} | {util_:.4f} | {moves:.2f} |")
 
 
 def main() -> None:
@@ -103,9 +140,10 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5, help="noisy runs per shipped trace (seeds 1..N)")
     p.add_argument("--noise", type=float, default=0.2, help="demand noise of the noisy runs (+-fraction)")
     p.add_argument("--horizon-min", type=float, default=None, help="cut every shipped trace at this many minutes")
-    p.add_argument("--workload-seeds", type=int, default=3, help="generated workloads (seeds 1..N)")
+    p.add_argument("--workload-seeds", type=int, default=5, help="generated workloads (seeds 1..N)")
     p.add_argument("--jobs", type=int, default=160, help="jobs per generated workload")
-    p.add_argument("--gpus", type=int, default=32, help="GPUs of the generated workloads' cluster")
+    p.add_argument("--gpus", type=int, nargs="+", default=[32, 16],
+                   help="GPUs of the generated workloads' cluster; several: one set of workloads each")
     add_quick_flag(p, QUICK)
     args = apply_quick(p.parse_args(), QUICK)
     start = time.perf_counter()

@@ -179,10 +179,11 @@ def resize_to(snap: Snapshot, jobs: list[JobView], size: dict[str, int], targets
 
 
 def make_policy(name: str, trace: Trace, knobs: Knobs | None = None):
-    """A fresh policy by name (``elastic`` with ``knobs``, ``static``,
-    ``greedy``, ``pollux`` charged the trace's cold join per reallocation)."""
+    """A fresh policy by name (``elastic`` with ``knobs``, its rebalances
+    charged the trace's join costs; ``static``, ``greedy``, ``pollux``
+    charged the trace's cold join per reallocation)."""
     if name == "elastic":
-        return ElasticPolicy(knobs)
+        return ElasticPolicy(knobs, trace.costs)
     if name == "pollux":
         return PolluxLikePolicy(trace.costs.cold_join_s)
     return {"static": StaticPolicy, "greedy": GreedyGoodputPolicy}[name]()

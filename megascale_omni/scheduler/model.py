@@ -256,7 +256,9 @@ class PoolView:
 class JobView:
     """A job now. ``demand_gpus`` and ``samples_per_s`` are measured (the
     simulator adds the trace's noise; live, they come from the step metrics);
-    ``admitted`` is false while it waits for its core."""
+    ``admitted`` is false while it waits for its core. ``remaining_samples``:
+    the work left (the simulator knows it from the trace; live it is unknown,
+    None, and the policy then ranks jobs by priority alone)."""
 
     name: str
     priority: float
@@ -268,6 +270,7 @@ class JobView:
     samples_per_s: float
     admitted: bool
     replicas: tuple[ReplicaView, ...] = ()
+    remaining_samples: float | None = None
 
     @property
     def active(self) -> tuple[ReplicaView, ...]:

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 
 from megascale_omni.errors import ConfigError
-from megascale_omni.scheduler.model import BARE_METAL, VM, Action, Decision, JobView, Snapshot
+from megascale_omni.scheduler.model import BARE_METAL, VM, Action, Costs, Decision, JobView, Snapshot
 from megascale_omni.scheduler.planning import (
     RECLAIM_MARGIN_MIN,
     admit,
@@ -40,6 +40,7 @@ from megascale_omni.scheduler.planning import (
     weighted_throughput,
     worth_replicas,
 )
+from megascale_omni.scheduler.urgency import rank_by_remaining_work
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,15 @@ class Knobs:
     """A group is worth adding only while it adds more than this fraction of the samples/s per GPU
     the job reaches at its core (its throughput curve's marginal gain): resizes and rebalances
     stop there even if the demand asks for more (0: while it adds anything)."""
+    remaining_work_exponent: float = 1.0
+    """Where a job's remaining work is known (the simulator), weigh its marginal gains by
+    (mean remaining / its remaining) ** this: 1 serves the shortest remaining work first (Smith's
+    rule), 0 ignores remaining work (``urgency.py``)."""
+    critical_path: float = 1.0
+    """A job that sets the makespan (its remaining time at its largest useful size is at least the
+    time the whole cluster needs for all remaining work at best efficiency) weighs this many times
+    the largest other job's weight: 1 ranks it with the shortest job, 1000 serves it before
+    everyone; 0: no critical path (``urgency.py``)."""
     reclaim_margin_min: float = RECLAIM_MARGIN_MIN
     """Drain for a VM reclaim once its deadline is this close, plus the interval between
     ticks; covers the drain itself (one step; seconds). Until then the groups keep working."""
@@ -103,8 +113,12 @@ class ElasticPolicy:
     #: Jobs survive membership changes (survivors keep stepping; see docs/elastic.md).
     elastic = True
 
-    def __init__(self, knobs: Knobs | None = None):
+    def __init__(self, knobs: Knobs | None = None, costs: Costs | None = None):
+        """``costs``: what a join costs (the trace's, or the cost model's); a
+        rebalance acts only when its gain until the next one pays for its
+        joins. None: joins are free (only ``rebalance_gain`` applies)."""
         self.knobs = knobs or Knobs()
+        self.costs = costs
         self._demand: dict[str, deque[tuple[float, float]]] = {}
         self._beyond: dict[str, tuple[int, float]] = {}  # job -> (direction, since_min)
         self._resized: dict[str, tuple[int, float]] = {}  # job -> (direction, at_min)
@@ -114,6 +128,8 @@ class ElasticPolicy:
     def decide(self, snap: Snapshot) -> list[Decision]:
         """Decisions for this tick; every one is logged with its reason."""
         t = snap.time_min
+        snap = rank_by_remaining_work(snap, self.knobs.remaining_work_exponent, self.knobs.critical_path,
+                                      self.knobs.min_marginal_gain)
         smoothed = self._observe(snap)
         free = free_nodes(snap)
         lead = reclaim_lead(self._last_call, t, self.knobs.reclaim_margin_min)
@@ -223,6 +239,22 @@ class ElasticPolicy:
                     free[r.pool] -= job.nodes_per_replica(snap.pool(r.pool).gpus_per_node)
         return out
 
+    def _join_price(self, jobs: list[JobView], size: dict[str, int], targets: dict[str, int],
+                    demand: dict[str, float]) -> float:
+        """Weighted samples a plan's joins cost (0 without ``costs``): a job's
+        new groups produce nothing for a cold join, and its running groups
+        lose ``join_disruption_s`` per join (the heal holds the synchronous step)."""
+        if self.costs is None:
+            return 0.0
+        price = 0.0
+        for job in jobs:
+            joins = targets[job.name] - size[job.name]
+            if joins > 0:
+                before = weighted_throughput(job, size[job.name], demand[job.name])
+                after = weighted_throughput(job, targets[job.name], demand[job.name])
+                price += (after - before) * self.costs.cold_join_s + before * self.costs.join_disruption_s * joins
+        return price
+
     def _rebalance(self, snap: Snapshot, jobs: list[JobView], size: dict[str, int], smoothed: dict[str, float],
                    capacity: float, free: dict[str, int], drained: set[str]) -> list[Decision]:
         """Periodic global pass: the goodput water-fill over every admitted
@@ -234,6 +266,11 @@ class ElasticPolicy:
         now = sum(weighted_throughput(j, size[j.name], demand[j.name]) for j in jobs)
         then = sum(weighted_throughput(j, targets[j.name], demand[j.name]) for j in jobs)
         if then - now < self.knobs.rebalance_gain * max(now, 1e-9):
+            return []
+        price = self._join_price(jobs, size, targets, demand)
+        if (then - now) * self.knobs.rebalance_min * 60 <= price:
+            log.debug("t=%g min rebalance skipped: gain %.0f samples/s for %g min does not pay %.0f samples of "
+                      "joins", snap.time_min, then - now, self.knobs.rebalance_min, price)
             return []
         reason = f"rebalance: weighted goodput {now:.0f} -> {then:.0f} samples/s"
         out = []

@@ -221,7 +221,8 @@ class Simulator:
                                       r.slow_since if r.slow_since <= self.now < r.slow_until else None)
                           for r in j.replicas.values())
             jobs.append(JobView(s.name, s.priority, s.replica_gpus, s.min_replicas, s.max_replicas, s.curve,
-                                j.demand, j.speed, j.admitted_min is not None, views))
+                                j.demand, j.speed, j.admitted_min is not None, views,
+                                max(0.0, s.work_samples - j.done)))
         return Snapshot(self.now, tuple(pools), tuple(jobs), reclaims)
 
     # ------------------------------------------------------------ Actuator
@@ -326,11 +327,14 @@ class Simulator:
     def _record(self, visible: list[_Job]) -> None:
         res = self.result
         res.times.append(self.now)
+        # By name: ``j in visible`` would compare every field of the dataclasses (most of a long run's time).
+        shown = {j.spec.name for j in visible}
         for j in self.jobs.values():
-            live = j in visible and j.admitted_min is not None
+            seen = j.spec.name in shown
+            live = seen and j.admitted_min is not None
             res.alloc.setdefault(j.spec.name, []).append(
                 sum(j.spec.replica_gpus for r in j.replicas.values() if not r.draining) if live else 0.0)
-            res.demand.setdefault(j.spec.name, []).append(j.demand if j in visible else 0.0)
+            res.demand.setdefault(j.spec.name, []).append(j.demand if seen else 0.0)
             if live and j.finish_min is None:
                 members = sum(not r.draining for r in j.replicas.values())
                 if members < j.spec.min_replicas:

@@ -6,12 +6,12 @@ needed; sources and which figures are assumptions: docs/scheduler.md,
 :func:`generate` draws a trace document (the YAML/JSON format of
 ``trace.py``; :func:`generate_trace` validates it into a :class:`Trace`):
 
-- **arrivals**: a Poisson process, ``jobs`` arrivals spread over
-  ``window_min`` (exponential gaps of mean ``window_min / jobs``);
+- **arrivals**: ``jobs`` arrivals over ``window_min``, at the trace's
+  hourly rate (:func:`arrival_times`);
 - **size**: a job's GPU-time class is drawn with the class shares, its
-  GPU-hours log-uniformly within the class, its requested GPUs uniformly
-  from the class's sizes; its run time at the requested size is GPU-hours
-  / GPUs;
+  GPU-hours from the class's empirical deciles, its requested GPUs from the
+  class's empirical counts; its run time at the requested size is
+  GPU-hours / GPUs;
 - **elasticity**: one GPU per replica group (pure data parallelism), the
   core ``ceil(min_fraction x request)`` groups, at most the request;
 - **scaling**: samples/s ``rate x n / (1 + s (n - 1))`` for ``n`` groups,
@@ -36,40 +36,77 @@ from megascale_omni.scheduler.model import CostModel, Trace
 from megascale_omni.scheduler.trace import parse_trace
 
 
+#: Where every figure below comes from: Pollux's artifact (Qiao et al., OSDI'21),
+#: branch ``osdi21-artifact`` of github.com/petuum/adaptdl, commit c793c70:
+#: ``simulator/traces/philly.csv`` (82,247 jobs of the Microsoft Philly trace,
+#: Jeon et al., ATC'19: submit time, duration, GPUs, GPU-time) and
+#: ``simulator/workload.py`` (how Pollux drew its 160-job workloads from it:
+#: jobs of at least 60 s and under 1000 GPU-hours, submitted between 02:00 and
+#: 10:00, split by GPU-time into four classes). The counts were computed from
+#: that CSV with that filter (docs/scheduler.md, "Generated workloads").
+PHILLY_SOURCE = "petuum/adaptdl@c793c70 simulator/traces/philly.csv, filtered as simulator/workload.py"
+
+
 @dataclass(frozen=True)
 class SizeClass:
-    """Jobs of ``share`` of the arrivals, each of ``gpu_hours`` (low, high)
-    GPU-hours, requesting one of ``gpus``."""
+    """Jobs of ``share`` of the arrivals. A job's GPU-hours are drawn from
+    the class's empirical distribution, ``gpu_hours`` = its deciles (11
+    values, minimum to maximum, interpolated log-linearly between them); its
+    requested GPUs from ``gpus`` = ``((gpus, jobs), ...)``, weighted by the
+    job counts."""
 
     name: str
     share: float
-    gpu_hours: tuple[float, float]
-    gpus: tuple[int, ...]
+    gpu_hours: tuple[float, ...]
+    gpus: tuple[tuple[int, int], ...]
+
+    def draw_gpu_hours(self, rng: random.Random) -> float:
+        """GPU-hours from the deciles: a uniform quantile, log-linear between the two deciles around it."""
+        u = rng.random() * 10
+        i = min(int(u), 9)
+        lo, hi = math.log(self.gpu_hours[i]), math.log(self.gpu_hours[i + 1])
+        return math.exp(lo + (hi - lo) * (u - i))
 
 
-#: Pollux's (Qiao et al., OSDI'21, section 5.1) construction from the
-#: Microsoft Philly trace (Jeon et al., ATC'19): jobs split by GPU-time into
-#: small (0-1 GPU-hours) 72%, medium (1-10) 20%, large (10-100) 6% and
-#: xlarge (100-1000) 2%. The lower bound of "small" (0.1 GPU-hours) and the
-#: GPUs each class requests are this project's assumptions (most Philly
-#: jobs request one GPU, Jeon et al.).
+#: The four GPU-time classes of Pollux's workload.py (< 1, 1-10, 10-100,
+#: 100-1000 GPU-hours). Shares and GPU-hour deciles: the 31,293 filtered jobs
+#: submitted 02:00-10:00 (24,498 / 4,771 / 1,438 / 586). GPUs: small and
+#: medium jobs request what they requested in the trace (same 31,293 jobs);
+#: for large and xlarge jobs Pollux draws the GPU count from the class's jobs
+#: that lasted at most 24 hours (whole filtered trace: 2,499 and 169 jobs),
+#: and so does this generator. Pollux then replaced the sizes by those of its
+#: own benchmark models; here they are the request (``replicas.max``).
 PHILLY_CLASSES = (
-    SizeClass("small", 0.72, (0.1, 1.0), (1,)),
-    SizeClass("medium", 0.20, (1.0, 10.0), (1, 2, 4)),
-    SizeClass("large", 0.06, (10.0, 100.0), (4, 8)),
-    SizeClass("xlarge", 0.02, (100.0, 1000.0), (8, 16)),
+    SizeClass("small", 24498 / 31293,
+              (0.017, 0.02, 0.044, 0.093, 0.18, 0.26, 0.369, 0.467, 0.605, 0.723, 1.0),
+              ((1, 24063), (2, 74), (4, 241), (8, 109), (16, 11))),
+    SizeClass("medium", 4771 / 31293,
+              (1.0, 1.097, 1.167, 1.396, 1.56, 1.737, 2.468, 3.027, 3.994, 6.149, 9.983),
+              ((1, 4540), (2, 9), (4, 93), (8, 103), (12, 1), (16, 15), (24, 2), (32, 8))),
+    SizeClass("large", 1438 / 31293,
+              (10.049, 12.332, 14.536, 17.22, 20.097, 25.746, 30.6, 37.583, 51.135, 71.353, 99.858),
+              ((1, 1348), (2, 114), (4, 588), (8, 402), (12, 1), (16, 26), (32, 17), (64, 3))),
+    SizeClass("xlarge", 586 / 31293,
+              (100.769, 113.221, 131.567, 160.188, 201.514, 239.16, 305.612, 389.276, 502.647, 704.08, 999.307),
+              ((8, 103), (16, 31), (32, 32), (64, 1), (128, 2))),
 )
+
+#: Filtered jobs submitted in each hour from 02:00 to 09:59 (same CSV and
+#: filter): the arrival rate through the window, peaking at 07:00.
+PHILLY_HOURLY_ARRIVALS = (3550, 3368, 2240, 3728, 5169, 6585, 3499, 3154)
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What :func:`generate` draws. The defaults are Pollux's Philly-derived
-    workload: 160 jobs arriving over the trace's busiest 8 hours on 64 GPUs."""
+    workload: 160 jobs submitted over 8 hours (02:00-10:00 of the trace's
+    days) on 64 GPUs."""
 
     jobs: int = 160
     window_min: float = 480.0
     gpus: int = 64
     classes: tuple[SizeClass, ...] = PHILLY_CLASSES
+    hourly_arrivals: tuple[int, ...] = PHILLY_HOURLY_ARRIVALS
     min_fraction: float = 0.25
     comm_share: tuple[float, float] = (0.02, 0.2)
     rate_per_gpu: float = 100.0
@@ -81,21 +118,30 @@ class WorkloadSpec:
         total = sum(c.share for c in self.classes)
         if not math.isclose(total, 1.0, abs_tol=1e-6):
             raise ValueError(f"class shares sum to {total}, not 1")
-        if max(g for c in self.classes for g in c.gpus) > self.gpus:
-            raise ValueError("a class requests more GPUs than the cluster has")
+        if self.gpus < 1 or not self.hourly_arrivals:
+            raise ValueError("need gpus >= 1 and at least one arrival weight")
+
+
+def arrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:
+    """``spec.jobs`` arrival minutes, sorted: each independently in a slot of
+    ``window_min / len(hourly_arrivals)`` minutes picked with the slot's
+    weight, uniform within it. Like Pollux's sampling of the trace's jobs:
+    a Poisson process conditioned on its count, at the trace's hourly rate."""
+    slot = spec.window_min / len(spec.hourly_arrivals)
+    slots = rng.choices(range(len(spec.hourly_arrivals)), spec.hourly_arrivals, k=spec.jobs)
+    return sorted((k + rng.random()) * slot for k in slots)
 
 
 def generate(spec: WorkloadSpec, seed: int, name: str | None = None) -> dict:
-    """A trace document (the trace file format) for ``spec``, deterministic for ``seed``."""
+    """A trace document (the trace file format) for ``spec``, deterministic
+    for ``seed``. A request above the cluster's GPUs is capped at the cluster."""
     rng = random.Random(f"workload:{seed}")
     weights = [c.share for c in spec.classes]
-    jobs, t = [], 0.0
-    for i in range(spec.jobs):
-        t += rng.expovariate(spec.jobs / spec.window_min)
+    jobs = []
+    for i, t in enumerate(arrival_times(spec, rng)):
         cls = rng.choices(spec.classes, weights)[0]
-        lo, hi = cls.gpu_hours
-        gpu_hours = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        request = rng.choice(cls.gpus)
+        gpu_hours = cls.draw_gpu_hours(rng)
+        request = min(spec.gpus, rng.choices([g for g, _ in cls.gpus], [n for _, n in cls.gpus])[0])
         share = rng.uniform(*spec.comm_share)
         sizes = sorted({1, request, *(2 ** k for k in range(1, 12) if 2 ** k < request)})
         curve = [[n, round(spec.rate_per_gpu * n / (1 + share * (n - 1)), 6)] for n in sizes]
