@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -42,7 +43,7 @@ from megascale_omni.entry import parse_for_family
 from megascale_omni.parallel import ParallelDims
 from megascale_omni.platform.device import Platform
 from tests.dist.conftest import LAYOUT_GRAD_RTOL, LAYOUT_RTOL, LLAVA_STEPS, llava_args
-from tests.launcher import assert_same_training, read_metrics, torchrun
+from tests.launcher import Result, assert_same_training, finish, launch_cmd, read_metrics, spawn, torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]
 
@@ -77,18 +78,27 @@ def plan(llava_dataset):
     task.close()
 
 
-def _run_chain(tmp_path: Path, llava_dataset: Path, chain) -> tuple[list[dict], dict[int, list[int]]]:
+def _run_chain(tmp_path: Path, llava_dataset: Path, chain, beside_last: Sequence[str] = ()
+               ) -> tuple[list[dict], dict[int, list[int]], Result | None]:
     """Run the segments; returns the steps' records and samples, after
-    checking each segment's resume, stop and ledger."""
-    ckpt, records, consumed = tmp_path / "ckpt", [], {}
+    checking each segment's resume, stop and ledger, and the result of
+    ``beside_last``: one more one-process run's arguments, run alongside the
+    last segment (which saves nothing, so both read the same checkpoints; with
+    a one-process last segment, the two processes use the CI host's two cores)."""
+    ckpt, records, consumed, beside_result = tmp_path / "ckpt", [], {}, None
     for k, (nproc, overrides) in enumerate(chain):
         start, end = k * SEGMENT_STEPS, (k + 1) * SEGMENT_STEPS
         out = tmp_path / f"segment{k}"
         last = k == len(chain) - 1
-        res = torchrun(nproc, "pretrain_llava.py",
-                       _args(llava_dataset, out, *overrides, f"checkpoint.dir={ckpt}",
-                             f"elastic.ledger_dir={out / 'ledger'}", "checkpoint.save_at_end=false"),
-                       timeout=400, fail_at_step=None if last else end + 1)
+        beside = spawn(launch_cmd(1, "pretrain_llava.py", beside_last), timeout=400) if last and beside_last else None
+        try:
+            res = torchrun(nproc, "pretrain_llava.py",
+                           _args(llava_dataset, out, *overrides, f"checkpoint.dir={ckpt}",
+                                 f"elastic.ledger_dir={out / 'ledger'}", "checkpoint.save_at_end=false"),
+                           timeout=400, fail_at_step=None if last else end + 1)
+        finally:
+            if beside is not None:  # waited for (and its group killed) whatever the segment did
+                beside_result = finish(beside, timeout=400)
         if last:
             assert res.returncode == 0, res.stderr[-3000:]
         else:
@@ -105,7 +115,7 @@ def _run_chain(tmp_path: Path, llava_dataset: Path, chain) -> tuple[list[dict], 
         mine = consumed_samples(read_ledger(out / "ledger"))
         assert sorted(mine) == list(range(start, end)), sorted(mine)  # ledger steps are 0-based
         consumed.update(mine)
-    return records, consumed
+    return records, consumed, beside_result
 
 
 def _check_against_uninterrupted(name, records, consumed, baseline, data) -> None:
@@ -125,11 +135,11 @@ def _check_against_uninterrupted(name, records, consumed, baseline, data) -> Non
 
 
 def test_resume_across_cp_tp_dp_pp_changes_keeps_samples_and_losses(tmp_path, llava_dataset, llava_baseline, plan):
-    records, consumed = _run_chain(tmp_path, llava_dataset, CHAINS["2proc"])
+    # The plan's settings are recorded: another seed would resume on another plan, and is refused (a resume
+    # of the checkpoints the chain's last segment resumes from, run beside that segment).
+    reseeded = _args(llava_dataset, tmp_path / "reseeded", "train.seed=7", f"checkpoint.dir={tmp_path / 'ckpt'}")
+    records, consumed, res = _run_chain(tmp_path, llava_dataset, CHAINS["2proc"], beside_last=reseeded)
     _check_against_uninterrupted("2-process chain", records, consumed, llava_baseline, plan)
-    # The plan's settings are recorded: another seed would resume on another plan, and is refused.
-    res = torchrun(1, "pretrain_llava.py", _args(llava_dataset, tmp_path / "reseeded", "train.seed=7",
-                                                 f"checkpoint.dir={tmp_path / 'ckpt'}"), timeout=400)
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("config error:")]
     assert len(set(errors)) == 1 and re.match(
@@ -139,5 +149,5 @@ def test_resume_across_cp_tp_dp_pp_changes_keeps_samples_and_losses(tmp_path, ll
 
 @pytest.mark.slow
 def test_resume_across_4_process_layouts_keeps_samples_and_losses(tmp_path, llava_dataset, llava_baseline, plan):
-    records, consumed = _run_chain(tmp_path, llava_dataset, CHAINS["4proc"])
+    records, consumed, _ = _run_chain(tmp_path, llava_dataset, CHAINS["4proc"])
     _check_against_uninterrupted("4-process chain", records, consumed, llava_baseline, plan)

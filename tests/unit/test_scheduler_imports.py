@@ -23,6 +23,7 @@ ALLOWED = frozenset({
     "megascale_omni.utils.files",  # atomic writes of the scheduler's state snapshot
     "megascale_omni.utils.processes",  # killing a launched replica group
     "megascale_omni.preflight.result",  # a group's pre-flight result file: the nodes to exclude (exit 44)
+    "megascale_omni.megatron_jit",  # stdlib only: the package's __init__ installs its import hook
 })
 #: Packages whose __init__ runs on the way to an allowed module (kept free of other imports).
 PACKAGES = frozenset({"megascale_omni", "megascale_omni.control", "megascale_omni.metrics", "megascale_omni.utils",
