@@ -75,6 +75,14 @@ def test_every_answer_is_in_the_pixels_and_flips_when_the_clip_plays_backwards()
         assert _read(question, video[::-1]) != answer, (clip.id, question)
 
 
+def test_the_canvas_half_does_not_tell_which_event_came_first():
+    """Event-order clips put their first event on either half of the canvas,
+    so only the frame order answers (not where the shape is)."""
+    halves = [np.argwhere(_lit(clip.videos[0][0]))[:, 1].mean() < 16 for clip in generate_clips(90, seed=11)
+              if task_of(clip.user_text) == "event_order"]
+    assert len(halves) == 30 and 10 <= sum(halves) <= 20, sum(halves)
+
+
 def test_clips_ingest_from_mp4_and_keep_their_answers_in_order(tmp_path):
     clips = list(generate_clips(9, seed=5))
     json_path = write_clips_llava_json(clips, tmp_path / "src")
