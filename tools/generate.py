@@ -69,11 +69,9 @@ def find_tokenizer(args_tokenizer, ckpt) -> Path:
     if cfg.data.path:
         candidates.append(Path(cfg.data.path) / "tokenizer.json")
     if cfg.model.family == "llava" and not cfg.data.path:
-        from megascale_omni.demo.defaults import LLAVA_DATASET_DIR as DEFAULT_DATASET_DIR
+        from megascale_omni.demo.defaults import llava_shapes_dir
 
-        d = cfg.data
-        candidates.append(Path(DEFAULT_DATASET_DIR.format(num_train=d.default_num_train, num_val=d.default_num_val,
-                                                          image_size=cfg.vision.image_size)) / "tokenizer.json")
+        candidates.append(llava_shapes_dir(cfg) / "tokenizer.json")
     for c in candidates:
         if c is None:
             continue

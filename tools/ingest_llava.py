@@ -4,8 +4,8 @@
     python tools/ingest_llava.py --out data/my_set/train --image-root /data/images \\
         --llava-json llava_v1_5_mix665k.json [--captions blip_laion.jsonl] [--text sharegpt.jsonl] \\
         [--workers 8] [--samples-per-shard 1000] [--val-fraction 0.01 [--val-seed 0]] [--val-json val.json] \\
-        [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576]] \\
-        [--video-frames 8 [--video-fps 1.0]]
+        [--tokenizer ckpt/llava/tokenizer [--data-format chat|words] [--seq-length 4096 --tokens-per-image 576 \\
+        [--tokens-per-frame 196 [--video-newline]]]] [--video-frames 8 [--video-fps 1.0]]
 
 Writes WebDataset shards + ``index.json`` into ``--out`` (a split
 directory: point ``data.path`` at its parent, which holds ``train/`` and
@@ -22,7 +22,9 @@ Rerunning the same command resumes: finished shards are kept. With
 template, or with ``--data-format words`` a word-level ``tokenizer.json``)
 the index records each sample's token count, so training plans from the
 index alone; with ``--seq-length`` too, samples the chat template renders
-longer are rejected. See
+longer are rejected, each image as ``--tokens-per-image`` placeholders and
+each video as ``--tokens-per-frame`` per kept frame (plus one with
+``--video-newline``: the run's ``vision.video_tokens``). See
 ``megascale_omni/data/llava/ingest.py`` and docs/data.md. Exit 2 with one
 line for unusable arguments.
 """
@@ -72,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="with --tokenizer: reject samples longer than this")
     p.add_argument("--tokens-per-image", type=int, default=0, help="with --tokenizer: placeholder tokens per image")
     p.add_argument("--image-token", default="<image>", help="with --tokenizer: the image placeholder token")
+    p.add_argument("--tokens-per-frame", type=int, default=0,
+                   help="with --seq-length: placeholder tokens per kept video frame after pooling, "
+                        "ceil(grid / vision.video_pool_stride)**2 (0: records with a video are rejected)")
+    p.add_argument("--video-newline", action="store_true",
+                   help="with --tokens-per-frame: one more placeholder after each video (vision.image_newline)")
+    p.add_argument("--video-token", default="<video>", help="with --tokens-per-frame: the video placeholder token")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames kept per video: uniformly spread as transformers' LLaVA-OneVision does, "
                         "or with --video-fps their maximum")
@@ -113,7 +121,13 @@ def main(argv=None) -> None:
             raise ConfigError("--tokenizer/--seq-length/--tokens-per-image",
                               f"{args.tokenizer}/{args.seq_length}/{args.tokens_per_image}",
                               "the length check needs all three (a chat tokenizer directory, positive numbers)")
-        length = LengthCheck(args.tokenizer, args.seq_length, args.tokens_per_image, args.image_token)
+        if args.tokens_per_frame < 0:
+            raise ConfigError("--tokens-per-frame", args.tokens_per_frame, "must be >= 0 (0: no videos expected)")
+        length = LengthCheck(args.tokenizer, args.seq_length, args.tokens_per_image, args.image_token,
+                             args.tokens_per_frame, int(args.video_newline), args.video_token)
+    elif args.tokens_per_frame or args.video_newline:
+        raise ConfigError("--tokens-per-frame/--video-newline", f"{args.tokens_per_frame}/{args.video_newline}",
+                          "only count with --seq-length (the length check)")
     if args.tokenizer:
         coster = _coster(args)
     video = VideoSampling("uniform" if args.video_fps is None else "fps", args.video_frames,

@@ -254,6 +254,10 @@ class DataConfig:
     default_num_train: int = checked(20000, gt=0)
     #: Size of the embedded shapes dataset's val split.
     default_num_val: int = checked(500, gt=0)
+    #: LLaVA: share of the embedded shapes dataset (both splits) that is
+    #: synthetic video clips whose questions need the frame order (a shape
+    #: that moves, a colour that changes, two events in order; docs/video.md).
+    default_video_fraction: float = checked(0.0, ge=0, le=1)
     #: Abort when skipped (bad) samples exceed this fraction of samples seen.
     max_bad_sample_fraction: float = checked(0.01, ge=0, le=1)
     #: How LLaVA conversations become tokens. ``words``: the word-level

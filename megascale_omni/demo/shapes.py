@@ -298,15 +298,6 @@ def generate_samples(num_samples: int, seed: int, config: ShapesConfig | None = 
         yield generate_sample(index, seed, config, stream)
 
 
-def word_tokenizer_size() -> int:
-    """Ids of the word tokenizer a shapes dataset is built with (the special
-    tokens and :func:`dataset_vocabulary`), known without building one: the
-    LLaVA family's ``default_vocab``, checked before the dataset exists."""
-    from megascale_omni.data.tokenizer import SpecialTokens
-
-    return len(SpecialTokens().in_id_order()) + len(dataset_vocabulary())
-
-
 def dataset_vocabulary() -> list[str]:
     """Every word any generated sample can contain, sorted; excludes ``<image>``.
 

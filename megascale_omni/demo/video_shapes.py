@@ -16,8 +16,9 @@ the frames shuffled in time) is at chance on them::
 ``motion``: the shape slides across the canvas in a straight line, one step
 per frame. ``color_change``: the shape stays put and changes colour half way
 through. ``event_order``: two different shapes of different colours show in
-turn, the first in the first half of the clip (left half of the canvas), the
-second in the second half (right half).
+turn, the first in the first half of the clip, the second in the second half,
+in opposite halves of the canvas drawn at random (which half an event is in
+says nothing about when it happens, so only the order answers).
 
 Determinism: clip ``index`` of stream ``stream`` is a pure function of
 ``(seed, stream, index, config)`` through its own RNG
@@ -108,9 +109,11 @@ def _event_order(rng: np.random.Generator, c: ClipConfig) -> tuple[list[np.ndarr
     shapes = [str(x) for x in rng.choice(SHAPES, size=2, replace=False)]
     half = c.size // 2
     y = [int(v) for v in rng.integers(1, c.size - c.extent, size=2)]
-    events = [ShapeSpec(colors[0], shapes[0], "left", int(rng.integers(1, half - c.extent)), y[0], c.extent),
-              ShapeSpec(colors[1], shapes[1], "right", int(rng.integers(half + 1, c.size - c.extent)), y[1],
-                        c.extent)]
+    x = [int(rng.integers(1, half - c.extent)), int(rng.integers(half + 1, c.size - c.extent))]
+    sides = ["left", "right"]
+    if rng.integers(2):  # the first event on the right half as often as on the left
+        x, sides = x[::-1], sides[::-1]
+    events = [ShapeSpec(colors[k], shapes[k], sides[k], x[k], y[k], c.extent) for k in range(2)]
     frames = [_frame(c.size, events[0] if i < c.frames // 2 else events[1]) for i in range(c.frames)]
     k = int(rng.integers(2))
     return frames, _QUESTIONS["event_order"][k], (shapes[0], colors[1])[k]

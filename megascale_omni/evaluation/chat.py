@@ -5,8 +5,13 @@ shuffled-image control when ``train.eval_shuffled_images`` is set.
 Answer-token accuracy is the fraction of scored tokens (``loss_mask``: every
 assistant token the model is trained on) whose argmax prediction equals the
 label. The control pass gives every sample another sample's images (same
-tower inputs per image, so the encoded length is unchanged): the gap between
-the two passes is what the model reads from the pixels.
+tower inputs per image, so the encoded length is unchanged) and plays every
+video's frames in a random order: the gap between the two passes is what the
+model reads from the pixels, and for videos from the frame order.
+With videos in the val split the scores split by modality:
+``accuracy/image`` (samples without a video) and ``accuracy/video``, and each
+``categories`` breakdown counts image samples only (``video_categories``:
+video samples).
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ class ChatEvaluator(Evaluator):
     mask_key = "loss_mask"
 
     def categories(self) -> dict[str, torch.Tensor]:
-        """Label token ids per category for an accuracy breakdown (none here)."""
+        """Label token ids per category for an accuracy breakdown of image samples (none here)."""
+        return {}
+
+    def video_categories(self) -> dict[str, torch.Tensor]:
+        """Label token ids per category for an accuracy breakdown of video samples (none here)."""
         return {}
 
     def evaluate(self, chunks: Sequence[torch.nn.Module], step: int) -> Optional[dict[str, float]]:
@@ -65,7 +74,10 @@ class ChatEvaluator(Evaluator):
             result[f"{name}/loss"] = loss_sum / max(count, 1.0)
             result[f"{name}/{self.metric}"] = correct / max(total, 1.0)
             result[f"{name}/scored_tokens"] = total
+            video = totals.get("accuracy/video")
             for key, value in totals.items():
+                if key == "accuracy/image" and (video is None or video[1] == 0):
+                    continue  # no video in the split: the image score is the headline's
                 if key.startswith("accuracy/") and value[1] > 0:
                     result[f"{name}/{key}"] = (value[0] / value[1]).item()
         if result:
@@ -102,29 +114,51 @@ class ChatEvaluator(Evaluator):
         rows = mbs * (self.dims.pp if self.dims.num_model_chunks > 1 else 1)
         mine += [Pack((), (), ())] * (-len(mine) % rows or (rows if not mine else 0))
         batches = self.data.broadcast(lambda: [
-            self._batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None)
+            self._batcher.microbatch(mine[i : i + mbs], ids, sources if shuffled else None, shuffle_frames=shuffled)
             for i in range(0, len(mine), mbs)
         ], self._batcher.counter)
-        score = partial(score_logits, mask_key=self.mask_key, categories=self.categories())
+        score = partial(score_logits, mask_key=self.mask_key, categories=self.categories(),
+                        video_categories=self.video_categories())
         return reduce_reports(self.forward_only(chunks, partial(self.model.logits_step, score=score), batches))
 
 
 def score_logits(logits: torch.Tensor, batch: dict, mask_key: str = "loss_mask",
-                 categories: Optional[dict[str, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                 categories: Optional[dict[str, torch.Tensor]] = None,
+                 video_categories: Optional[dict[str, torch.Tensor]] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Last stage, eval only: token loss over ``loss_mask`` and argmax accuracy
     over ``batch[mask_key]`` (``report["accuracy"] = [correct, scored]``, float64),
-    per category of label ids too. ``logits``: ``[1, t, vocab / tp]`` (THD: the
-    ``[b, s]`` rows of ``batch`` flattened)."""
+    per category of label ids too. With ``batch["video_mask"]`` also
+    ``accuracy/image`` and ``accuracy/video`` (tokens of samples without and
+    with a video); ``categories`` then score image samples and
+    ``video_categories`` video samples (``accuracy/video <name>``).
+    ``logits``: ``[1, t, vocab / tp]`` (THD: the ``[b, s]`` rows of ``batch`` flattened)."""
     full = gather_from_tensor_model_parallel_region(logits).float()  # [1, t, vocab]
+    return score_tokens(full, batch, mask_key, categories, video_categories)
+
+
+def score_tokens(full: torch.Tensor, batch: dict, mask_key: str = "loss_mask",
+                 categories: Optional[dict[str, torch.Tensor]] = None,
+                 video_categories: Optional[dict[str, torch.Tensor]] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """:func:`score_logits` on the whole vocabulary's logits ``[1, t, vocab]`` (any rank, no collective)."""
     labels = batch["labels"].reshape(full.shape[:-1])
     token_loss = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     loss_sum, num_tokens, report = masked_token_loss(token_loss, batch["loss_mask"])
     hit = (full.argmax(-1) == labels).float()
     m = batch[mask_key].reshape(labels.shape).float()
     report["accuracy"] = torch.stack([(hit * m).sum().double(), m.sum().double()])
-    for name, ids in (categories or {}).items():
-        cm = m * torch.isin(labels, ids.to(labels.device)).float()
-        report[f"accuracy/{name}"] = torch.stack([(hit * cm).sum().double(), cm.sum().double()])
+    video = batch.get("video_mask")
+    on_video = torch.zeros_like(m) if video is None else video.reshape(labels.shape).float()
+    groups = [("", m * (1 - on_video), categories or {})]
+    if video is not None:
+        groups.append(("video ", m * on_video, video_categories or {}))
+        report["accuracy/image"] = torch.stack([(hit * groups[0][1]).sum().double(), groups[0][1].sum().double()])
+        report["accuracy/video"] = torch.stack([(hit * groups[1][1]).sum().double(), groups[1][1].sum().double()])
+    for prefix, gm, cats in groups:
+        for name, ids in cats.items():
+            cm = gm * torch.isin(labels, ids.to(labels.device)).float()
+            report[f"accuracy/{prefix}{name}"] = torch.stack([(hit * cm).sum().double(), cm.sum().double()])
     return loss_sum, num_tokens, report
 
 
@@ -139,7 +173,9 @@ def format_eval_table(result: dict[str, float], metric: str) -> str:
                 f"{result[f'{name}/{metric}']:.3f}",
                 f"{int(result[f'{name}/scored_tokens'])}",
             ))
-    cats = sorted({k.split("/", 2)[2] for k in result if k.startswith("real/accuracy/")})
+    # Image samples' categories, then both modalities' totals, then the videos' categories.
+    cats = sorted({k.split("/", 2)[2] for k in result if k.startswith("real/accuracy/")},
+                  key=lambda c: (c.startswith("video "), c in ("image", "video"), c))
     for cat in cats:
         real = result.get(f"real/accuracy/{cat}")
         shuf = result.get(f"shuffled/accuracy/{cat}")

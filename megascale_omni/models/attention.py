@@ -145,7 +145,7 @@ def thd_inputs(batch: Mapping[str, torch.Tensor], cp_size: int = 1) -> ThdInputs
 
 
 #: Per-token entries of a THD micro-batch, split along the sequence under CP.
-THD_TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "eval_mask")
+THD_TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "eval_mask", "video_mask")
 
 
 def cp_shard_batch(batch: Mapping[str, torch.Tensor], cp_size: int, cp_rank: int) -> dict[str, torch.Tensor]:

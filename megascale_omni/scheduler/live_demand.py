@@ -16,6 +16,13 @@ turns it into the policy's throughput curve and demand:
 - the **modality mix** (images per sample) changes the cost of a sample: when
   it moves by more than :data:`MIX_SHIFT` from the mix the rates were measured
   at, the remembered rates are dropped and measured again;
+- the **per-step work** of a LLaVA job, ``tokens + VISION_TOKEN_COST x
+  vision_tokens`` of its global batch (smoothed), scales its demand: the
+  global batch is fixed in samples, so when videos raise the tower's share
+  (a ``data.blend_schedule`` turning to video) each step holds more work and
+  the job keeps proportionally more GPUs busy, ``configured x work / work at
+  the first report``; when the mix turns back to images it shrinks again.
+  Jobs whose records carry no ``vision_tokens`` (GPT, DiT) keep ``configured``;
 - the **data-wait share** (the slowest rank's data wait / step time): above
   :data:`DATA_WAIT_HIGH` the groups outrun the input pipeline, and demand is
   what they keep busy, ``groups x replica_gpus x (1 - share)``;
@@ -40,8 +47,13 @@ from megascale_omni.scheduler.model import ThroughputCurve
 DATA_WAIT_HIGH = 0.2
 #: A change of the image share (images per sample) beyond this re-measures the throughput curve.
 MIX_SHIFT = 0.1
-#: Weight of a new samples/s reading against the remembered one at the same quorum size.
+#: Weight of a new samples/s (or per-step work) reading against the remembered one.
 SMOOTHING = 0.5
+#: Cost of one vision-tower token against one LM token in a step's work. The
+#: data balancer's default (``megascale_omni.data.balance.DEFAULT_VIT_COST_PER_PATCH``,
+#: equal by a test): the scheduler is a client of the control socket and
+#: imports nothing of the data side.
+VISION_TOKEN_COST = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,10 @@ class JobLoad:
     microbatches: Optional[int] = None
     mem_high_water_gib: Optional[float] = None
     image_share: Optional[float] = None
+    #: Samples with a video per sample of the global batch.
+    video_share: Optional[float] = None
+    #: ``tokens + VISION_TOKEN_COST x vision_tokens`` of the global batch (None: no vision load reported).
+    work: Optional[float] = None
 
 
 def _share(num, den) -> Optional[float]:
@@ -75,6 +91,9 @@ def job_load(seen: Sequence[Observation]) -> JobLoad:
             if isinstance(v, (int, float))]
     participants = m.get("participants")
     microbatches = m.get("microbatches")
+    tokens, vision = m.get("tokens"), m.get("vision_tokens")
+    work = tokens + VISION_TOKEN_COST * vision if isinstance(tokens, (int, float)) and isinstance(
+        vision, (int, float)) and tokens > 0 else None
     return JobLoad(
         samples_per_s=float(m.get("samples_per_s") or 0.0),
         participants=participants if isinstance(participants, int) and participants > 0 else None,
@@ -84,6 +103,8 @@ def job_load(seen: Sequence[Observation]) -> JobLoad:
         microbatches=microbatches if isinstance(microbatches, int) and microbatches > 0 else None,
         mem_high_water_gib=max(mems, default=None),
         image_share=_share(m.get("images"), m.get("samples")),
+        video_share=_share(m.get("samples_video"), m.get("samples")),
+        work=work,
     )
 
 
@@ -91,16 +112,30 @@ def job_load(seen: Sequence[Observation]) -> JobLoad:
 class DemandModel:
     """What one job's measurements say across ticks. ``rates``: quorum size -> samples/s;
     ``mix``: the image share they were measured at; ``stages_minus_1`` and ``ref``: ``pp-1`` and the
-    (size, micro-batches per group) it was derived at, for the bubble correction."""
+    (size, micro-batches per group) it was derived at, for the bubble correction; ``work`` (smoothed)
+    and ``work_ref`` (the first reported): per-step work, for the demand's scale."""
 
     rates: dict[int, float] = field(default_factory=dict)
     mix: Optional[float] = None
     stages_minus_1: float = 0.0
     ref: Optional[tuple[int, int]] = None
+    work: Optional[float] = None
+    work_ref: Optional[float] = None
+    #: The :meth:`work_scale` last reported in ``events``.
+    scale_told: float = 1.0
     events: list[str] = field(default_factory=list)
 
     def update(self, load: JobLoad) -> None:
         """Fold in one tick's load (a zero rate or unknown quorum changes nothing)."""
+        if load.work is not None:
+            self.work = load.work if self.work is None else (1 - SMOOTHING) * self.work + SMOOTHING * load.work
+            if self.work_ref is None:
+                self.work_ref = load.work
+            scale = self.work_scale()
+            if abs(scale - self.scale_told) > MIX_SHIFT:
+                share = "" if load.video_share is None else f" ({load.video_share:.2f} of the samples video)"
+                self.events.append(f"per-step work moved to {scale:.2f}x its first report{share}: demand scaled")
+                self.scale_told = scale
         if load.image_share is not None:
             if self.mix is not None and abs(load.image_share - self.mix) > MIX_SHIFT and self.rates:
                 self.events.append(f"modality mix moved from {self.mix:.2f} to {load.image_share:.2f} images per "
@@ -136,10 +171,14 @@ class DemandModel:
                 points.append((float(n), (per_group or 1.0) * n * (self.efficiency(n) if per_group else 1.0)))
         return ThroughputCurve(tuple(points))
 
-    @staticmethod
-    def demand(configured: float, active: int, replica_gpus: int, load: JobLoad) -> float:
-        """GPUs the job can keep busy: ``configured``, or what its ``active`` groups keep busy when they wait for
-        data more than :data:`DATA_WAIT_HIGH`."""
+    def work_scale(self) -> float:
+        """Per-step work now against the first report (1 before any, or without a vision load)."""
+        return self.work / self.work_ref if self.work is not None and self.work_ref else 1.0
+
+    def demand(self, configured: float, active: int, replica_gpus: int, load: JobLoad) -> float:
+        """GPUs the job can keep busy: ``configured`` times :meth:`work_scale`, or what its ``active`` groups
+        keep busy when they wait for data more than :data:`DATA_WAIT_HIGH`."""
+        scaled = configured * self.work_scale()
         if load.data_wait is not None and load.data_wait > DATA_WAIT_HIGH:
-            return min(configured, active * replica_gpus * (1.0 - load.data_wait))
-        return configured
+            return min(scaled, active * replica_gpus * (1.0 - load.data_wait))
+        return scaled

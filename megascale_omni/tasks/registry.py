@@ -321,7 +321,7 @@ FAMILIES: dict[str, ModelFamily] = {
                 ("chat", "megascale_omni.evaluation.chat:ChatEvaluator"),
             ),
             default_dataset="megascale_omni.demo.defaults:llava_shapes",
-            default_vocab="megascale_omni.demo.shapes:word_tokenizer_size",
+            default_vocab="megascale_omni.demo.vocabulary:word_tokenizer_size",
             check_inputs="megascale_omni.data.llava.preflight:check_inputs",
             features=frozenset(
                 {"vpp", "explicit_partition", "sequence_parallel", "context_parallel", "elastic", "data_blend",

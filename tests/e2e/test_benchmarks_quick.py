@@ -178,6 +178,12 @@ EXPECTED = {
         r"^\| 0% \| off \| [\d.]+% \| \d+ \| 0 \| \d+ \| [\d.]+ \([\d.]+\) vs [\d.]+ \([\d.]+\) \|",
         r"^\| 20% \| 32 inputs \| [\d.]+% \| \d+ \| \d+ \| \d+ \|",
     ],
+    "video_step_time": [
+        r"^\| mix \| steps \| median step_s \| median compute_s \|",
+        *(rf"^\| {mix} \| 5 \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"
+          for mix in ("image-only", "20% video")),
+        r"^ratio 20% video / image-only: step_s [\d.]+, compute_s [\d.]+, tower inputs [\d.]+$",
+    ],
 }
 
 #: Hard limit per run (the whole process tree is killed), generous for a
@@ -203,11 +209,12 @@ TIMEOUT_S = {
     "video_decode": 240,
     "moe_routing": 900,
     "video_mix_plan": 240,
+    "video_step_time": 600,
     "watchdog_overhead": 240,
 }
 #: Benchmarks that start several torchrun jobs.
 DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_join", "loader_throughput",
-        "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "moe_routing"}
+        "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "moe_routing", "video_step_time"}
 #: Too long for `make test` even at quick sizes (several torchrun launches
 #: each: elastic_join 7 plus a lighthouse; checkpoint_async saves a model
 #: several times, 35 s; context_parallel starts 2 processes that each
@@ -215,12 +222,13 @@ DIST = {"control_overhead", "pipeline_partition", "metrics_overhead", "elastic_j
 #: lighthouses; heal_transport 6 processes and 2 lighthouses, about 30 s;
 #: gpu_mfu builds and trains a LLaVA, 30-80 s; moe_routing 2 torchrun jobs and 4
 #: training runs, minutes on a loaded host; watchdog_overhead, in one process,
-#: leaves the hang detection's make-test time to its SIGSTOP test);
+#: leaves the hang detection's make-test time to its SIGSTOP test; video_step_time
+#: 2 torchrun LLaVA trainings);
 #: `make test-all` runs them.
 #: The other single-process benchmarks stay in `make test`.
 SLOW = {"elastic_join", "control_overhead", "pipeline_partition", "metrics_overhead", "loader_throughput",
         "checkpoint_async", "context_parallel", "elastic_shard", "elastic_overhead", "heal_transport", "gpu_mfu",
-        "moe_routing", "watchdog_overhead"}
+        "moe_routing", "watchdog_overhead", "video_step_time"}
 
 
 def documented_commands() -> dict[str, list[str]]:

@@ -236,16 +236,16 @@ def test_image_processor_that_does_not_exist_is_refused_up_front(tmp_path):
 
 def test_vocab_below_the_default_datasets_tokenizer_is_refused_without_building_it(tmp_path):
     e = _refused(LLAVA, ["model.vocab_size=10", "data.default_num_train=7919"])  # a size never built
-    assert str(e) == ("config error: model.vocab_size=10: is smaller than the tokenizer's 65; "
+    assert str(e) == ("config error: model.vocab_size=10: is smaller than the tokenizer's 76; "
                       "set 0 to use the tokenizer's")
-    _validate(LLAVA, ["model.vocab_size=65"])
+    _validate(LLAVA, ["model.vocab_size=76"])
 
 
 def test_default_vocab_is_the_built_shapes_tokenizers(tmp_path):
     from megascale_omni.data.tokenizer import build_word_tokenizer
-    from megascale_omni.demo.shapes import dataset_vocabulary, word_tokenizer_size
+    from megascale_omni.demo.vocabulary import vocabulary, word_tokenizer_size
 
-    assert word_tokenizer_size() == build_word_tokenizer(dataset_vocabulary(), tmp_path / "t.json").vocab_size == 65
+    assert word_tokenizer_size() == build_word_tokenizer(vocabulary(), tmp_path / "t.json").vocab_size == 76
 
 
 @pytest.mark.parametrize("fmt", ["words", "chat"])

@@ -7,6 +7,12 @@ quorum size (``participants``), the modality mix (``images``), a slow
 input pipeline (``data_s_max``) and the allocator high-water
 (``mem_peak_gib_max``, CUDA only) are set on copies of those records where a
 case needs them, as an elastic, LLaVA or GPU run reports them.
+
+tests/data/scheduler/llava_video_blend_steps.jsonl holds the step records of
+a real LLaVA run (examples/llava/tiny_cpu.yaml, one process, 16 steps) on a
+blend of an image-only shapes set and a clips-only one whose
+``data.blend_schedule`` turns from 5% to 70% video at step 8, reduced to
+the fields the scheduler reads: its modality mix and vision load.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from pathlib import Path
 import pytest
 
 from megascale_omni.scheduler.live import METRIC_FIELDS, Observation
-from megascale_omni.scheduler.live_demand import DATA_WAIT_HIGH, DemandModel, job_load
+from megascale_omni.scheduler.live_demand import (DATA_WAIT_HIGH, MIX_SHIFT, SMOOTHING, VISION_TOKEN_COST,
+                                                  DemandModel, job_load)
 from tests.unit.test_scheduler_actuator import FakeLauncher, _lines, _scheduler, _until
 
 pytestmark = pytest.mark.timeout(60)
 
-RECORDS = [json.loads(line) for line in
-           (Path(__file__).parents[1] / "data" / "scheduler" / "gpt_pp2_steps.jsonl").read_text().splitlines()]
+DATA = Path(__file__).parents[1] / "data" / "scheduler"
+RECORDS = [json.loads(line) for line in (DATA / "gpt_pp2_steps.jsonl").read_text().splitlines()]
+VIDEO_BLEND = [json.loads(line) for line in (DATA / "llava_video_blend_steps.jsonl").read_text().splitlines()]
 
 
 def seen(record: dict, **changes) -> Observation:
@@ -75,10 +83,10 @@ def test_a_data_wait_above_the_threshold_caps_demand_at_what_the_groups_keep_bus
     r = RECORDS[-1]
     quick = job_load([seen(r, participants=2), seen(r, participants=2)])
     assert quick.data_wait == pytest.approx(r["data_s_max"] / r["step_s"]) and quick.data_wait < DATA_WAIT_HIGH
-    assert DemandModel.demand(16.0, 2, 4, quick) == 16.0
+    assert DemandModel().demand(16.0, 2, 4, quick) == 16.0
     starved = job_load([seen(r, participants=2), seen(r, participants=2, data_s_max=0.5 * r["step_s"])])
     assert starved.data_wait == pytest.approx(0.5)  # the slowest rank of any group
-    assert DemandModel.demand(16.0, 2, 4, starved) == pytest.approx(2 * 4 * 0.5)
+    assert DemandModel().demand(16.0, 2, 4, starved) == pytest.approx(2 * 4 * 0.5)
 
 
 def test_the_allocator_high_water_is_reported_and_moves_no_decision():
@@ -86,8 +94,46 @@ def test_the_allocator_high_water_is_reported_and_moves_no_decision():
     load = job_load([seen(r, participants=2, mem_peak_gib_max=61.5, mem_peak_gib=60.0),
                      seen(r, participants=2, mem_peak_gib=70.25)])
     assert load.mem_high_water_gib == 70.25  # the group without a group-wide maximum gives its own peak
-    assert DemandModel.demand(16.0, 2, 4, load) == 16.0
+    assert DemandModel().demand(16.0, 2, 4, load) == 16.0
     assert job_load([seen(r)]).mem_high_water_gib is None  # a CPU run: no allocator, nothing invented
+
+
+def test_demand_follows_the_per_step_work_of_the_recorded_modality_mix():
+    """The blend turns to video at step 8: the video share and the vision
+    load the records carry move, and demand scales with the smoothed per-step
+    work ``tokens + VISION_TOKEN_COST x vision_tokens`` against the first
+    record's; a job whose records carry no vision load keeps its demand."""
+    from megascale_omni.data.balance import DEFAULT_VIT_COST_PER_PATCH
+
+    assert VISION_TOKEN_COST == DEFAULT_VIT_COST_PER_PATCH  # the balancer's tower cost, kept apart by the layering
+    model, expected, scales = DemandModel(), None, {}
+    for r in VIDEO_BLEND:
+        load = job_load([seen(r, participants=1)])
+        work = r["tokens"] + VISION_TOKEN_COST * r["vision_tokens"]
+        assert load.work == pytest.approx(work) and load.video_share == pytest.approx(r["samples_video"] / r["samples"])
+        model.update(load)
+        expected = work if expected is None else (1 - SMOOTHING) * expected + SMOOTHING * work
+        scales[r["step"]] = model.work_scale()
+        assert scales[r["step"]] == pytest.approx(expected / (VIDEO_BLEND[0]["tokens"] + VISION_TOKEN_COST
+                                                              * VIDEO_BLEND[0]["vision_tokens"]), rel=1e-12)
+        assert model.demand(16.0, 1, 4, load) == pytest.approx(16.0 * scales[r["step"]], rel=1e-12)
+    images, videos = [r for r in VIDEO_BLEND if r["step"] <= 8], [r for r in VIDEO_BLEND if r["step"] > 8]
+    assert max(r["samples_video"] / r["samples"] for r in images) < 0.1  # the schedule really moved the mix
+    assert min(r["samples_video"] / r["samples"] for r in videos) > 0.6
+    assert min(r["vision_tokens"] for r in videos) > 2 * max(r["vision_tokens"] for r in images)
+    assert scales[16] > max(scales[s] for s in range(1, 9))  # more work per step: more GPUs kept busy
+    # The same move at a tower 20x heavier per token (e.g. 576-token frames) crosses MIX_SHIFT and is logged.
+    heavy = DemandModel()
+    for r in VIDEO_BLEND:
+        heavy.update(job_load([seen(r, participants=1, vision_tokens=20 * r["vision_tokens"])]))
+    assert heavy.work_scale() > 1 + MIX_SHIFT
+    assert any(e.startswith("per-step work moved to ") and e.endswith(" of the samples video): demand scaled")
+               for e in heavy.events), heavy.events
+    # GPT records: no vision load, no work, the configured demand.
+    gpt = DemandModel()
+    for r in RECORDS:
+        gpt.update(job_load([seen(r, participants=1)]))
+    assert job_load([seen(RECORDS[-1])]).work is None and gpt.demand(16.0, 1, 4, job_load([seen(RECORDS[-1])])) == 16.0
 
 
 def test_the_loop_feeds_the_policy_from_what_the_groups_report(tmp_path):

@@ -28,6 +28,7 @@ from megascale_omni.demo.shapes import (
     generate_samples,
     render_shape,
 )
+from megascale_omni.demo.vocabulary import vocabulary
 
 SEED = 1234
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -201,13 +202,40 @@ def test_make_shapes_dataset_is_byte_identical_and_readable(tmp_path):
     assert desc == json.loads(a["dataset.json"])
     assert desc["splits"]["train"]["num_samples"] == 60 and desc["splits"]["val"]["num_samples"] == 20
     assert sum(desc["splits"]["train"]["kind_counts"].values()) == 60
-    assert desc["vocab_size"] == load_shapes_tokenizer(tmp_path / "a").vocab_size == 5 + len(dataset_vocabulary())
+    # One tokenizer whatever the mix: the image samples' words, the clips' and <video>.
+    assert desc["vocab_size"] == load_shapes_tokenizer(tmp_path / "a").vocab_size == 5 + len(vocabulary())
+    assert set(dataset_vocabulary()) < set(vocabulary()) and "<video>" in vocabulary()
     assert not list(tmp_path.glob(".*tmp*")), "temporary build directory left behind"
 
     train, val = open_shapes_split(tmp_path / "a", "train"), open_shapes_split(tmp_path / "a", "val")
     assert train[59].equals(generate_sample(59, SEED, stream=0))
     assert val[0].equals(generate_sample(0, SEED, stream=1))
     assert not val[0].equals(train[0])
+
+
+def test_a_video_fraction_spreads_clips_among_the_image_samples(tmp_path):
+    """``video_fraction`` 0.2: every fifth sample of each split is a clip of
+    4 frames at the image size (clip index counting clips only), the image
+    samples are those of the image-only build in order, the build records the
+    fraction (a dataset without it is not reused) and the clip geometry."""
+    from megascale_omni.demo.llava_shapes import clip_config
+    from megascale_omni.demo.video_shapes import generate_clip
+
+    desc = make_shapes_dataset(tmp_path / "v", **BUILD, video_fraction=0.2)
+    assert desc["build_args"]["video_fraction"] == 0.2 and desc["clips"] == {"frames": 4, "size": 32, "extent": 12}
+    assert desc["splits"]["train"]["kind_counts"]["video"] == 12 and desc["splits"]["val"]["kind_counts"]["video"] == 4
+    train = open_shapes_split(tmp_path / "v", "train")
+    kinds = [train[i].kind for i in range(60)]
+    assert [i for i, k in enumerate(kinds) if k == "video"] == list(range(4, 60, 5))
+    assert train[9].videos[0].shape == (4, 32, 32, 3)
+    clip, image = generate_clip(1, SEED, clip_config(32), stream=0), generate_sample(8, SEED, stream=0)
+    clip.id, image.id = 9, 10  # ids are positions in the split
+    assert train[9].equals(clip) and train[10].equals(image)
+    assert "video_fraction" not in make_shapes_dataset(tmp_path / "i", **BUILD)["build_args"]
+    with pytest.raises(ValueError, match="built with"):
+        ensure_shapes_dataset(tmp_path / "i", **BUILD, video_fraction=0.2)
+    with pytest.raises(ValueError, match="video_fraction must be in"):
+        make_shapes_dataset(tmp_path / "x", **BUILD, video_fraction=1.5)
 
 
 def test_make_shapes_dataset_refuses_non_empty_dir(tmp_path):
@@ -243,7 +271,7 @@ def test_cli(tmp_path, capsys):
     spec.loader.exec_module(cli)
     argv = ["--out", str(tmp_path / "ds"), "--num-train", "30", "--num-val", "10", "--samples-per-shard", "16"]
     assert cli.main(argv) == 0
-    assert "vocab_size=65" in capsys.readouterr().out
+    assert "vocab_size=76" in capsys.readouterr().out
     assert json.loads((tmp_path / "ds" / "dataset.json").read_text())["splits"]["train"]["num_shards"] == 2
     assert cli.main(argv) == 1  # refuses to overwrite without --overwrite
     assert cli.main(argv + ["--overwrite"]) == 0

@@ -306,6 +306,50 @@ def test_ingest_tool_video_flags(ingested, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_ingest_length_check_counts_video_tokens(ingested, tmp_path):
+    """``--seq-length`` counts each video as ``--tokens-per-frame`` per kept
+    frame plus ``--video-newline``: a clip whose text alone fits is rejected
+    one token over, kept at exactly the length; without the per-frame count a
+    record with a video is rejected with that reason, never passed unchecked."""
+    from megascale_omni.data.conversation import ChatEncoder
+    from megascale_omni.data.llava.ingest import LengthCheck
+    from tests.hf_models import chat_tokenizer
+    from tests.launcher import run_tool_in_process
+
+    _, media, _ = ingested
+    tok_dir = tmp_path / "tok"
+    tok = chat_tokenizer(tok_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    tok.save_pretrained(str(tok_dir))
+    conv = _conv("<video>\nwhat happens in the clip")
+    records = tmp_path / "r.json"
+    records.write_text(json.dumps([{"id": "a", "video": "clip.mp4", "conversations": conv}]))
+    check = LengthCheck(str(tok_dir), 0, tokens_per_image=4, tokens_per_frame=9, video_newline=1)
+    text_only = len(ChatEncoder(tok, "<image>", 4).encode(conv, 0).tokens)
+    full = len(ChatEncoder(tok, "<image>", 4, "<video>", check.video_tokens).encode(
+        conv, 0, frames_per_video=[KEEP]).tokens)
+    assert full == text_only + KEEP * 9 + 1
+
+    def reasons(seq_length: int, *flags) -> list[str]:
+        out = tmp_path / f"out-{seq_length}-{len(flags)}"
+        r = run_tool_in_process("tools/ingest_llava.py", "--out", out, "--image-root", media, "--llava-json",
+                                records, "--workers", 1, "--video-frames", KEEP, "--tokenizer", tok_dir,
+                                "--seq-length", seq_length, "--tokens-per-image", 4, *flags)
+        assert r.returncode == 0, r.output
+        return [json.loads(line)["reason"] for line in (out / REJECTED_FILE).read_text().splitlines()]
+
+    counted = ("--tokens-per-frame", 9, "--video-newline")
+    assert reasons(full, *counted) == []
+    assert reasons(full - 1, *counted) == [f"longer than seq_length {full - 1}: the first round alone is {full} "
+                                           f"tokens > max length {full - 1}"]
+    assert reasons(full) == ["video length unknown: the length check needs --tokens-per-frame"]
+    r = run_tool_in_process("tools/ingest_llava.py", "--out", tmp_path / "x", "--llava-json", records,
+                            "--tokens-per-frame", 9)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "config error: --tokens-per-frame/--video-newline='9/False': only count with --seq-length (the length "
+        "check)"), r.output
+
+
 def test_chat_encoder_lays_out_videos_and_images_in_text_order(tmp_path):
     from megascale_omni.data.conversation import ChatEncoder, ConversationError
     from tests.hf_models import chat_tokenizer

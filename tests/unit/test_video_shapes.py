@@ -75,6 +75,14 @@ def test_every_answer_is_in_the_pixels_and_flips_when_the_clip_plays_backwards()
         assert _read(question, video[::-1]) != answer, (clip.id, question)
 
 
+def test_the_canvas_half_does_not_tell_which_event_came_first():
+    """Event-order clips put their first event on either half of the canvas,
+    so only the frame order answers (not where the shape is)."""
+    halves = [np.argwhere(_lit(clip.videos[0][0]))[:, 1].mean() < 16 for clip in generate_clips(90, seed=11)
+              if task_of(clip.user_text) == "event_order"]
+    assert len(halves) == 30 and 10 <= sum(halves) <= 20, sum(halves)
+
+
 def test_clips_ingest_from_mp4_and_keep_their_answers_in_order(tmp_path):
     clips = list(generate_clips(9, seed=5))
     json_path = write_clips_llava_json(clips, tmp_path / "src")
@@ -87,3 +95,48 @@ def test_clips_ingest_from_mp4_and_keep_their_answers_in_order(tmp_path):
         assert stored.videos[0].shape == (4, 32, 32, 3)
         assert stored.user_text == clip.user_text and stored.answer_text == clip.answer_text
         assert _read(stored.user_text, stored.videos[0]) == clip.answer_text, (i, clip.user_text)
+
+
+def test_the_control_plays_clip_frames_out_of_order_and_scores_split_by_modality(tmp_path):
+    """The evaluation's control (``shuffle_frames``) gives each clip its own
+    frames in a random order fixed by the sample id, tokens unchanged;
+    ``video_mask`` marks every token of a clip's sample; the score splits
+    image-sample and clip accuracy, categories counting their own modality."""
+    import torch
+
+    from megascale_omni.data.llava.batches import LlavaBatcher, LlavaEncoder
+    from megascale_omni.data.packing import Pack
+    from megascale_omni.data.tokenizer import build_word_tokenizer
+    from megascale_omni.demo.llava_shapes import make_shapes_dataset, open_shapes_split
+    from megascale_omni.demo.vocabulary import vocabulary
+    from megascale_omni.evaluation.chat import score_tokens
+
+    make_shapes_dataset(tmp_path / "ds", num_train=10, num_val=2, seed=3, samples_per_shard=10, video_fraction=0.2)
+    reader = open_shapes_split(tmp_path / "ds", "train")
+    tok = build_word_tokenizer(vocabulary(), tmp_path / "tok.json")
+    batcher = LlavaBatcher(reader, LlavaEncoder(tok, 16, tok.token_to_id("<video>"), lambda f: 4 * f), 128, 0, 32)
+    ids = list(range(10))
+    packs = [Pack((i,), (0,), (len(batcher._load(i, None).tokens),)) for i in (3, 4, 9)]  # an image sample, 2 clips
+    real, control = batcher.microbatch(packs, ids), batcher.microbatch(packs, ids, shuffle_frames=True)
+    assert torch.equal(real["tokens"], control["tokens"]) and torch.equal(real["images"], control["images"])
+    assert real["video_frames"].tolist() == [4, 4]
+    for v in range(2):
+        mine, theirs = real["videos"][4 * v: 4 * v + 4], control["videos"][4 * v: 4 * v + 4]
+        order = np.random.default_rng([7, (4, 9)[v]]).permutation(4)
+        assert torch.equal(theirs, mine[order])
+    assert not torch.equal(real["videos"], control["videos"])
+    lengths = [p.lengths[0] for p in packs]
+    # Shifted like the loss mask (on the labels): a sample's tokens but its last.
+    assert real["video_mask"].sum(1).tolist() == [0, lengths[1] - 1, lengths[2] - 1]
+    # Right on every image-sample token, wrong on every clip token.
+    labels, clip = real["labels"], real["video_mask"]
+    logits = torch.nn.functional.one_hot(torch.where(clip > 0, (labels + 1) % tok.vocab_size, labels),
+                                         tok.vocab_size).float().reshape(1, -1, tok.vocab_size)
+    colors = torch.tensor([tok.token_to_id(c) for c in COLORS])
+    _, _, report = score_tokens(logits, real, "eval_mask", {"color": colors}, {"color": colors})
+    scored = real["eval_mask"]
+    assert report["accuracy/image"].tolist() == [float((scored * (1 - clip)).sum())] * 2
+    assert report["accuracy/video"].tolist() == [0.0, float((scored * clip).sum())] and float((scored * clip).sum()) == 2
+    in_colors = torch.isin(labels, colors).float() * scored
+    assert report["accuracy/color"][1] == (in_colors * (1 - clip)).sum()
+    assert report["accuracy/video color"].tolist() == [0.0, float((in_colors * clip).sum())]

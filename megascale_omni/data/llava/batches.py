@@ -245,7 +245,8 @@ class LlavaBatcher:
         #: Where skipped samples are counted (shared with the task's job-wide account).
         self.counter = counter if counter is not None else SkipCounter()
 
-    def _load(self, sample_id: int, image_source: Optional[int]) -> Optional[EncodedSample]:
+    def _load(self, sample_id: int, image_source: Optional[int], shuffle_frames: bool = False
+              ) -> Optional[EncodedSample]:
         try:
             sample = self.reader[sample_id]
             if image_source is not None and image_source != sample_id:
@@ -266,7 +267,7 @@ class LlavaBatcher:
             enc = self.encoder.encode(sample, views_per_image=views, frames_per_video=frames)
             if self.preprocess is not None:
                 enc.images = [self._preprocess(sample_id, img) for img in enc.images]
-            enc.videos = [self._video(sample_id, video) for video in sample.videos[: enc.num_videos]]
+            enc.videos = [self._video(sample_id, video, shuffle_frames) for video in sample.videos[: enc.num_videos]]
         except BadSampleError as err:
             self.counter.record_skip(err)
             return None
@@ -279,12 +280,16 @@ class LlavaBatcher:
         except ValueError as err:
             raise BadSampleError(sample_id, self.reader.root, f"image preprocessing failed: {err}") from None
 
-    def _video(self, sample_id: int, video: np.ndarray) -> torch.Tensor:
+    def _video(self, sample_id: int, video: np.ndarray, shuffle_frames: bool = False) -> torch.Tensor:
         """uint8 ``[F, H, W, 3]`` -> float32 ``[f, 3, S, S]``: ``data.video_frames``
         of the stored frames (:func:`~megascale_omni.data.video.subsample`),
         each preprocessed as an image (``data.image_mode``; anyres: its
-        overview only, as LLaVA-OneVision treats video frames)."""
+        overview only, as LLaVA-OneVision treats video frames).
+        ``shuffle_frames``: those frames in a random order (the time-shuffled
+        control; the permutation is a function of ``sample_id``)."""
         frames = subsample(video, self.video_frames)
+        if shuffle_frames:
+            frames = frames[np.random.default_rng([7, sample_id]).permutation(len(frames))]
         if self.preprocess is None:
             if frames.shape[1:] != (self.image_size, self.image_size, 3):
                 raise BadSampleError(sample_id, self.reader.root, f"video frame shape {frames.shape[1:]} != "
@@ -296,12 +301,17 @@ class LlavaBatcher:
             raise BadSampleError(sample_id, self.reader.root, f"video frame preprocessing failed: {err}") from None
 
     def microbatch(
-        self, packs: Sequence[Pack], id_map: Sequence[int], image_sources: Optional[Mapping[int, int]] = None
+        self, packs: Sequence[Pack], id_map: Sequence[int], image_sources: Optional[Mapping[int, int]] = None,
+        shuffle_frames: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Collate ``packs`` (one row each) into one micro-batch.
 
-        ``id_map`` maps a pack's sample ids to reader indices. Returns
-        ``tokens, labels, loss_mask, eval_mask, position_ids: [b, s]``,
+        ``id_map`` maps a pack's sample ids to reader indices;
+        ``image_sources`` gives a sample another's images and
+        ``shuffle_frames`` plays its videos' frames in a random order (the
+        evaluation's controls). Returns
+        ``tokens, labels, loss_mask, eval_mask, video_mask, position_ids: [b, s]``
+        (``video_mask``: 1 on every token of a sample with a video),
         ``cu_seqlens: [k + 1]`` int32 (the ``k`` samples and padding tails of
         the rows flattened row-major, :func:`packed_cu_seqlens`; the model
         attends within each only) and ``images: [n, 3, H, W]`` float32
@@ -315,7 +325,7 @@ class LlavaBatcher:
             encoded = []
             for sid in pack.sample_ids:
                 rid = int(id_map[sid])
-                enc = self._load(rid, None if image_sources is None else image_sources.get(rid))
+                enc = self._load(rid, None if image_sources is None else image_sources.get(rid), shuffle_frames)
                 if enc is not None:
                     encoded.append(enc)
             lengths = [len(e.tokens) for e in encoded]
@@ -324,11 +334,13 @@ class LlavaBatcher:
             row_pack = Pack(tuple(e.sample_id for e in encoded), tuple(offsets), tuple(lengths))
             rows.append(collate_pack(
                 row_pack, [e.tokens for e in encoded], None, [e.target_mask for e in encoded],
-                self.seq_length, self.pad_id, extra_masks={"eval_mask": [e.eval_mask for e in encoded]},
+                self.seq_length, self.pad_id, extra_masks={
+                    "eval_mask": [e.eval_mask for e in encoded],
+                    "video_mask": [[float(e.num_videos > 0)] * len(e.tokens) for e in encoded]},
             ))
             images.extend(img for e in encoded for img in e.images)
             videos.extend(v for e in encoded for v in e.videos)
-        keys = ("tokens", "labels", "loss_mask", "eval_mask", "position_ids")
+        keys = ("tokens", "labels", "loss_mask", "eval_mask", "video_mask", "position_ids")
         batch = {k: torch.stack([r[k] for r in rows]) for k in keys}
         batch["cu_seqlens"] = packed_cu_seqlens(torch.stack([r["segment_ids"] for r in rows]))
         if self.preprocess is None or not images:

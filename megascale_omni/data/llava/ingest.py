@@ -103,12 +103,25 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 @dataclass(frozen=True)
 class LengthCheck:
-    """Reject samples the model's chat template renders longer than ``seq_length`` tokens."""
+    """Reject samples the model's chat template renders longer than
+    ``seq_length`` tokens, images and videos as their placeholders: a video
+    of ``f`` kept frames as :meth:`video_tokens` (the training run's
+    ``vision.video_tokens(f)``, never more: a run reads at most the kept frames)."""
 
     tokenizer: str
     seq_length: int
     tokens_per_image: int
     image_token: str = IMAGE_PLACEHOLDER
+    #: LM placeholders of one video frame after pooling: ``ceil(grid / vision.video_pool_stride) ** 2``
+    #: (0: unknown, and a record with a video is rejected).
+    tokens_per_frame: int = 0
+    #: Placeholders after each video's frames (1 with ``vision.image_newline``).
+    video_newline: int = 0
+    video_token: str = VIDEO_PLACEHOLDER
+
+    def video_tokens(self, frames: int) -> int:
+        """LM placeholders of one video of ``frames`` frames."""
+        return frames * self.tokens_per_frame + self.video_newline
 
 
 @dataclass
@@ -183,8 +196,11 @@ def to_sample(position: int, record: Any, image_root: str, encoder: Optional[Cha
     except SampleValidationError as e:
         raise Rejected(f"invalid sample: {e}") from None
     if encoder is not None and seq_length is not None:
+        if videos and encoder.video_tokens is None:
+            raise Rejected("video length unknown: the length check needs --tokens-per-frame")
         try:
-            encoded = encoder.encode(conversation, num_images=len(images), max_length=seq_length)
+            encoded = encoder.encode(conversation, num_images=len(images), max_length=seq_length,
+                                     frames_per_video=[len(v.frames) for v in videos])
         except ConversationError as e:
             raise Rejected(f"longer than seq_length {seq_length}: {e}") from None
         if encoded.truncated:
@@ -279,9 +295,11 @@ def _load_image(root: str, rel: str) -> tuple[np.ndarray, str, bytes]:
 
 # ------------------------------------------------------------- one chunk
 @functools.lru_cache(maxsize=1)
-def _encoder(tokenizer: str, image_token: str, tokens_per_image: int) -> ChatEncoder:
+def _encoder(length: LengthCheck) -> ChatEncoder:
     """One chat encoder per worker process (loading a tokenizer takes seconds)."""
-    return ChatEncoder.from_pretrained(tokenizer, image_token=image_token, tokens_per_image=tokens_per_image)
+    return ChatEncoder.from_pretrained(length.tokenizer, image_token=length.image_token,
+                                       tokens_per_image=length.tokens_per_image, video_token=length.video_token,
+                                       video_tokens=length.video_tokens if length.tokens_per_frame else None)
 
 
 def _write_chunk(job: tuple) -> dict:
@@ -290,7 +308,7 @@ def _write_chunk(job: tuple) -> dict:
     count, rejected records. Samples are written as they are converted, so a
     worker holds one sample's images at a time."""
     number, first, records, image_root, out, length, video = job
-    encoder = _encoder(length.tokenizer, length.image_token, length.tokens_per_image) if length else None
+    encoder = _encoder(length) if length else None
     kept, rejected = 0, []
     name = shard_name(number)
     with atomic_open(Path(out) / name, "wb") as fileobj:
