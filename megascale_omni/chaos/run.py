@@ -83,7 +83,9 @@ class ChaosConfig:
     checkpoint_interval: int = 25
     #: Size of the checkpoint tmpfs (MiB): room for keep_last checkpoints and a save in flight.
     checkpoint_fs_mb: int = 64
-    data_workers: int = 0
+    #: data.num_workers of every group and the reference: one data-loader
+    #: worker per rank, so ``hang_data_worker`` has a process to stop (0 skips that class).
+    data_workers: int = 1
     #: Warm standby groups the supervisor keeps ready to replace a lost group.
     spares: int = 1
     #: Stop firing at ``duration_s`` even if planned faults are left (a

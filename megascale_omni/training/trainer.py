@@ -334,6 +334,8 @@ class Trainer:
         if not self._optimizer_state_bytes:
             self._optimizer_state_bytes = optimizer_state_bytes(self.state.optimizer, self.state.chunks)
         extra["optimizer_state_bytes"] = self._optimizer_state_bytes
+        if self.checkpointer.enabled:
+            extra["checkpoint_failed_saves"] = self.checkpointer.failed_saves
         t_record = time.perf_counter()
         step_s = t_record - t0 + boundary_s
         timing = StepTiming(step_s, t_data, membership_s, **self._boundary)
