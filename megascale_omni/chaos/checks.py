@@ -108,6 +108,21 @@ def loss_mismatches(merged: dict[int, dict], reference: dict[int, float], rtol: 
     return out
 
 
+def loss_difference_profile(merged: dict[int, dict], reference: dict[int, float],
+                            span: int = 250) -> list[tuple[int, int, float]]:
+    """``(first step, last step, worst relative loss difference)`` per
+    ``span`` committed steps: fp32 summation-order noise grows smoothly
+    through Adam over a long run, while a lost, repeated or foreign sample
+    moves one step's loss by 1e-2 or more (see ``run.RTOL``)."""
+    out = []
+    steps = sorted(s for s in merged if s in reference and reference[s])
+    for i in range(0, len(steps), span):
+        chunk = steps[i:i + span]
+        worst = max(abs(merged[s]["loss"] - reference[s]) / abs(reference[s]) for s in chunk)
+        out.append((chunk[0], chunk[-1], worst))
+    return out
+
+
 def worst_loss_difference(merged: dict[int, dict], reference: dict[int, float]) -> float:
     """Largest relative loss difference over the steps both runs have (0.0 if none)."""
     diffs = [abs(merged[s]["loss"] - reference[s]) / abs(reference[s]) for s in merged if s in reference and reference[s]]

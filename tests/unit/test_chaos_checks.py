@@ -115,6 +115,8 @@ def test_losses_equal_within_tolerance_and_a_planted_mismatch_is_caught():
     [line] = checks.loss_mismatches(merged, {1: 4.0, 2: 3.03}, rtol=1e-4)
     assert line.startswith("step 2: loss 3.0 vs reference 3.03")
     assert checks.worst_loss_difference(merged, {1: 4.0, 2: 3.03}) == pytest.approx(0.03 / 3.03)
+    assert checks.loss_difference_profile(merged, {1: 4.0, 2: 3.03}, span=1) == [
+        (1, 1, 0.0), (2, 2, pytest.approx(0.03 / 3.03))]
 
 
 def test_records_that_disagree_or_skip_a_step_are_caught():
