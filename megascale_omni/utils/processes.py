@@ -62,10 +62,13 @@ def end_descendants() -> int:
     :func:`adopt_orphans`)."""
     import psutil
 
-    try:
-        left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-    except psutil.Error:
-        left = []
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.Error:
+            continue  # exited since it was listed
     for p in left:
         for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), p.kill):
             try:
