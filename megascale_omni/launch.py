@@ -25,7 +25,9 @@ omni-run ...``): the node count, workers per node and a c10d rendezvous
 on the first node come from Slurm's environment unless given
 (``megascale_omni/slurm.py``; one line says what was derived). Outside
 Slurm nothing is derived. SIGUSR1 to ``omni-run`` reaches its workers (a
-checkpoint, training continues). See docs/multi-node.md.
+checkpoint, training continues). See docs/multi-node.md. ``omni-run`` adopts
+what a dead worker leaves behind (its checkpoint writers, data workers) and
+ends it when torchrun returns (:func:`end_leftovers`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Optional, Sequence
 
 from megascale_omni.config import ConfigError
 from megascale_omni.errors import EXIT_HUNG, EXIT_PREFLIGHT_FAILED
+from megascale_omni.utils.processes import adopt_orphans, end_descendants
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     run_cli(lambda: prepare(args, argv))
     forward_sigusr1_to_workers()
+    adopt_orphans()
     try:
         run(args)
     except ChildFailedError as e:
@@ -142,6 +146,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.stderr.write(f"omni-run: {len(e.failures)} worker(s) failed; first: rank {rank} exited with code "
                          f"{code} (its message is above)\n")
         sys.exit(code if code in PASSED_ON_CODES else 1)
+    finally:
+        end_leftovers()
+
+
+def end_leftovers() -> None:
+    """End what torchrun's workers left behind (every node's omni-run, once
+    torchrun returned). torchrun signals the process group of each worker
+    still alive when the job ends, not that of a worker that died: the
+    children of a SIGKILLed worker (a rank killed by the hang watchdog or an
+    OOM killer) would live on under init. :func:`adopt_orphans` (at start)
+    re-parents them to this process instead; here they are killed."""
+    left = end_descendants()
+    if left:
+        sys.stderr.write(f"omni-run: ended {left} process(es) that dead workers left behind\n")
 
 
 def forward_sigusr1_to_workers() -> None:

@@ -11,8 +11,18 @@ where the harness depends on work that is not merged yet.
   passes ``watchdog.*`` overrides (:func:`watchdog_overrides`), and a stuck
   group exits :data:`EXIT_HUNG`.
 * ``ckpt_enospc`` needs a size-limited tmpfs for the checkpoint directory
-  (root, ``mount``); ``kill_scheduler`` needs the live scheduler as the
-  supervisor, which this harness does not run (docs/operations.md).
+  (root, ``mount``); ``hang_data_worker`` a data-loader worker
+  (``ChaosConfig.data_workers``, 1 by default).
+* ``kill_scheduler`` needs the live scheduler (``omni-sched run``) as the
+  job's supervisor: it launches the groups, its standbys and the
+  lighthouse, so killing it means nobody restarts anything until it is
+  back. In this harness :class:`~megascale_omni.chaos.supervisor.Supervisor`
+  plays that part; putting the scheduler in its place is a rewrite of the
+  supervisor (its local launcher, lighthouse and standby policy), not a
+  fault class, and is not done. What the class would prove, a scheduler
+  SIGKILLed and restarted adopts the running groups from ``decisions.log``
+  and grows or drains nothing twice, is tested without training in
+  tests/unit/test_scheduler_live_robust.py (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -31,8 +41,8 @@ EXIT_PREFLIGHT_FAILED = getattr(errors, "EXIT_PREFLIGHT_FAILED", 44)
 NEEDS_PREFLIGHT = "needs omni-preflight (branch preflight)"
 NEEDS_WATCHDOG = "needs the hang watchdog (branch watchdog)"
 NEEDS_ROOT_MOUNT = "needs root and mount(8) for a size-limited tmpfs checkpoint directory"
-NEEDS_SCHEDULER = ("needs the live scheduler as supervisor (this harness is the supervisor; "
-                   "branch schedlive makes the scheduler restart-safe)")
+NEEDS_SCHEDULER = ("needs the live scheduler as the job's supervisor (this harness supervises; a restarted "
+                   "scheduler's recovery is tested in tests/unit/test_scheduler_live_robust.py)")
 NEEDS_DATA_WORKERS = "needs data.num_workers > 0 (there is no data worker to stop)"
 
 

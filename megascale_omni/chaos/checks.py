@@ -14,11 +14,15 @@ left on disk, so each can be tested with a planted failure).
   planned faults and the supervisor's restarts.
 
 Records and ledger lines may carry an ``epoch`` (default 0): the lighthouse
-incarnation their group trained under. When every group is lost at once (a
-lighthouse kill ends every group's quorum request on torchft 0.2.0), the
-job falls back to its newest checkpoint and trains the steps after it again
-under the next epoch, whose quorum ids start over: for each step only its
-latest epoch counts, and :func:`rolled_back_steps` counts the steps redone.
+incarnation their group trained under; quorum ids start over with each, so
+quorums are compared as ``(epoch, quorum)``. When every group is lost at
+once (a lighthouse kill ends every group's quorum request on torchft 0.2.0;
+survivors torn down while a peer hangs), the job falls back to its newest
+checkpoint and trains the steps after it again, under the same lighthouse
+or the next: the ledger's replay rule
+(:func:`megascale_omni.elastic.ledger.superseded`) drops the lost
+timeline's lines and step records, and :func:`rolled_back_steps` counts
+the steps redone.
 Leftover processes: :func:`megascale_omni.chaos.supervisor.processes_of_run`.
 """
 
@@ -29,41 +33,54 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
-from megascale_omni.elastic.ledger import consumed_samples
+from megascale_omni.elastic.ledger import consumed_samples, superseded
 
 #: Actions a run may log without anyone intervening: the supervisor's and the fault plan's.
 ALLOWED_ACTIONS = frozenset({"start lighthouse", "lighthouse exited", "start group", "group exited",
                              "join standby", "fault", "fault over", "stop"})
 
 
-def _latest_epoch(items: Iterable[dict], committed) -> dict[int, int]:
-    """Step -> the latest epoch in which ``committed(item)`` items have it."""
-    out: dict[int, int] = {}
-    for r in items:
-        if committed(r):
-            out[r["step"]] = max(out.get(r["step"], 0), r.get("epoch", 0))
-    return out
+def _quorum(r: dict) -> tuple[int, int]:
+    """A line's or record's quorum, qualified by its lighthouse epoch (records of a fixed group have none: 0)."""
+    return r.get("epoch", 0), r.get("quorum", 0)
+
+
+def _record_points(records: list[dict]) -> list[tuple[int, tuple]]:
+    """Replay points of step records: a participating (not healing) record
+    of step ``s`` (steps committed after it) under ``q0`` proves the job had
+    committed ``s - 1`` steps at ``q0``: the point ``(s - 1, q0)`` in ledger
+    numbering (:func:`~megascale_omni.elastic.ledger.superseded`)."""
+    first: dict[tuple, int] = {}
+    for r in records:
+        if not r.get("healed", False):
+            q = _quorum(r)
+            first[q] = min(first.get(q, r["step"] - 1), r["step"] - 1)
+    return [(s, q) for q, s in first.items()]
+
+
+def _replayed(records: list[dict]) -> list[bool]:
+    """For each step record, whether a replay superseded it."""
+    points = _record_points(records)
+    return [superseded(points, r["step"] - 1, _quorum(r)) for r in records]
 
 
 def rolled_back_steps(records: Iterable[dict]) -> int:
-    """Steps committed in more than one epoch (redone after a fall-back to a checkpoint)."""
-    epochs: dict[int, set[int]] = {}
-    for r in records:
-        epochs.setdefault(r["step"], set()).add(r.get("epoch", 0))
-    return sum(len(e) > 1 for e in epochs.values())
+    """Steps committed in a timeline that a fall-back to a checkpoint rolled back (and so redone)."""
+    records = list(records)
+    return len({r["step"] for r, gone in zip(records, _replayed(records)) if gone})
 
 
 def merge_step_records(groups: Iterable[list[dict]]) -> tuple[dict[int, dict], list[str]]:
-    """Step -> first record seen of it in its latest epoch, over every group
-    incarnation's committed step records; problems: two groups disagreeing
-    on one step's loss in one epoch (relative 1e-12: one quorum reduces one
-    loss), a gap in 1..last, a non-finite loss."""
+    """Step -> first record seen of it in the surviving timeline (records a
+    replay superseded dropped), over every group incarnation's committed
+    step records; problems: two groups disagreeing on one step's loss
+    (relative 1e-12: one quorum reduces one loss), a gap in 1..last, a
+    non-finite loss."""
     everything = [r for records in groups for r in records]
-    latest = _latest_epoch(everything, lambda r: True)
     merged: dict[int, dict] = {}
     problems = []
-    for r in everything:
-        if r.get("epoch", 0) != latest[r["step"]]:
+    for r, gone in zip(everything, _replayed(everything)):
+        if gone:
             continue
         seen = merged.setdefault(r["step"], r)
         if not math.isclose(r["loss"], seen["loss"], rel_tol=1e-12):
@@ -91,21 +108,33 @@ def loss_mismatches(merged: dict[int, dict], reference: dict[int, float], rtol: 
     return out
 
 
+def loss_difference_profile(merged: dict[int, dict], reference: dict[int, float],
+                            span: int = 250) -> list[tuple[int, int, float]]:
+    """``(first step, last step, worst relative loss difference)`` per
+    ``span`` committed steps: fp32 summation-order noise grows smoothly
+    through Adam over a long run, while a lost, repeated or foreign sample
+    moves one step's loss by 1e-2 or more (see ``run.RTOL``)."""
+    out = []
+    steps = sorted(s for s in merged if s in reference and reference[s])
+    for i in range(0, len(steps), span):
+        chunk = steps[i:i + span]
+        worst = max(abs(merged[s]["loss"] - reference[s]) / abs(reference[s]) for s in chunk)
+        out.append((chunk[0], chunk[-1], worst))
+    return out
+
+
 def worst_loss_difference(merged: dict[int, dict], reference: dict[int, float]) -> float:
     """Largest relative loss difference over the steps both runs have (0.0 if none)."""
     diffs = [abs(merged[s]["loss"] - reference[s]) / abs(reference[s]) for s in merged if s in reference and reference[s]]
     return max(diffs, default=0.0)
 
 
-def latest_epoch_lines(ledger: list[dict]) -> list[dict]:
-    """The ledger lines of each step's latest epoch with a committed line
-    (all of a step's lines when none has one), their ``quorum`` made
-    ``(epoch, quorum)``: quorum ids start over with each lighthouse epoch,
-    and the tuples order as the ledger's inference needs (later epoch first,
-    then greater id; :mod:`megascale_omni.elastic.ledger`)."""
-    latest = _latest_epoch(ledger, lambda r: r["event"] == "commit" and r["committed"])
-    return [{**r, "quorum": (r.get("epoch", 0), r["quorum"])} for r in ledger
-            if r.get("epoch", 0) == latest.get(r["step"], r.get("epoch", 0))]
+def qualified_lines(ledger: list[dict]) -> list[dict]:
+    """The ledger lines with ``quorum`` made ``(epoch, quorum)``: quorum ids
+    start over with each lighthouse epoch, and the tuples order as the
+    ledger's rules need (a later epoch's quorums after every earlier one's;
+    :mod:`megascale_omni.elastic.ledger`)."""
+    return [{**r, "quorum": _quorum(r)} for r in ledger]
 
 
 def ledger_problems(chaos: list[dict], reference: list[dict], last_step: int) -> list[str]:
@@ -114,8 +143,9 @@ def ledger_problems(chaos: list[dict], reference: list[dict], last_step: int) ->
     ``0 .. last_step - 1`` (step record ``s`` is ledger step ``s - 1``).
     Names each committed step whose consumed samples lack one of the
     reference's (lost) or hold one more often (repeated), a step committed
-    twice in one epoch, and a step missing from either ledger."""
-    chaos = latest_epoch_lines(chaos)
+    twice in one timeline, and a step missing from either ledger. Lines a
+    replay superseded do not count (:func:`~megascale_omni.elastic.ledger.superseded`)."""
+    chaos = qualified_lines(chaos)
     try:
         got = consumed_samples(chaos)
     except ValueError as exc:  # one step's update applied twice

@@ -7,25 +7,24 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from megascale_omni.chaos.checks import latest_epoch_lines
+from megascale_omni.chaos.checks import qualified_lines
 from megascale_omni.chaos.plan import FAULT_CLASSES
-from megascale_omni.elastic.ledger import committed_quorums
+from megascale_omni.elastic.ledger import committed_quorums, live_lines
 
 
 def uncommitted_attempts(ledger: list[dict]) -> dict[int, int]:
-    """Ledger step -> number of (step, quorum) attempts that never committed."""
-    def key(r: dict) -> tuple:
-        return r["step"], r.get("epoch", 0), r["quorum"]
-
-    committed = {key(r) for r in ledger if r["event"] == "commit" and r["committed"]}
+    """Ledger step -> number of (step, quorum) attempts whose update did not
+    survive: never committed, or committed in a timeline a fall-back to a
+    checkpoint rolled back (:func:`~megascale_omni.elastic.ledger.superseded`)."""
+    lines = qualified_lines(ledger)
+    committed = {(r["step"], r["quorum"]) for r in live_lines(lines) if r["event"] == "commit" and r["committed"]}
     try:  # attempts whose outcome line was lost with their group, committed by inference
-        inferred = committed_quorums(latest_epoch_lines(ledger))
+        committed |= set(committed_quorums(lines).items())
     except ValueError:  # a step committed twice: ledger_problems reports it
-        inferred = {}
-    committed |= {(step, epoch, quorum) for step, (epoch, quorum) in inferred.items()}
-    attempts = {key(r) for r in ledger if r["event"] == "attempt"}
+        pass
+    attempts = {(r["step"], r["quorum"]) for r in lines if r["event"] == "attempt"}
     out: dict[int, int] = {}
-    for step, _, _ in attempts - committed:
+    for step, _ in attempts - committed:
         out[step] = out.get(step, 0) + 1
     return out
 

@@ -83,7 +83,9 @@ class ChaosConfig:
     checkpoint_interval: int = 25
     #: Size of the checkpoint tmpfs (MiB): room for keep_last checkpoints and a save in flight.
     checkpoint_fs_mb: int = 64
-    data_workers: int = 0
+    #: data.num_workers of every group and the reference: one data-loader
+    #: worker per rank, so ``hang_data_worker`` has a process to stop (0 skips that class).
+    data_workers: int = 1
     #: Warm standby groups the supervisor keeps ready to replace a lost group.
     spares: int = 1
     #: Stop firing at ``duration_s`` even if planned faults are left (a
@@ -282,6 +284,7 @@ class ChaosRun:
             "startup_s": round(startup_s, 1), "chaos_s": round(chaos_s, 1), "last_step": last,
             "committed_steps_in_window": len(times), "typical_step_s": typical, "ettr": ratio,
             "rtol": self.cfg.rtol, "worst_loss_rel_diff": checks.worst_loss_difference(merged, reference),
+            "loss_rel_diff_profile": checks.loss_difference_profile(merged, reference),
             "checkpoints_verified": n_ckpt, "uncommitted_attempts": sum(lost.values()),
             "rolled_back_steps": checks.rolled_back_steps(r for recs in records for r in recs),
             "faults_planned": len(plan), "faults_not_fired": len(plan) - len(results),
@@ -331,6 +334,8 @@ def summary(result: dict) -> str:
              f"ETTR {result['ettr']:.3f} (typical step {result['typical_step_s']:.3f} s)",
              f"loss vs fault-free reference: worst relative difference {result['worst_loss_rel_diff']:.1e} "
              f"(tolerance {result['rtol']:.0e}): {loss}",
+             "worst relative loss difference per 250 steps: " + ", ".join(
+                 f"{a}-{b} {d:.1e}" for a, b, d in result.get("loss_rel_diff_profile", [])),
              f"sample ledger exactly-once: {'OK' if not p['ledger'] else p['ledger'][:3]}",
              f"checkpoints verified: {result['checkpoints_verified']}, broken: {len(p['checkpoints'])}",
              f"leftover processes: {len(p['leftover_processes'])}; interventions: {len(p['interventions'])}; "

@@ -272,21 +272,28 @@ class Supervisor:
             try:
                 env = c.environ()
                 parent_env = c.parent().environ() if c.parent() else {}
+                spawned = "--multiprocessing-fork" in c.cmdline()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             # A data worker inherits RANK from its rank; keep the rank itself (its parent has no RANK).
-            if "RANK" in env and "RANK" not in parent_env:
+            # A dead rank's spawned children adopted by omni-run (launch.adopt_orphans) are no ranks either.
+            if "RANK" in env and "RANK" not in parent_env and not spawned:
                 out[int(env["RANK"])] = c.pid
         return out
 
     def data_workers(self, slot: int) -> dict[int, list[int]]:
-        """Global rank -> pids of that rank's child processes (data-loader workers)."""
+        """Global rank -> pids of that rank's data-loader workers: its spawned
+        children (multiprocessing's resource tracker is no spawned child)
+        except its checkpoint writers, which name themselves."""
         import psutil
+
+        from megascale_omni.checkpoint.write_workers import PROCESS_NAME
 
         out = {}
         for rank, pid in self.ranks(slot).items():
             try:
-                out[rank] = [c.pid for c in psutil.Process(pid).children() if "python" in c.name()]
+                out[rank] = [c.pid for c in psutil.Process(pid).children()
+                             if "--multiprocessing-fork" in c.cmdline() and c.name() != PROCESS_NAME.decode()]
             except psutil.NoSuchProcess:
                 continue
         return out

@@ -33,6 +33,19 @@ that cost, used whenever the buffers allow it. On CUDA hosts the staging
 buffers are pinned, so async saves take the in-process path there; making
 them shared and pinned (``cudaHostRegister`` on shared pages) would give
 GPU jobs the hand-over too (not done: no GPU to test it on).
+
+Every process a save starts dies with its rank. megatron-core 0.16.1 also
+keeps its write results in ``filesystem_async._results_queue``, a
+``multiprocessing.Manager().Queue()``: a *spawned manager server process*
+per rank, started at the first save, which watches nothing. A SIGKILLed
+rank (the chaos run's ``kill_rank``, a hung rank its peer's watchdog kills)
+left that process under init, and with it multiprocessing's resource
+tracker, whose pipe it holds open: torchrun signals only the process groups
+of workers still alive. Results here are put by this process's writer
+thread and read by its training thread, so :func:`use_in_process_results_queue`
+gives megatron a ``queue.Queue`` instead, and no manager process exists.
+The writer processes end with their rank (:func:`_die_with`), and the
+resource tracker ends once they and the rank are gone.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from typing import Any, Optional
 
 import torch.multiprocessing as torch_mp
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies import filesystem_async as _fs_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 logger = logging.getLogger(__name__)
@@ -58,10 +72,26 @@ logger = logging.getLogger(__name__)
 START_METHOD = "spawn"
 #: Linux ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
+#: Linux ``prctl`` option: the process's name (``/proc/PID/comm``, what ps and psutil show).
+_PR_SET_NAME = 15
+#: The writer processes' name, so a process listing tells them from other spawned helpers (data workers).
+PROCESS_NAME = b"ckpt-write"
 #: Seconds between checks of the parent in the watch thread (where prctl is unavailable).
 PARENT_POLL_S = 0.5
 #: megatron's multiproc writer, the ``async_fn`` this module replaces.
 _MULTIPROC = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+
+def use_in_process_results_queue() -> None:
+    """Make megatron's async-save results queue an in-process ``queue.Queue``
+    (idempotent; every rank that saves asynchronously, before its first
+    save). Why: see the module docstring. Safe because every ``put`` (from
+    :meth:`WriteWorkers.write`) and ``get`` (megatron's
+    ``retrieve_write_results`` in the finalisers) happens in this process;
+    megatron's own cross-process user of the queue,
+    ``write_preloaded_data_multiproc``, is the function this module replaces."""
+    if not isinstance(_fs_async._results_queue, queue.Queue):
+        _fs_async._results_queue = queue.Queue()
 
 
 def _write_bucket(transform_list: list, index: int, bucket: Any, use_msc: bool) -> tuple[int, Any]:
@@ -88,6 +118,7 @@ def _die_with(parent: int) -> None:
     """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(PROCESS_NAME), 0, 0, 0)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
             if os.getppid() != parent:  # died between our start and the prctl
                 os._exit(0)
@@ -125,6 +156,7 @@ class WriteWorkers:
     writer thread, one request at a time."""
 
     def __init__(self, count: int):
+        use_in_process_results_queue()
         self.count = count
         self.start_method = START_METHOD
         self._workers: list[tuple[Any, Connection]] = []

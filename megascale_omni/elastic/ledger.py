@@ -40,6 +40,22 @@ quorum ``q`` if
 Otherwise step ``s`` did not commit (an attempt without outcome and
 without later steps is the last, interrupted step of the ledger). The
 samples step ``s`` consumed are the union of all attempts of ``(s, q)``.
+
+Replays, precisely (:func:`superseded`, applied before the rules above):
+when every replica group is lost at once, the job falls back to its newest
+checkpoint, step ``S``, and runs steps ``S, S+1, ...`` again; lines of the
+lost timeline, committed or not, are then superseded. The rule needs no
+extra line: a *participating* attempt (``participant`` not None) of step
+``S`` under quorum ``q0`` proves that at ``q0`` the job had committed
+exactly ``S`` steps, because a quorum agrees on one step and a group behind
+it heals forward before it participates. So every line of a step ``s >=
+S`` under a quorum ``q < q0`` belongs to a timeline that was rolled back:
+superseded, whatever its outcome. In normal operation nothing is
+superseded (a step committed under ``q`` is followed only by attempts of
+later steps under quorums ``>= q``); a step retried after a failed attempt
+supersedes that attempt, which did not commit. The rule assumes torchft's
+quorum is never split (two live timelines, e.g. a group cut off from the
+lighthouse that keeps stepping alone, are not told apart).
 Quorum ids start over when the lighthouse restarts; torchft 0.2.0 shows a
 manager no incarnation of its lighthouse (``QuorumResult`` has none), so a
 reader that spans lighthouse restarts qualifies ``quorum`` itself, e.g.
@@ -109,14 +125,40 @@ def read_ledger(directory: str | Path) -> list[dict]:
     return records
 
 
+def superseded(points: Iterable[tuple[int, Any]], step: int, quorum: Any) -> bool:
+    """Whether a line of ``step`` under ``quorum`` is superseded by a replay:
+    some ``(S, q0)`` of ``points`` (participating attempts: step, quorum) has
+    ``S <= step`` and ``q0 > quorum`` (module docstring, "Replays")."""
+    return any(s <= step and q0 > quorum for s, q0 in points)
+
+
+def replay_points(records: Iterable[dict]) -> list[tuple[int, Any]]:
+    """(step, quorum) of each participating attempt, the earliest step per
+    quorum: what :func:`superseded` compares with."""
+    first: dict[Any, int] = {}
+    for r in records:
+        if r["event"] == "attempt" and r["participant"] is not None:
+            first[r["quorum"]] = min(first.get(r["quorum"], r["step"]), r["step"])
+    return [(s, q) for q, s in first.items()]
+
+
+def live_lines(records: Iterable[dict]) -> list[dict]:
+    """``records`` without the lines a replay superseded (:func:`superseded`)."""
+    records = list(records)
+    points = replay_points(records)
+    return [r for r in records if not superseded(points, r["step"], r["quorum"])]
+
+
 def committed_quorums(records: Iterable[dict]) -> dict[int, Any]:
     """Committed step -> the quorum it committed under, by the module
-    docstring's rules (recorded outcome, else inferred from later steps).
+    docstring's rules (replayed lines superseded; recorded outcome, else
+    inferred from later steps).
 
-    Raises ValueError if a step committed under two different quorums (the
-    same update applied twice would be a torchft bug, not a data issue).
+    Raises ValueError if a step committed under two different quorums of
+    one timeline (the same update applied twice would be a torchft bug, not
+    a data issue).
     """
-    records = list(records)
+    records = live_lines(records)
     out: dict[int, Any] = {}
     # (step, quorum, replica, writer's inner DP rank) -> attempt lines minus outcome lines.
     open_tries: Counter = Counter()
@@ -144,7 +186,7 @@ def consumed_samples(records: Iterable[dict]) -> dict[int, list[int]]:
     """Committed step -> sample ids its update consumed (with repeats, in
     participant order), from :func:`read_ledger` records; committed as
     :func:`committed_quorums` decides (raises its ValueError)."""
-    records = list(records)
+    records = live_lines(records)
     attempts: dict[tuple[int, Any], dict[tuple[str, int], list[int]]] = defaultdict(dict)
     for r in records:
         if r["event"] == "attempt" and r["participant"] is not None:

@@ -311,12 +311,13 @@ class ElasticMembership:
             )
 
     def annotate(self, record: dict, share: StepShare) -> None:
-        """Replica fields of the step record: participants, quorum wait,
-        healed, the payload bytes this rank sent to cross-replica
+        """Replica fields of the step record: participants, the quorum id
+        it committed under (the ledger's replay rule reads it), quorum wait, healed, the payload bytes this rank sent to cross-replica
         all-reduces in the step (gradients, token count, loss report), and
         how many gradient bucket groups' sums started during backward."""
         p = self.quorum.participation
-        record.update(participants=p.size, quorum_s=self.quorum.quorum_wait_s, healed=not p.participating,
+        record.update(participants=p.size, quorum=p.quorum_id, quorum_s=self.quorum.quorum_wait_s,
+                      healed=not p.participating,
                       cross_replica_bytes=self.sums.bytes_sent,
                       cross_replica_early_buckets=self.sums.early_buckets)
 

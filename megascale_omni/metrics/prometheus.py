@@ -14,6 +14,10 @@ The loss-owning rank of each replica group (the rank whose
   and ``megascale_moe_expert_tokens{layer,expert}``: the step record's
   per-MoE-layer lists (:data:`LAYER_FIELDS`), one series per element;
   ``layer`` counts the MoE layers in order (0 = the first MoE layer).
+- ``megascale_checkpoint_failed_saves_total``: the step record's
+  ``checkpoint_failed_saves`` (:data:`COUNTER_FIELDS`: counts that only grow
+  while the process lives, exported as counters, so ``increase()`` alerts
+  on a failed save).
 - ``megascale_steps_total``: step records this process logged (a counter:
   ``rate()`` is steps per second; it restarts at 0 with the process).
 - ``megascale_last_step_timestamp_seconds``: Unix time of the last step
@@ -71,6 +75,8 @@ def exported_fields(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+#: Step-record fields that are counts growing over the process's life: counters (``<name>_total``), not gauges.
+COUNTER_FIELDS = frozenset({"checkpoint_failed_saves"})
 #: List fields of the step record exported one series per MoE layer (lists of lists: per layer and expert).
 LAYER_FIELDS = ("moe_load_max", "moe_tokens_dropped", "moe_expert_tokens")
 
@@ -118,7 +124,8 @@ class StepRecordCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fields, layered, steps, at = self._snapshot
         for name, value in fields.items():
-            yield self._one(GaugeMetricFamily(PREFIX + name, _help(name), labels=self._label_names), value)
+            kind = CounterMetricFamily if name in COUNTER_FIELDS else GaugeMetricFamily
+            yield self._one(kind(PREFIX + name, _help(name), labels=self._label_names), value)
         for name, series in layered.items():
             per = ["layer", "expert"] if series and len(series[0][0]) == 2 else ["layer"]
             family = GaugeMetricFamily(PREFIX + name, _help(name), labels=[*self._label_names, *per])

@@ -60,6 +60,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "optimizer_s": ("s", "optimizer step, grad-norm collectives included"),
     "metrics_s": ("s", "building and exporting the previous step's record, collecting the group's rank rows"),
     "checkpoint_s": ("s", "training blocked by a checkpoint at the step boundary"),
+    "checkpoint_failed_saves": ("", "checkpoint saves abandoned so far by this process (no space, a rank's "
+                                    "write or the commit failed; docs/checkpoints.md); absent without checkpoints"),
     "control_s": ("s", "the step boundary's exchanges: metrics (record, rank rows) and control commands"),
     "other_s": ("s", "step_s minus every component above"),
     "fwd_bwd_s": ("s", "compute_s + pipeline_wait_s + moe_dispatch_s + grad_sync_s + cross_replica_s"),
@@ -98,6 +100,7 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "stragglers": ("", "ranks flagged slow (list)"),
     # elastic
     "participants": ("", "replica groups in the quorum"),
+    "quorum": ("", "torchft quorum id of the step (increases within one lighthouse's life)"),
     "healed": ("bool", "this group received state from a peer this step"),
     "cross_replica_bytes": ("bytes", "payload this rank handed to cross-replica all-reduces this step "
                                      "(gradients or their shard, token count, loss report)"),

@@ -154,6 +154,8 @@ class Trainer:
         self.history: list[dict] = []
         #: This rank's optimizer state in bytes, measured once Adam has state (after the first step).
         self._optimizer_state_bytes = 0
+        #: Whether this process has received micro-batches once (its data workers are up).
+        self._data_started = False
         # Enters the quorum in train() (a standby replica group on `omni-ctl join`).
         self.membership = build_membership(self.state, cfg.elastic, data_parallel_rank())
         # Replica groups share the checkpoint directories; one writes.
@@ -308,8 +310,11 @@ class Trainer:
         beat.enter("quorum")
         share = self.membership.begin_step()
         t_quorum = time.perf_counter()
-        beat.enter("data-wait")
+        # The first wait of this process includes its data-loader workers' start-up (tens of seconds on a
+        # loaded host): a start, not a hang, bounded by step_timeout_s (watchdog/heartbeat.py).
+        beat.enter("data-wait" if self._data_started else "data-start")
         mbs = self.membership.microbatches(share)
+        self._data_started = True
         t_data = time.perf_counter() - t_quorum
         # What ran since the previous step (its record, the boundary; not
         # evaluation) counts toward this one.
@@ -334,6 +339,8 @@ class Trainer:
         if not self._optimizer_state_bytes:
             self._optimizer_state_bytes = optimizer_state_bytes(self.state.optimizer, self.state.chunks)
         extra["optimizer_state_bytes"] = self._optimizer_state_bytes
+        if self.checkpointer.enabled:
+            extra["checkpoint_failed_saves"] = self.checkpointer.failed_saves
         t_record = time.perf_counter()
         step_s = t_record - t0 + boundary_s
         timing = StepTiming(step_s, t_data, membership_s, **self._boundary)

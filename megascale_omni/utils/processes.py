@@ -1,4 +1,5 @@
-"""Killing a launched job: its process group and every descendant's."""
+"""Killing a launched job: its process group and every descendant's; a
+launcher that adopts and ends what its dead workers left behind."""
 
 from __future__ import annotations
 
@@ -34,3 +35,51 @@ def kill_process_tree(proc: subprocess.Popen, reap: bool = True) -> None:
             pass
     if reap:
         proc.wait()
+
+
+#: Linux ``prctl`` option: orphaned descendants are re-parented to this process instead of init.
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> bool:
+    """Make this process the child subreaper of its descendants (Linux;
+    False elsewhere or if refused): a descendant whose parent dies is
+    re-parented here, not to init, so it stays findable through this
+    process (:func:`end_descendants`). Call it before starting children."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def end_descendants() -> int:
+    """SIGKILL every live descendant of this process and its process group,
+    then reap this process's exited children; returns how many were alive.
+    For a launcher whose workers are done: what is left is a leftover of a
+    worker that died without cleanup (its children re-parented here by
+    :func:`adopt_orphans`)."""
+    import psutil
+
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.Error:
+            continue  # exited since it was listed
+    for p in left:
+        for kill in (lambda: os.killpg(p.pid, signal.SIGKILL), p.kill):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass  # not a group leader, or gone already
+    while True:  # adopted children are ours to reap
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+    return len(left)

@@ -15,6 +15,8 @@ phase                       where                                           limi
 =========================== =============================================== ==============================
 ``quorum``                  elastic quorum and heal before the step         ``step_timeout_s`` (torchft's
                                                                             ``elastic.quorum_timeout_s``)
+``data-start``              this process's first micro-batches (its data-   ``step_timeout_s``
+                            loader workers start: no hang)
 ``data-wait``               this rank's micro-batches                       ``data_wait_timeout_s``
 ``forward-backward``        compute inside megatron's schedule              ``step_timeout_s``
 ``pipeline-wait``           a pipeline send/receive                         ``collective_timeout_s``

@@ -8,8 +8,8 @@ without anyone acting, every committed step's loss within RTOL of the
 reference, the sample ledger exactly-once, every checkpoint left behind
 intact, no process of the run left over.
 
-``make test`` runs it once (about 3 minutes on an idle 2-core machine);
-``make test-all`` adds the 30-minute soak of >= 50 faults of >= 8 classes.
+``make test-all`` runs it once (about 4 minutes on an idle 2-core machine)
+and the 30-minute soak of >= 50 faults of >= 8 classes.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _assert_proofs(result: dict) -> None:
 MAY_SKIP = {
     "kill_scheduler": {capabilities.NEEDS_SCHEDULER},
     "hang_rank": {capabilities.NEEDS_WATCHDOG},
-    "hang_data_worker": {capabilities.NEEDS_WATCHDOG, capabilities.NEEDS_DATA_WORKERS},
+    "hang_data_worker": {capabilities.NEEDS_WATCHDOG},
     "preflight_fail": {capabilities.NEEDS_PREFLIGHT},
     "ckpt_enospc": {capabilities.NEEDS_ROOT_MOUNT},
 }
@@ -69,9 +69,10 @@ def _check_coverage(result: dict) -> set[str]:
     return fired
 
 
-# Slow (make test-all) until it passes every time: in 2 of the last 4 runs on main a SIGSTOPped rank, once
-# killed, left its checkpoint writer and resource tracker under init although the writer sets
-# PR_SET_PDEATHSIG (checkpoint/write_workers.py), and the proof of no leftovers failed. See docs/operations.md.
+# Slow (make test-all), for time, not for the leftover bug (fixed: docs/operations.md, known gaps). One fault of
+# each of 10 classes, each waited out, cannot fit make test's 200 s budget: 227 s on main at load average 8; on
+# 2026-12-02 at load average 80-170 (other helpers' runs) its faults took 50-220 s each and the run met its
+# 900 s timeout at fault 7 of 10, every fault before it recovered.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_chaos_run_every_available_fault_class_nothing_lost(tmp_path):

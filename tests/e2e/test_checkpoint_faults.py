@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from megascale_omni.checkpoint import layout
+from megascale_omni.checkpoint.write_workers import PROCESS_NAME
 from tests.launcher import REPO, finish, launch_cmd, spawn
 from tests.one_process import tiny_gpt_trainer
 
@@ -64,10 +65,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
+
+
 def test_writer_process_dies_with_its_sigkilled_rank():
     parent = spawn([sys.executable, "-c", PARENT], timeout=120)
     try:
-        line, deadline = "", time.monotonic() + 120  # a hang guard: two interpreter starts on a loaded host
+        line, deadline = "", time.monotonic() + 180  # a hang guard: two interpreter starts on a loaded host
         while not line and time.monotonic() < deadline and parent.poll() is None:
             parent._megascale_logs[0].seek(0)  # type: ignore[attr-defined]
             line = parent._megascale_logs[0].readline()
@@ -75,6 +83,11 @@ def test_writer_process_dies_with_its_sigkilled_rank():
         assert line, f"the parent reported no writer\n{finish(parent, 10).stderr[-3000:]}"
         worker, tracker, helper = (int(x) for x in line.split())
         assert _alive(worker) and _alive(tracker) and _alive(helper)
+        # Past its interpreter's start-up (which takes over 30 s on a loaded host): it names itself right
+        # before it asks for the parent-death signal.
+        while _name(worker) != PROCESS_NAME.decode() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _name(worker) == PROCESS_NAME.decode(), "the writer never finished starting"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=30)
         deadline = time.monotonic() + 30  # generous: the kernel signals at once
@@ -131,6 +144,9 @@ def test_out_of_space_abandons_the_save_and_training_goes_on(tmp_path, nproc, fu
     for info in found.values():
         assert info.complete and layout.verify(info) == [], (info.path, layout.verify(info))
     assert not (ckpt / layout.step_dir_name(4)).exists()
+    # The step records count it (megascale_checkpoint_failed_saves_total on Prometheus).
+    failed = [r["checkpoint_failed_saves"] for _, r in sorted(_steps(tmp_path / "a").items())]
+    assert failed[:4] == [0, 0, 0, 0] and failed[-1] == 1 and failed == sorted(failed), failed
 
     # The save after the failed one resumes bit-identically.
     resumed = finish(spawn(_smoke(nproc, tmp_path / "b", tmp_path / "ckpt_b", 8,

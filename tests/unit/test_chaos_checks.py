@@ -59,8 +59,8 @@ def _ledger(steps: dict[int, list[list[int]]], uncommitted: tuple = ()) -> list[
             lines.append({"event": "attempt", "step": step, "quorum": 1, "replica": f"r{p}", "participant": p,
                           "participants": len(shares), "dp_rank": p, "dp_size": len(shares), "samples": samples})
         lines.append({"event": "commit", "step": step, "quorum": 1, "replica": "r0", "committed": True})
-    for step, samples in uncommitted:  # an attempt under quorum 9 that never committed
-        lines.append({"event": "attempt", "step": step, "quorum": 9, "replica": "r1", "participant": 1,
+    for step, samples in uncommitted:  # an earlier attempt (quorum 0) that never committed
+        lines.append({"event": "attempt", "step": step, "quorum": 0, "replica": "r1", "participant": 1,
                       "participants": 2, "dp_rank": 1, "dp_size": 2, "samples": samples})
     return lines
 
@@ -115,6 +115,8 @@ def test_losses_equal_within_tolerance_and_a_planted_mismatch_is_caught():
     [line] = checks.loss_mismatches(merged, {1: 4.0, 2: 3.03}, rtol=1e-4)
     assert line.startswith("step 2: loss 3.0 vs reference 3.03")
     assert checks.worst_loss_difference(merged, {1: 4.0, 2: 3.03}) == pytest.approx(0.03 / 3.03)
+    assert checks.loss_difference_profile(merged, {1: 4.0, 2: 3.03}, span=1) == [
+        (1, 1, 0.0), (2, 2, pytest.approx(0.03 / 3.03))]
 
 
 def test_records_that_disagree_or_skip_a_step_are_caught():
@@ -181,3 +183,53 @@ def test_a_fall_back_to_a_checkpoint_counts_only_the_latest_epoch():
     merged, problems = checks.merge_step_records([records])
     assert problems == [] and merged[2]["loss"] == 3.1
     assert checks.rolled_back_steps(records) == 1
+
+
+def _timeline(steps: dict[int, tuple[int, list[list[int]]]], committed: bool = True) -> list[dict]:
+    """Ledger lines: step -> (quorum, one sample list per participant); r0 writes the outcome."""
+    lines = []
+    for step, (quorum, shares) in steps.items():
+        for p, samples in enumerate(shares):
+            lines.append({"event": "attempt", "step": step, "quorum": quorum, "replica": f"r{p}", "participant": p,
+                          "participants": len(shares), "dp_rank": p, "dp_size": len(shares), "samples": samples})
+        if committed:
+            lines.append({"event": "commit", "step": step, "quorum": quorum, "replica": "r0", "committed": True})
+    return lines
+
+
+def test_a_fall_back_under_the_same_lighthouse_supersedes_the_lost_timeline():
+    """Ledger steps 0-3 committed under quorums 1-4 by two groups; then every
+    group died (the lighthouse lived on) and the job resumed from the
+    checkpoint of step 2: steps 2, 3, 4 ran again under quorums 6-8 with one
+    group, another split. The replayed steps are not committed twice, no
+    sample is lost or repeated, and the lost timeline's attempts count as
+    thrown away. A replay that loses a sample is still caught."""
+    reference = _ledger({0: [[1, 2, 3, 4]], 1: [[5, 6, 7, 8]], 2: [[9, 10, 11, 12]], 3: [[13, 14, 15, 16]],
+                         4: [[17, 18, 19, 20]]})
+    lost = _timeline({0: (1, [[1, 2], [3, 4]]), 1: (2, [[5, 6], [7, 8]]), 2: (3, [[9, 10], [11, 12]]),
+                      3: (4, [[13, 14], [15, 16]])})
+    lost += _timeline({4: (5, [[17, 18], [19, 20]])}, committed=False)  # in flight when every group died
+    replay = _timeline({2: (6, [[9, 10, 11, 12]]), 3: (7, [[13, 14, 15, 16]]), 4: (8, [[17, 18, 19, 20]])})
+    assert checks.ledger_problems(lost + replay, reference, last_step=5) == []
+    assert report.uncommitted_attempts(lost + replay) == {2: 1, 3: 1, 4: 1}
+    short = _timeline({2: (6, [[9, 10, 11]]), 3: (7, [[13, 14, 15, 16]]), 4: (8, [[17, 18, 19, 20]])})
+    assert checks.ledger_problems(lost + short, reference, last_step=5) == ["ledger step 2: samples lost [12]"]
+    # Without the replay (no attempt of step 2 under a later quorum) two commits of one step are still an error.
+    twice = lost + [{"event": "commit", "step": 3, "quorum": 7, "replica": "r0", "committed": True}]
+    [problem] = checks.ledger_problems(twice, reference, last_step=4)
+    assert "step 3 committed under quorums (0, 4) and (0, 7)" in problem
+
+
+def test_step_records_of_a_rolled_back_timeline_give_way_to_the_replay():
+    """Step records carry their quorum: records 3 and 4 (ledger steps 2, 3)
+    of the lost timeline are superseded by the replay's, which ran with
+    another membership (its losses differ in the last bits)."""
+    lost = [{"step": s, "loss": 5.0 - s, "quorum": s, "participants": 2} for s in (1, 2, 3, 4)]
+    replay = [{"step": s, "loss": 5.0 - s + 1e-7, "quorum": s + 3, "participants": 1} for s in (3, 4, 5)]
+    merged, problems = checks.merge_step_records([lost, replay])
+    assert problems == [] and sorted(merged) == [1, 2, 3, 4, 5]
+    assert [merged[s]["quorum"] for s in (1, 2, 3, 4, 5)] == [1, 2, 6, 7, 8]
+    assert checks.rolled_back_steps(lost + replay) == 2
+    # A healing group's record proves nothing about the job's step; two records of one timeline must agree.
+    _, problems = checks.merge_step_records([lost, [{**lost[2], "loss": 1.5}]])
+    assert problems == ["step 3: groups report losses 2.0 and 1.5"]

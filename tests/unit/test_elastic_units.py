@@ -8,7 +8,9 @@ import pytest
 
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
 from megascale_omni.data.balance import microbatch_shares, split_balanced_counts
-from megascale_omni.elastic.ledger import SampleLedger, consumed_samples, read_ledger
+from megascale_omni.elastic.ledger import (
+    SampleLedger, committed_quorums, consumed_samples, read_ledger, replay_points, superseded,
+)
 from megascale_omni.elastic.peer_state import check_peer_state, replica_config
 
 ELASTIC = {"enabled": True, "lighthouse": "http://localhost:29510", "replica_id": "r1"}
@@ -261,6 +263,27 @@ def test_ledger_infers_a_lost_outcome_from_later_steps(tmp_path):
     # A recorded outcome wins over inference; a later step alone proves nothing of its own.
     assert consumed_samples(records + [{"event": "commit", "step": 0, "quorum": 1, "replica": "r1",
                                         "committed": True}]) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+def test_ledger_replay_rule_supersedes_only_a_rolled_back_timeline():
+    """``superseded``: a participating attempt of step S under quorum q0
+    supersedes lines of steps >= S under quorums < q0. A normal ledger (steps
+    committed under increasing quorums, a failed try retried) loses nothing
+    to the rule; a fall-back to step 1 under quorum 9 supersedes steps 1-2
+    of quorums 2-3 and keeps step 0."""
+    normal = [(0, 1), (1, 2), (1, 4), (2, 4), (3, 5)]  # step 1 failed under 2, retried and committed under 4
+    points = [(s, q) for s, q in normal]
+    assert [superseded(points, s, q) for s, q in normal] == [False, True, False, False, False]
+    points += [(1, 9)]
+    assert [superseded(points, s, q) for s, q in [(0, 1), (1, 4), (2, 4), (3, 5), (1, 9), (2, 10)]] == [
+        False, True, True, True, False, False]
+    lines = [{"event": "attempt", "step": s, "quorum": q, "replica": "r0", "participant": 0, "participants": 1,
+              "dp_rank": 0, "dp_size": 1, "samples": [s]} for s, q in [(0, 1), (1, 2), (2, 3), (1, 9), (2, 10)]]
+    lines += [{"event": "commit", "step": s, "quorum": q, "replica": "r0", "dp_rank": 0, "committed": True}
+              for s, q in [(0, 1), (1, 2), (2, 3), (1, 9), (2, 10)]]
+    assert replay_points(lines) == [(0, 1), (1, 2), (2, 3), (1, 9), (2, 10)]
+    assert committed_quorums(lines) == {0: 1, 1: 9, 2: 10}
+    assert consumed_samples(lines) == {0: [0], 1: [1], 2: [2]}
 
 
 class _Work:

@@ -64,6 +64,19 @@ def test_sink_serves_the_last_step_record(tmp_path):
     sink.close()  # idempotent
 
 
+def test_failed_checkpoint_saves_are_a_counter():
+    exporter = PrometheusExporter("127.0.0.1", 0)
+    try:
+        exporter.observe({"step": 7, "loss": 2.0, "checkpoint_failed_saves": 2})
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        exporter.close()
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert kinds["megascale_checkpoint_failed_saves"] == "counter" and kinds["megascale_loss"] == "gauge"
+    assert "megascale_checkpoint_failed_saves_total 2.0" in text
+
+
 def test_exporters_in_one_process_keep_their_own_registries():
     a, b = PrometheusExporter("127.0.0.1", 0), PrometheusExporter("127.0.0.1", 0)
     try:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -73,3 +74,26 @@ def test_kill_process_tree_kills_children_in_their_own_sessions():
     assert proc.returncode == -9  # reaped
     child.wait(timeout=10)
     assert not child.is_running()
+
+
+ADOPTER = """
+import os, subprocess, sys, time
+import psutil
+from megascale_omni.utils.processes import adopt_orphans, end_descendants
+assert adopt_orphans()
+middle = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
+                         "'import time; time.sleep(60)'], start_new_session=True, stdout=subprocess.DEVNULL, "
+                         "stderr=subprocess.DEVNULL).pid)"], capture_output=True, text=True)
+orphan = psutil.Process(int(middle.stdout))  # its parent has exited
+print(orphan.ppid() == os.getpid(), end_descendants(), end=" ")
+time.sleep(0.2)
+print(not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE)
+"""
+
+
+def test_a_launcher_adopts_what_a_dead_child_left_and_ends_it():
+    """omni-run's net (launch.end_leftovers): a grandchild whose parent died
+    is re-parented to the subreaper, not init, and ended by end_descendants."""
+    out = subprocess.run([sys.executable, "-c", ADOPTER], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.split() == ["True", "1", "True"], out.stderr[-2000:]

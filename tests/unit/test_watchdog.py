@@ -92,6 +92,7 @@ def test_the_step_reports_its_phases_through_the_phase_clock():
 # ---------------------------------------------------------------- deadlines
 @pytest.mark.parametrize("phase, limit, setting", [
     ("data-wait", 20.0, "watchdog.data_wait_timeout_s"),
+    ("data-start", 100.0, "watchdog.step_timeout_s"),  # the first batch waits for the data workers to start
     ("pipeline-wait", 10.0, "watchdog.collective_timeout_s"),
     ("grad-sync", 10.0, "watchdog.collective_timeout_s"),
     ("cross-replica-allreduce", 10.0, "watchdog.collective_timeout_s"),
