@@ -3,8 +3,8 @@
 Layout of ``out_dir``::
 
     dataset.json       description: build args, generator config, splits, vocab size
-    tokenizer.json     word-level tokenizer covering every dataset word (the
-                       clips' words and ``<video>`` too, whatever the mix)
+    tokenizer.json     word-level tokenizer covering every dataset word (with
+                       clips: the clips' words and ``<video>`` too)
     train/             shards + index.json, generator stream 0
     val/               shards + index.json, generator stream 1 (disjoint from train)
 
@@ -122,7 +122,7 @@ def make_shapes_dataset(out_dir: str | os.PathLike, num_train: int = 4000, num_v
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        tokenizer = build_word_tokenizer(vocabulary(), tmp / TOKENIZER_FILENAME)
+        tokenizer = build_word_tokenizer(vocabulary(clips=bool(video_fraction)), tmp / TOKENIZER_FILENAME)
         # Token counts in the index: a run with this tokenizer plans from index.json alone.
         coster = LlavaEncoder(tokenizer, tokens_per_image=1)
         kinds = SAMPLE_KINDS + ((KIND_VIDEO,) if video_fraction else ())
@@ -230,5 +230,5 @@ def make_shapes_llava_json(out_dir: str | os.PathLike, num_train: int = 4000, nu
         samples = list(generate_samples(num, seed, config, stream=SPLIT_STREAMS[split]))
         write_llava_json(samples, out / split)
         written[split] = len(samples)
-    build_word_tokenizer(vocabulary(), out / TOKENIZER_FILENAME)
+    build_word_tokenizer(vocabulary(clips=False), out / TOKENIZER_FILENAME)
     return written

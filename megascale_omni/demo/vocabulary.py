@@ -1,7 +1,7 @@
-"""The word vocabulary of the LLaVA shapes demo: the image samples' words
-(:mod:`megascale_omni.demo.shapes`), the clips' and ``<video>``
-(:mod:`megascale_omni.demo.video_shapes`). One tokenizer whatever the mix,
-and known without building a dataset (no torch import: the registry's
+"""The word vocabularies of the LLaVA shapes demo: the image samples' words
+(:mod:`megascale_omni.demo.shapes`) and, for a build with clips, the
+clips' words and ``<video>`` (:mod:`megascale_omni.demo.video_shapes`).
+Known without building a dataset (no torch import: the registry's
 ``default_vocab`` is read while a config is validated)."""
 
 from __future__ import annotations
@@ -10,15 +10,22 @@ from megascale_omni.demo.shapes import dataset_vocabulary
 from megascale_omni.demo.video_shapes import clip_vocabulary
 
 
-def vocabulary() -> list[str]:
-    """Every word of the image samples and of the clips, sorted (excludes ``<image>``)."""
-    return sorted(set(dataset_vocabulary()) | set(clip_vocabulary()))
+def vocabulary(clips: bool = True) -> list[str]:
+    """Every word of the image samples and, with ``clips``, of the clips,
+    sorted (excludes ``<image>``). An image-only build keeps the image words
+    alone: its token ids (and so every tiny-LLaVA trajectory the layout and
+    resume tests compare at 1e-6) do not depend on words it never holds."""
+    words = set(dataset_vocabulary())
+    if clips:
+        words |= set(clip_vocabulary())
+    return sorted(words)
 
 
 def word_tokenizer_size() -> int:
-    """Ids of the word tokenizer a shapes dataset is built with (the special
-    tokens and :func:`vocabulary`): the LLaVA family's ``default_vocab``,
-    checked before the dataset exists."""
+    """Ids of the largest tokenizer a shapes dataset is built with (the
+    special tokens and :func:`vocabulary` with clips): the LLaVA family's
+    ``default_vocab``, the bound ``model.vocab_size`` is checked against
+    before the dataset exists (an image-only build's is smaller)."""
     from megascale_omni.data.tokenizer import SpecialTokens
 
     return len(SpecialTokens().in_id_order()) + len(vocabulary())

@@ -202,8 +202,8 @@ def test_make_shapes_dataset_is_byte_identical_and_readable(tmp_path):
     assert desc == json.loads(a["dataset.json"])
     assert desc["splits"]["train"]["num_samples"] == 60 and desc["splits"]["val"]["num_samples"] == 20
     assert sum(desc["splits"]["train"]["kind_counts"].values()) == 60
-    # One tokenizer whatever the mix: the image samples' words, the clips' and <video>.
-    assert desc["vocab_size"] == load_shapes_tokenizer(tmp_path / "a").vocab_size == 5 + len(vocabulary())
+    # An image-only build: the image samples' words alone (a build with clips adds theirs and <video>).
+    assert desc["vocab_size"] == load_shapes_tokenizer(tmp_path / "a").vocab_size == 5 + len(vocabulary(clips=False))
     assert set(dataset_vocabulary()) < set(vocabulary()) and "<video>" in vocabulary()
     assert not list(tmp_path.glob(".*tmp*")), "temporary build directory left behind"
 
@@ -222,6 +222,7 @@ def test_a_video_fraction_spreads_clips_among_the_image_samples(tmp_path):
     from megascale_omni.demo.video_shapes import generate_clip
 
     desc = make_shapes_dataset(tmp_path / "v", **BUILD, video_fraction=0.2)
+    assert desc["vocab_size"] == load_shapes_tokenizer(tmp_path / "v").vocab_size == 5 + len(vocabulary())
     assert desc["build_args"]["video_fraction"] == 0.2 and desc["clips"] == {"frames": 4, "size": 32, "extent": 12}
     assert desc["splits"]["train"]["kind_counts"]["video"] == 12 and desc["splits"]["val"]["kind_counts"]["video"] == 4
     train = open_shapes_split(tmp_path / "v", "train")
@@ -271,7 +272,7 @@ def test_cli(tmp_path, capsys):
     spec.loader.exec_module(cli)
     argv = ["--out", str(tmp_path / "ds"), "--num-train", "30", "--num-val", "10", "--samples-per-shard", "16"]
     assert cli.main(argv) == 0
-    assert "vocab_size=76" in capsys.readouterr().out
+    assert "vocab_size=65" in capsys.readouterr().out  # image-only: no clip words
     assert json.loads((tmp_path / "ds" / "dataset.json").read_text())["splits"]["train"]["num_shards"] == 2
     assert cli.main(argv) == 1  # refuses to overwrite without --overwrite
     assert cli.main(argv + ["--overwrite"]) == 0
