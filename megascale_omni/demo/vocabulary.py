@@ -6,8 +6,13 @@ Known without building a dataset (no torch import: the registry's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megascale_omni.demo.shapes import dataset_vocabulary
 from megascale_omni.demo.video_shapes import clip_vocabulary
+
+if TYPE_CHECKING:
+    from megascale_omni.config.schema import JobConfig
 
 
 def vocabulary(clips: bool = True) -> list[str]:
@@ -21,11 +26,12 @@ def vocabulary(clips: bool = True) -> list[str]:
     return sorted(words)
 
 
-def word_tokenizer_size() -> int:
-    """Ids of the largest tokenizer a shapes dataset is built with (the
-    special tokens and :func:`vocabulary` with clips): the LLaVA family's
-    ``default_vocab``, the bound ``model.vocab_size`` is checked against
-    before the dataset exists (an image-only build's is smaller)."""
+def word_tokenizer_size(cfg: JobConfig) -> int:
+    """Ids of the word tokenizer the embedded shapes dataset of ``cfg`` is
+    built with (the special tokens and :func:`vocabulary`, with clips when
+    ``data.default_video_fraction`` > 0): the LLaVA family's
+    ``default_vocab``, checked before the dataset exists."""
     from megascale_omni.data.tokenizer import SpecialTokens
 
-    return len(SpecialTokens().in_id_order()) + len(vocabulary())
+    clips = bool(cfg.data.default_video_fraction)
+    return len(SpecialTokens().in_id_order()) + len(vocabulary(clips=clips))

@@ -74,7 +74,7 @@ class ModelFamily:
     #: ``"module:function"`` ``cfg -> dataset directory`` building the embedded
     #: default dataset when ``data.path`` is null (the demo), or None.
     default_dataset: Optional[str] = None
-    #: ``"module:function"`` ``() -> int``: the vocabulary size of that default
+    #: ``"module:function"`` ``(cfg) -> int``: the vocabulary size of that default
     #: dataset's tokenizer, known without building it (None: not checked up front).
     default_vocab: Optional[str] = None
     #: ``"module:function"`` ``(cfg, default_vocab) -> None``: the static check

@@ -46,7 +46,8 @@ def test_a_vocabulary_below_the_tokenizers_exits_2_before_any_worker(tmp_path):
                     f"logging.output_dir={tmp_path}", "model.vocab_size=10")
     assert res.returncode == 2, res.output[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert lines == ["config error: model.vocab_size=10: is smaller than the tokenizer's 65; "
+    # The demo config's set has clips: 76 words (65 without, tests/unit/test_prelaunch_checks.py).
+    assert lines == ["config error: model.vocab_size=10: is smaller than the tokenizer's 76; "
                      "set 0 to use the tokenizer's"]
     assert not tmp_path.joinpath("config.yaml").exists()  # no worker ran
 

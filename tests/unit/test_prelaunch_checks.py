@@ -245,7 +245,13 @@ def test_default_vocab_is_the_built_shapes_tokenizers(tmp_path):
     from megascale_omni.data.tokenizer import build_word_tokenizer
     from megascale_omni.demo.vocabulary import vocabulary, word_tokenizer_size
 
-    assert word_tokenizer_size() == build_word_tokenizer(vocabulary(), tmp_path / "t.json").vocab_size == 76
+    from megascale_omni.config import load_job_config
+
+    with_clips = load_job_config(["--config", LLAVA])  # the demo config: a fifth of the set is clips
+    image_only = load_job_config(["--config", LLAVA, "data.default_video_fraction=0"])
+    assert word_tokenizer_size(with_clips) == build_word_tokenizer(vocabulary(), tmp_path / "t.json").vocab_size == 76
+    assert word_tokenizer_size(image_only) == build_word_tokenizer(vocabulary(clips=False),
+                                                                   tmp_path / "i.json").vocab_size == 65
 
 
 @pytest.mark.parametrize("fmt", ["words", "chat"])

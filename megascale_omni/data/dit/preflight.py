@@ -11,7 +11,7 @@ from megascale_omni.data.dataset_root import check_paths
 HOW_TO_MAKE = "tools/make_dit_latents.py"
 
 
-def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[], int]] = None) -> None:
+def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[JobConfig], int]] = None) -> None:
     """ConfigError for a ``data.path`` without a ``train/`` split or a
     ``data.tokenizer`` that does not exist (stat calls only). The caption
     vocabulary follows the tokenizer, so ``default_vocab`` is unused."""

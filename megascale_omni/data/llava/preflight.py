@@ -51,12 +51,12 @@ def check_vocab_size(cfg: JobConfig, tokenizer_vocab: int) -> None:
         )
 
 
-def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[], int]] = None) -> None:
+def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[JobConfig], int]] = None) -> None:
     """Raise ConfigError for the first LLaVA input that cannot work (every
     rank and omni-run, before any process group): ``data.path`` and each
     ``data.blend`` member without a ``train/`` split, a ``data.tokenizer``
     or ``data.image_processor`` that does not exist, ``model.vocab_size``
-    below the tokenizer's (``default_vocab()``: the embedded default
+    below the tokenizer's (``default_vocab(cfg)``: the embedded default
     dataset's, known without building it), and ``model.seq_length`` with no
     room for one image."""
     root = check_paths(cfg, default_available=True, how_to_make=HOW_TO_MAKE)
@@ -73,10 +73,10 @@ def check_inputs(cfg: JobConfig, default_vocab: Optional[Callable[[], int]] = No
 
 
 def _tokenizer_vocab(cfg: JobConfig, root: Optional[Path],
-                     default_vocab: Optional[Callable[[], int]]) -> Optional[int]:
+                     default_vocab: Optional[Callable[[JobConfig], int]]) -> Optional[int]:
     """The tokenizer's vocabulary size when it can be read cheaply, else None."""
     if root is None and not cfg.data.tokenizer:  # the embedded default dataset, built by the workers
-        return default_vocab() if default_vocab is not None and cfg.model.vocab_size else None
+        return default_vocab(cfg) if default_vocab is not None and cfg.model.vocab_size else None
     if cfg.data.format == "words":
         # What the workers load (ConfigError for a wrong path, DataFileError,
         # exit 3, for a file that is no tokenizer); tokenizers only, cheap.
