@@ -38,7 +38,9 @@ class TokensData(DataModule):
                  default_dataset: Optional[DefaultDataset] = None):
         super().__init__(cfg, platform, dims, default_dataset)
         self.seq_length = cfg.model.seq_length
-        self.vocab_size = cfg.model.vocab_size
+        # The model's rows: padded like an imported checkpoint's (model.padded_vocab_size); the data draws
+        # token ids below model.vocab_size only.
+        self.vocab_size = cfg.model.padded_vocab_size(cfg.model.vocab_size)
         self.dataset = ArithmeticTokenDataset(NUM_SAMPLES, cfg.model.seq_length, cfg.model.vocab_size,
                                               seed=cfg.train.seed)
         self.plan = SamplePlan(NUM_SAMPLES, cfg.train.global_batch_size, seed=cfg.train.seed)

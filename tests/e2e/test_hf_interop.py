@@ -24,7 +24,7 @@ import torch
 
 from tests import hf_models
 from tests.hf_models import our_logits, tool_main
-from tests.launcher import REPO, run, run_tool_in_process
+from tests.launcher import REPO, read_metrics, run, run_tool_in_process
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -342,3 +342,18 @@ def test_weights_of_another_family_are_refused(hf_dir):
 
     with pytest.raises(ConfigError, match="holds a 'gpt' model but this run trains 'llava'"):
         open_model_checkpoint(ours, "checkpoint.pretrained", family="llava")
+
+
+def test_gpt_family_trains_from_an_imported_decoder_whose_vocab_is_no_multiple_of_128(hf_dir, tmp_path):
+    """The import pads the vocabulary to ``model.make_vocab_size_divisible_by`` (100 -> 128 rows); the GPT
+    family builds the same padded rows (it used to build 100 and refuse the checkpoint). Token ids stay below
+    the real vocabulary."""
+    ours = ensure_imported(hf_dir, "qwen2")
+    assert f"vocab_size: {hf_models.VOCAB}\n" in (ours / "model.yaml").read_text()
+    out = tmp_path / "run"
+    r = run([sys.executable, "-m", "megascale_omni.smoke", "--config", REPO / "examples/gpt/tiny.yaml",
+             "--config", ours / "model.yaml", "train.steps=2", "train.global_batch_size=2",
+             "train.micro_batch_size=1", f"logging.output_dir={out}"], timeout=240)
+    assert r.returncode == 0, r.output[-3000:]
+    losses = [rec["loss"] for rec in read_metrics(out)]
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
