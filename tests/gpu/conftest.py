@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.conftest import llava_dataset  # noqa: F401  (the shapes dataset fixture, shared)
+from tests.dist.conftest import llava_dataset, llava_video_dataset  # noqa: F401  (the shapes datasets, shared)
 
 #: Opt-in: run the GPU scenarios on CPU/gloo/fp32.
 ON_CPU_ENV = "OMNI_GPU_TESTS_ON_CPU"

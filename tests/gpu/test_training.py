@@ -1,4 +1,4 @@
-"""GPT, LLaVA and DiT train 20 steps on the device: every parameter there in
+"""GPT (dense and MoE), LLaVA (images, and clips with frames) and DiT train 20 steps on the device: every parameter there in
 the run's precision, every micro-batch handed to the model there, at every
 step (tests/gpu/device_probe.py), and the loss goes down.
 
@@ -49,6 +49,19 @@ def test_gpt_trains_on_device(target, tmp_path):
 def test_llava_trains_on_device(target, tmp_path, llava_dataset):
     args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_dataset}", "train.eval_interval=0",
             "train.lr_warmup_steps=2"]
+    _check(target, *_train_probed(target, tmp_path, "pretrain_llava.py", args))
+
+
+def test_moe_gpt_trains_on_device(target, tmp_path):
+    """Routed experts (megatron's MoE layer: router, token dispatch, expert MLPs) in the run's precision."""
+    _check(target, *_train_probed(target, tmp_path, "megascale_omni.smoke",
+                                  ["--config", "examples/gpt/tiny_moe.yaml"]))
+
+
+def test_llava_video_trains_on_device(target, tmp_path, llava_video_dataset):
+    """Clips of 3-4 frames through the tower, pooled 2x2 per frame, with newline tokens (docs/video.md)."""
+    args = ["--config", "examples/llava/tiny_cpu.yaml", f"data.path={llava_video_dataset}", "data.video_frames=4",
+            "vision.image_newline=true", "train.eval_interval=0", "train.lr_warmup_steps=2"]
     _check(target, *_train_probed(target, tmp_path, "pretrain_llava.py", args))
 
 
