@@ -127,7 +127,11 @@ LLAVA_LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     # One decoder layer per model chunk: the tower, projector and the first MoE layer on chunk 0.
     "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+    # Each TP rank routes its sequence-parallel share of the tokens (the tower runs TP-split before them).
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=1"],
 }
+#: Kept to make test-all for time (the others cover the LLaVA-specific paths; TP2+SP routing is GPT's too).
+LLAVA_SLOW = {"tp2-sp"}
 
 
 def _train_llava(tmp_path_factory, llava_dataset, name: str, nproc: int, overrides: list[str]) -> list[dict]:
@@ -142,11 +146,12 @@ def llava_moe_baseline(tmp_path_factory, llava_dataset) -> list[dict]:
     return _train_llava(tmp_path_factory, llava_dataset, "llava-moe-base", 1, [])
 
 
-@pytest.mark.parametrize("name", list(LLAVA_LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in LLAVA_SLOW else n
+                                  for n in LLAVA_LAYOUTS])
 def test_llava_language_model_experts_match_single_process(tmp_path_factory, llava_dataset, llava_moe_baseline,
                                                            name):
     """LLaVA with an MoE language model: under EP2, CP2 and PP2 x VPP2 its
-    image and text tokens are routed as on one process, and it trains the same."""
+    image and text tokens are routed as on one process, and it trains the same (also TP2+SP, slow)."""
     ref = llava_moe_baseline
     got = _train_llava(tmp_path_factory, llava_dataset, f"llava-moe-{name}", 2, LLAVA_LAYOUTS[name])
     assert_same_routing(ref, got, f"llava {name}")
