@@ -10,7 +10,8 @@ the same LM tokens. :func:`tower_mix` estimates them per sample:
 - ``tower``: tower inputs (image views, anyres: 1 + tiles; ``min(stored
   frames, data.video_frames)`` frames per video);
 - ``lm``: LM tokens (text, ``vision.image_tokens`` per view and
-  ``vision.video_tokens(frames)`` per video: what the plan packs);
+  ``vision.video_tokens(frames)`` per video, padded to the plan's multiple,
+  ``data.pad_to_multiple_of``: what the plan packs);
 
 and a micro-batch holds ``k = micro_batch_size * seq_length / mean(lm)``
 samples. Two statistics, for two uses:
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Optional
 
 from megascale_omni.config.schema import JobConfig
+from megascale_omni.config.validate import sequence_multiple
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,7 @@ def index_moments(cfg: JobConfig, split: Path) -> Optional[SampleMoments]:
 
         # The tokenizer directory (which may hold the tower's preprocessor config) is data.path's, as in training.
         views_of = build_image_preprocessor(cfg, Path(d.path) if d.path else split.parent).num_views
+    multiple = sequence_multiple(cfg)
     n = tower = tower_sq = lm = video = frames = max_density = 0.0
     for s in index.samples:
         cost = s.cost
@@ -162,6 +165,7 @@ def index_moments(cfg: JobConfig, split: Path) -> Optional[SampleMoments]:
         read = frames_read(cost, d.video_frames)
         t = sum(views) + sum(read)
         length = cost.tokens + v.image_tokens * sum(views) + sum(v.video_tokens(f) for f in read)
+        length = -(-length // multiple) * multiple  # padded as the plan packs it
         n += 1
         tower, tower_sq, lm = tower + t, tower_sq + t * t, lm + length
         video, frames = video + bool(read), frames + sum(read)

@@ -110,7 +110,8 @@ def by_hand(split, frames_cap: int = 8) -> tuple[float, float, float]:
         c = s["cost"]
         frames = sum(min(f, frames_cap) for f, _, _ in c.get("videos", []))
         t = len(c["images"]) + frames
-        tower, sq, lm = tower + t, sq + t * t, lm + c["tokens"] + 16 * len(c["images"]) + 4 * frames
+        padded = -(-(c["tokens"] + 16 * len(c["images"]) + 4 * frames) // 8) * 8  # data.pad_to_multiple_of: 8
+        tower, sq, lm = tower + t, sq + t * t, lm + padded
     n = len(samples)
     return tower / n, lm / n, sq / n
 
@@ -140,7 +141,7 @@ def test_the_index_decides_when_the_data_is_here(shapes):
     views = ImagePreprocessor.from_config("anyres", 32, None).num_views
     samples = json.loads((shapes / "image" / "train" / "index.json").read_text())["samples"]
     t_any = sum(views(tuple(hw)) for s in samples for hw in s["cost"]["images"]) / len(samples)
-    lm_any = sum(s["cost"]["tokens"] + 16 * sum(views(tuple(hw)) for hw in s["cost"]["images"])
+    lm_any = sum(-(-(s["cost"]["tokens"] + 16 * sum(views(tuple(hw)) for hw in s["cost"]["images"])) // 8) * 8
                  for s in samples) / len(samples)
     tiled = tower_mix(config(f"data.path={shapes / 'image'}", "data.image_mode=anyres"))
     assert tiled.mean == pytest.approx(2 * 256 / lm_any * t_any, rel=1e-12) and tiled.mean > image.mean
