@@ -66,6 +66,8 @@ def main() -> None:
         print(f"context parallel: each rank holds {cfg.model.seq_length // par.cp} of {cfg.model.seq_length} "
               "tokens per sequence (LM time and activations 1/cp); the first stage's ViT runs on all images")
     flops_model = cost_model(cfg, cuda, world)
+    if flops_model.inputs:
+        print(f"planned for: {flops_model.inputs}")
     layer = flops_model.components[flops_model.layer]
     if layer.dispatch_bytes:
         counted = ("in the times above" if configured.unit == "s" else

@@ -189,8 +189,10 @@ class VisionConfig:
     #: (same warm-up and decay); the projector and LM keep ``train.lr``.
     lr_mult: float = checked(1.0, gt=0)
     #: Images per packed ``model.seq_length`` row that the pipeline cost model
-    #: assumes (the ViT's share of pipeline stage 0 grows with it). The
-    #: embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
+    #: assumes when the training data's ``index.json`` is not on this host or
+    #: ``data.path`` is null (the ViT's share of pipeline stage 0 grows with
+    #: it; ``data.default_video_fraction`` of them become clips, docs/video.md).
+    #: The embedded shapes dataset averages 9.8 at seq_length 256 / 16 tokens per image.
     images_per_sequence: float = checked(9.8, ge=0)
     #: Video frames: each frame's projected features (``grid`` x ``grid``) are
     #: resized bilinearly to ``ceil(grid / video_pool_stride)`` a side before the

@@ -139,6 +139,22 @@ def step_model_flops(cfg: JobConfig, cost_model_fn: CostModelFn, batch: BatchSha
     return StepFlops(cfg, cost_model_fn, vocab_size)(batch)
 
 
+def vision_token_cost(cfg: JobConfig, cost_model_fn: CostModelFn, vocab_size: int = 0) -> float:
+    """Model FLOPs of one vision-tower token over one language-model token of
+    ``cfg``'s LLaVA model, both trained as a step trains them (the
+    scheduler's weight of ``vision_tokens`` in a step's work; docs/scheduler.md).
+
+    Tower: the ViT and projector on one tower input, per
+    ``vision.tokens_per_image``. LM: embedding, every decoder layer and the
+    output layer on one packed sample of ``model.seq_length`` tokens, per
+    token (causal attention included). Layout-free, like :class:`StepFlops`.
+    """
+    count = StepFlops(cfg, cost_model_fn, vocab_size)
+    tower = count(BatchShape(tower_inputs=1.0)) / cfg.vision.tokens_per_image
+    lm = count(BatchShape(segments=(cfg.model.seq_length,))) / cfg.model.seq_length
+    return tower / lm
+
+
 def throughput_fields(flops_per_step: Optional[float], step_s: float, devices: int,
                       peak_tflops: Optional[float]) -> dict[str, float]:
     """``model_tflop``, ``tflops_per_device`` and (with a peak) ``mfu`` of one step."""

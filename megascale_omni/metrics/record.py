@@ -49,17 +49,20 @@ class StepRecorder:
     (:class:`~megascale_omni.metrics.flops.StepFlops` of the family's
     cost model; None: no cost model); ``devices``: ranks of this replica
     group; ``peak_tflops``: one device's peak (None: no MFU); ``pp``/``vpp``:
-    for the analytic bubble.
+    for the analytic bubble; ``vision_token_cost``: the model's tower FLOPs
+    per LM FLOP and token (:func:`~megascale_omni.metrics.flops.vision_token_cost`,
+    LLaVA; None: not recorded).
     """
 
     def __init__(self, device: torch.device, devices: int, flops_of: Optional[Callable[[BatchShape], float]],
-                 peak_tflops: Optional[float], pp: int, vpp: int):
+                 peak_tflops: Optional[float], pp: int, vpp: int, vision_token_cost: Optional[float] = None):
         self.device = device
         self.devices = devices
         self.flops_of = flops_of
         self.peak_tflops = peak_tflops
         self.pp = pp
         self.vpp = vpp
+        self.vision_token_cost = vision_token_cost
 
     def build(self, step: int, stats: Any, timing: StepTiming, samples: int, tokens: int,
               images: Optional[int], extra: dict, batch: Optional[BatchShape] = None) -> dict:
@@ -105,6 +108,8 @@ class StepRecorder:
         participants = int(extra.get("participants", 1) or 1)
         flops = self.flops_of(batch) if self.flops_of is not None and batch is not None else None
         record.update(throughput_fields(flops, step_s, self.devices * participants, self.peak_tflops))
+        if self.vision_token_cost is not None:
+            record["vision_token_cost"] = self.vision_token_cost
         record.update(memory_stats(self.device))
         record.update(extra)
         return record

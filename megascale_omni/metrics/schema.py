@@ -71,6 +71,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     "images_per_s": ("images/s", "images / step_s"),
     "model_tflop": ("TFLOP", "model FLOPs of the step's global batch (forward + backward, no recompute, causal LM "
                              "attention per packed sample; docs/metrics.md), whole job"),
+    "vision_token_cost": ("", "LLaVA: model FLOPs of one vision-tower token over one LM token of this model "
+                              "(the scheduler's weight of vision_tokens in a step's work; docs/scheduler.md)"),
     "tflops_per_device": ("TFLOP/s", "model_tflop / step_s / devices (all replica groups)"),
     "mfu": ("fraction", "tflops_per_device / dense bf16 peak TFLOP/s of one device (logging.peak_tflops, else "
                         "by exact CUDA device name)"),

@@ -42,6 +42,7 @@ from megascale_omni.config.schema import JobConfig
 from megascale_omni.parallel.activations import LayerShape, layer_activation_bytes, recompute_forward_flops
 from megascale_omni.parallel.batch_shape import BatchShape, causal_pairs
 from megascale_omni.parallel.moe_cost import dispatch_bytes, dispatch_seconds, mlp_widths
+from megascale_omni.parallel.tower_mix import tower_mix
 
 #: Component names, in pipeline order. ``lm_layer`` is the cost of *one*
 #: decoder layer; the others appear once in the model.
@@ -101,6 +102,9 @@ class PipelineCostModel:
     shape: Optional[Mapping[str, object]] = None
     #: The repeated component (see ``layer_time``).
     layer: str = LM_LAYER
+    #: What the nominal micro-batch holds beyond its rows, when the data
+    #: decides it (LLaVA: :meth:`~megascale_omni.parallel.tower_mix.TowerMix.describe`); "" otherwise.
+    inputs: str = ""
 
     def time(self, name: str) -> float:
         """Forward+backward time of one component for one micro-batch:
@@ -316,12 +320,24 @@ def _lm_components(cfg: JobConfig, nbytes: int, head_trains: bool,
 def _vision_components(cfg: JobConfig, nbytes: int, batch: Optional[BatchShape] = None,
                        cuda: bool = False) -> dict[str, ComponentCost]:
     """LLaVA's ViT (patch embedding + layers) and projector for ``batch``'s
-    tower inputs, or (None) the ``micro_batch_size * vision.images_per_sequence``
-    images of a micro-batch: all of them on every CP rank (images are not
-    split by context parallelism). The tower is bidirectional: every image's
-    attention scores all ``P * P`` pairs of its ``P`` tokens."""
+    tower inputs, or (None) the nominal micro-batch's
+    (:func:`~megascale_omni.parallel.tower_mix.tower_mix`: time for the mean
+    tower inputs, activations for the peak): all of them on every CP rank
+    (images are not split by context parallelism)."""
+    if batch is not None:
+        return _tower_components(cfg, nbytes, batch.tower_inputs, cuda)
+    mix = tower_mix(cfg)
+    comps = _tower_components(cfg, nbytes, mix.mean, cuda)
+    if mix.peak == mix.mean:
+        return comps
+    peak = _tower_components(cfg, nbytes, mix.peak, cuda)
+    return {n: dataclasses.replace(c, activation_bytes=peak[n].activation_bytes) for n, c in comps.items()}
+
+
+def _tower_components(cfg: JobConfig, nbytes: int, images: float, cuda: bool) -> dict[str, ComponentCost]:
+    """ViT and projector on ``images`` tower inputs. The tower is
+    bidirectional: every input's attention scores all ``P * P`` pairs of its ``P`` tokens."""
     m, v, tp = cfg.model, cfg.vision, cfg.parallel.tp
-    images = cfg.train.micro_batch_size * v.images_per_sequence if batch is None else batch.tower_inputs
     p = v.tokens_per_image
     vtokens = images * p
     # Images enter with no gradient: backward reaches the ViT only if it trains.
@@ -394,6 +410,7 @@ def llava_cost_model(cfg: JobConfig, cuda: bool = False, world_size: Optional[in
         bytes_per_frozen_param=mem.bytes_per_frozen_param,
         num_microbatches=mem.num_microbatches,
         shape=llava_profile_shape(cfg),
+        inputs=tower_mix(cfg).describe() if batch is None else "",
     )
 
 
@@ -455,7 +472,8 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
 
     The profile stores seconds per micro-batch for every component except the
     vision encoder and projector, which are stored per image and scaled by
-    ``micro_batch_size * vision.images_per_sequence`` here. The language
+    the nominal micro-batch's mean tower inputs here
+    (:func:`~megascale_omni.parallel.tower_mix.tower_mix`). The language
     model's times are for whole sequences; under context parallelism each
     rank computes ``1/cp`` of them (ring communication not counted), the
     ViT and projector all of theirs. Raises ConfigError
@@ -488,7 +506,7 @@ def load_profile(path: str, model: PipelineCostModel, cfg: JobConfig) -> Pipelin
             field_name, path,
             f"was measured for another model shape: {', '.join(diff)}; re-run tools/profile_layers.py with this config",
         )
-    images = cfg.train.micro_batch_size * cfg.vision.images_per_sequence
+    images = tower_mix(cfg).mean if VISION in model.components else 0.0
     comps = {}
     for name, c in model.components.items():
         key = f"{name}_per_image" if name in (VISION, PROJECTOR) else name

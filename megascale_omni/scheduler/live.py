@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 METRIC_FIELDS = ("step", "samples_per_s", "step_s", "data_s", "busy_s", "straggler_count", "stragglers",
                  "participants", "data_s_max", "pipeline_wait_s", "pipeline_wait_s_max", "bubble_analytic",
                  "microbatches", "mem_peak_gib", "mem_peak_gib_max", "samples", "images", "tokens",
-                 "vision_tokens", "samples_video")
+                 "vision_tokens", "samples_video", "vision_token_cost")
 if not set(METRIC_FIELDS) <= set(STEP_FIELDS):  # a renamed field fails here, not as a metric gone quiet
     raise ImportError(f"scheduler reads step-record fields the schema lacks: {set(METRIC_FIELDS) - set(STEP_FIELDS)}")
 

@@ -29,9 +29,12 @@ from megascale_omni.scheduler.trace import _int, _list, _mapping, _name, _number
 TOP_KEYS = frozenset({"version", "tick_s", "out", "availability", "launcher", "dry_run", "control", "pools", "jobs",
                       "policy", "slurm", "kubernetes"})
 JOB_KEYS = frozenset({"name", "config", "entry", "overrides", "nproc_per_node", "replica_gpus", "replicas",
-                      "priority", "standby", "demand_gpus", "lighthouse", "ledger"})
+                      "priority", "standby", "demand_gpus", "lighthouse", "ledger", "vision_token_cost"})
 CONTROL_KEYS = frozenset({"attempts", "backoff_s", "timeout_s", "drain_timeout_s"})
 LAUNCHERS = ("local", "slurm", "kubernetes")
+#: Largest ``vision_token_cost`` accepted: a tower token 100x an LM token is
+#: beyond any published pairing (ViT-L beside a 7B LM: ~0.05), so more is a typo.
+MAX_VISION_TOKEN_COST = 100.0
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,11 @@ class LiveJob:
     """One job the live scheduler runs. ``standby`` maps pool -> warm
     standbys to keep; ``demand_gpus`` the GPUs it can use when its data
     wait is low (default: all ``max_replicas``); ``lighthouse`` ``auto``
-    (local launcher: start one) or ``http://host:port``."""
+    (local launcher: start one) or ``http://host:port``;
+    ``vision_token_cost``: weight of a vision-tower token against an LM token
+    in the job's per-step work, or None (``auto``): the one its step records
+    report (its model's FLOPs ratio), else
+    :data:`~megascale_omni.scheduler.live_demand.VISION_TOKEN_COST`."""
 
     name: str
     config: str
@@ -54,6 +61,7 @@ class LiveJob:
     demand_gpus: Optional[float] = None
     lighthouse: str = "auto"
     ledger: bool = True
+    vision_token_cost: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -163,11 +171,19 @@ def _job(i: int, raw: Any, pools: list[PoolSpec]) -> LiveJob:
     ledger = raw.get("ledger", True)
     if not isinstance(ledger, bool):
         raise ConfigError(f"{where}.ledger", ledger, "must be true or false")
+    tower = raw.get("vision_token_cost", "auto")
+    if tower != "auto":
+        if isinstance(tower, bool) or not isinstance(tower, (int, float)) or not 0 <= tower <= MAX_VISION_TOKEN_COST:
+            raise ConfigError(f"{where}.vision_token_cost", tower,
+                              f"must be auto (the job's own, from its model's FLOPs) or a number in "
+                              f"[0, {MAX_VISION_TOKEN_COST:g}]: a tower token's cost against an LM token's")
+        tower = float(tower)
     return LiveJob(name=name, config=config, replica_gpus=rg, min_replicas=lo, max_replicas=hi,
                    priority=_number(f"{where}.priority", raw.get("priority", 1.0), low=1e-9),
                    entry=str(raw.get("entry", "megascale_omni.smoke")), overrides=tuple(overrides),
                    nproc_per_node=_int(f"{where}.nproc_per_node", raw.get("nproc_per_node", 1), low=1),
-                   standby=standby, demand_gpus=demand, lighthouse=lighthouse, ledger=ledger)
+                   standby=standby, demand_gpus=demand, lighthouse=lighthouse, ledger=ledger,
+                   vision_token_cost=None if tower == "auto" else tower)
 
 
 @dataclass(frozen=True)

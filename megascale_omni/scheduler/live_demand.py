@@ -16,8 +16,8 @@ turns it into the policy's throughput curve and demand:
 - the **modality mix** (images per sample) changes the cost of a sample: when
   it moves by more than :data:`MIX_SHIFT` from the mix the rates were measured
   at, the remembered rates are dropped and measured again;
-- the **per-step work** of a LLaVA job, ``tokens + VISION_TOKEN_COST x
-  vision_tokens`` of its global batch (smoothed), scales its demand: the
+- the **per-step work** of a LLaVA job, ``tokens + c x vision_tokens`` of
+  its global batch (smoothed; ``c``: :func:`tower_cost`), scales its demand: the
   global batch is fixed in samples, so when videos raise the tower's share
   (a ``data.blend_schedule`` turning to video) each step holds more work and
   the job keeps proportionally more GPUs busy, ``configured x work / work at
@@ -49,8 +49,10 @@ DATA_WAIT_HIGH = 0.2
 MIX_SHIFT = 0.1
 #: Weight of a new samples/s (or per-step work) reading against the remembered one.
 SMOOTHING = 0.5
-#: Cost of one vision-tower token against one LM token in a step's work. The
-#: data balancer's default (``megascale_omni.data.balance.DEFAULT_VIT_COST_PER_PATCH``,
+#: Cost of one vision-tower token against one LM token in a step's work when
+#: neither the live config (``jobs[i].vision_token_cost``) nor the job's step
+#: records (``vision_token_cost``, its model's FLOPs ratio) say. The data
+#: balancer's default (``megascale_omni.data.balance.DEFAULT_VIT_COST_PER_PATCH``,
 #: equal by a test): the scheduler is a client of the control socket and
 #: imports nothing of the data side.
 VISION_TOKEN_COST = 0.05
@@ -70,7 +72,7 @@ class JobLoad:
     image_share: Optional[float] = None
     #: Samples with a video per sample of the global batch.
     video_share: Optional[float] = None
-    #: ``tokens + VISION_TOKEN_COST x vision_tokens`` of the global batch (None: no vision load reported).
+    #: ``tokens + c x vision_tokens`` of the global batch (``c``: :func:`tower_cost`; None: no vision load reported).
     work: Optional[float] = None
 
 
@@ -78,9 +80,22 @@ def _share(num, den) -> Optional[float]:
     return float(num) / float(den) if num is not None and den else None
 
 
-def job_load(seen: Sequence[Observation]) -> JobLoad:
+def tower_cost(configured: Optional[float], metrics: dict) -> float:
+    """Weight of a vision-tower token in a step's work: ``configured`` (the
+    live config's ``vision_token_cost``) when set, else the job's reported
+    ``vision_token_cost`` (a finite number >= 0), else :data:`VISION_TOKEN_COST`."""
+    if configured is not None:
+        return configured
+    reported = metrics.get("vision_token_cost")
+    if isinstance(reported, (int, float)) and not isinstance(reported, bool) and 0 <= reported < float("inf"):
+        return float(reported)
+    return VISION_TOKEN_COST
+
+
+def job_load(seen: Sequence[Observation], vision_token_cost: Optional[float] = None) -> JobLoad:
     """Reduce the job's observations: rate, quorum and bubble from the group at the latest step; data wait and
-    memory as the worst over groups."""
+    memory as the worst over groups. ``vision_token_cost``: the live config's weight of a tower token
+    (None: :func:`tower_cost` takes the job's own)."""
     latest = max(seen, key=lambda o: o.step or 0, default=None)
     if latest is None:
         return JobLoad()
@@ -92,7 +107,7 @@ def job_load(seen: Sequence[Observation]) -> JobLoad:
     participants = m.get("participants")
     microbatches = m.get("microbatches")
     tokens, vision = m.get("tokens"), m.get("vision_tokens")
-    work = tokens + VISION_TOKEN_COST * vision if isinstance(tokens, (int, float)) and isinstance(
+    work = tokens + tower_cost(vision_token_cost, m) * vision if isinstance(tokens, (int, float)) and isinstance(
         vision, (int, float)) and tokens > 0 else None
     return JobLoad(
         samples_per_s=float(m.get("samples_per_s") or 0.0),

@@ -130,7 +130,7 @@ class LiveScheduler:
             mine = [g for g in groups if g.spec.job == name]
             views = tuple(ReplicaView(g.spec.replica_id, g.spec.pool, g.state if g.state in ("running", "draining")
                                       else "joining", g.straggler_since_min) for g in mine)
-            load = self.load[name] = job_load(seen.get(name, []))
+            load = self.load[name] = job_load(seen.get(name, []), job.vision_token_cost)
             model = self.demand[name]
             model.update(load)
             for event in model.events:

@@ -33,7 +33,7 @@ from megascale_omni.metrics import MetricSink
 from megascale_omni.metrics.breakdown import PHASES, install_dispatch_timer, install_pipeline_timer
 from megascale_omni.metrics.clock import events_for
 from megascale_omni.metrics.exchange import MetricsExchange
-from megascale_omni.metrics.flops import StepFlops, device_peak
+from megascale_omni.metrics.flops import StepFlops, device_peak, vision_token_cost
 from megascale_omni.metrics.record import StepRecorder, StepTiming, format_line
 from megascale_omni.metrics.replica_group import ReplicaGroupMetrics, rank_row
 from megascale_omni.models.init import init_layout_invariant
@@ -194,8 +194,11 @@ class Trainer:
             logger.info("model FLOPs: per step's global batch (cost model); MFU against %s",
                         f"{peak.tflops:g} TFLOP/s per device ({peak.source})" if peak.tflops
                         else "no known peak (set logging.peak_tflops)")
+        # The scheduler weighs a step's vision tokens by this model's tower cost (docs/scheduler.md).
+        tower_cost = (vision_token_cost(cfg, family.cost_model_fn(cfg), vocab_size=self.task.vocab_size)
+                      if flops_of is not None and cfg.model.family == "llava" else None)
         return StepRecorder(self.platform.device, world_size, flops_of, peak.tflops, self.dims.pp,
-                            self.dims.num_model_chunks)
+                            self.dims.num_model_chunks, vision_token_cost=tower_cost)
 
     def _build_model(self) -> tuple[list, Pretrained]:
         """This rank's model chunks: built by the task, initialised identically

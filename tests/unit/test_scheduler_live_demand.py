@@ -149,3 +149,82 @@ def test_the_loop_feeds_the_policy_from_what_the_groups_report(tmp_path):
         assert any(line.startswith("A grow 1 on vm: load ") for line in _lines(tmp_path))
     finally:
         launcher.close()
+
+
+def test_the_tower_cost_comes_from_the_live_config_else_the_jobs_model():
+    """``jobs[i].vision_token_cost``: a number overrides; ``auto`` (the
+    default) takes the ``vision_token_cost`` the job's step records carry
+    (its model's tower-over-LM FLOPs per token), else VISION_TOKEN_COST."""
+    from megascale_omni.config import load_job_config
+    from megascale_omni.metrics.flops import StepFlops, vision_token_cost
+    from megascale_omni.metrics.record import StepRecorder
+    from megascale_omni.parallel.batch_shape import BatchShape
+    from megascale_omni.tasks.registry import family_of
+
+    cfg = load_job_config(["--config", "examples/llava/tiny_cpu.yaml"])
+    fn = family_of(cfg).cost_model_fn(cfg)
+    derived = vision_token_cost(cfg, fn)
+    # By hand from the counting convention: one tower input over its tokens, one row over its tokens.
+    count = StepFlops(cfg, fn)
+    assert derived == pytest.approx((count(BatchShape(tower_inputs=2.0)) / (2 * cfg.vision.tokens_per_image))
+                                    / (count(BatchShape(segments=(cfg.model.seq_length,))) / cfg.model.seq_length),
+                                    rel=1e-12)
+    assert round(derived, 3) == 0.145  # tiny_cpu's tower is wide against its LM: heavier than the 7B default
+    for recipe, ratio in (("llava15_7b_stage2", 0.017), ("qwen2_7b_siglip_anyres", 0.061)):  # docs/scheduler.md
+        big = load_job_config(["--config", f"examples/recipes/{recipe}.yaml"])
+        assert round(vision_token_cost(big, family_of(big).cost_model_fn(big)), 3) == ratio, recipe
+    # The trainer's recorder writes it into every record of a LLaVA run (a field the scheduler reads).
+    assert "vision_token_cost" in METRIC_FIELDS
+    from types import SimpleNamespace
+
+    import torch
+
+    from megascale_omni.metrics.record import StepTiming
+
+    stats = SimpleNamespace(pipeline_wait_s=0.0, moe_dispatch_s=0.0, grad_sync_s=0.0, cross_replica_s=0.0,
+                            fwd_bwd_s=1.0, optimizer_s=0.1, loss=1.0, lr=1e-3, grad_norm=1.0,
+                            update_successful=True, num_loss_tokens=10, num_microbatches=1)
+    timing = StepTiming(step_s=2.0, data_s=0.1, membership_s=0.0, metrics_s=0.0, checkpoint_s=0.0, control_s=0.0)
+    record = StepRecorder(torch.device("cpu"), 1, None, None, 1, 1, vision_token_cost=derived).build(
+        1, stats, timing, samples=4, tokens=100, images=4, extra={})
+    assert record["vision_token_cost"] == derived
+    assert "vision_token_cost" not in StepRecorder(torch.device("cpu"), 1, None, None, 1, 1).build(
+        1, stats, timing, samples=4, tokens=100, images=None, extra={})  # GPT, DiT: not recorded
+    r = VIDEO_BLEND[-1]
+    reported = job_load([seen(r, participants=1, vision_token_cost=derived)])
+    assert reported.work == pytest.approx(r["tokens"] + derived * r["vision_tokens"], rel=1e-12)
+    configured = job_load([seen(r, participants=1, vision_token_cost=derived)], vision_token_cost=0.5)
+    assert configured.work == pytest.approx(r["tokens"] + 0.5 * r["vision_tokens"], rel=1e-12)
+    for bad in (None, "x", -1.0, float("nan")):  # nothing usable reported: the default
+        load = job_load([seen(r, participants=1, vision_token_cost=bad)])
+        assert load.work == pytest.approx(r["tokens"] + VISION_TOKEN_COST * r["vision_tokens"], rel=1e-12)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (0.2, 0.2), (0, 0.0), ("auto", None),
+])
+def test_live_config_reads_vision_token_cost(value, expected):
+    from megascale_omni.scheduler.live_config import parse_live_config
+    from tests.unit.test_scheduler_actuator import LIVE
+
+    doc = {**LIVE, "jobs": [{**LIVE["jobs"][0], "vision_token_cost": value}]}
+    assert parse_live_config(doc).jobs[0].vision_token_cost == expected
+    assert parse_live_config(LIVE).jobs[0].vision_token_cost is None  # default: auto
+
+
+@pytest.mark.parametrize("value", [-0.1, 101, "heavy", True, float("inf")])
+def test_a_bad_vision_token_cost_exits_2_with_one_line(tmp_path, capsys, value):
+    import yaml
+
+    from megascale_omni.scheduler.cli import cli
+    from tests.unit.test_scheduler_actuator import LIVE
+
+    doc = {**LIVE, "out": str(tmp_path / "out"), "jobs": [{**LIVE["jobs"][0], "vision_token_cost": value}]}
+    path = tmp_path / "live.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        cli(["run", "--config", str(path)])
+    _, err = capsys.readouterr()
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err == (f"omni-sched: config error: jobs[0].vision_token_cost={value!r}: must be auto (the job's own, "
+                   "from its model's FLOPs) or a number in [0, 100]: a tower token's cost against an LM token's\n")
