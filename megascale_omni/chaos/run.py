@@ -258,12 +258,15 @@ class ChaosRun:
         self.sup.stop()
         self.progress.scan(self.sup.history)
         epoch = self._epochs()
-        records = [[{**r, "epoch": epoch.get(rid, 0)} for r in recs] for rid, recs in self.progress.records.items()]
+        starts = self.sup.lighthouse_wall_starts  # per line where it carries quorum_t, else per group
+        records = [checks.with_epochs([{**r, "epoch": epoch.get(rid, 0)} for r in recs], starts)
+                   for rid, recs in self.progress.records.items()]
         merged, record_problems = checks.merge_step_records(records)
         last = max(merged, default=0)
         reference = self._stop_reference(last)
         loss_problems = checks.loss_mismatches(merged, reference, self.cfg.rtol)
-        ledger = [{**r, "epoch": epoch.get(r["replica"], 0)} for r in read_ledger(self.ledger)]
+        ledger = checks.with_epochs([{**r, "epoch": epoch.get(r["replica"], 0)} for r in read_ledger(self.ledger)],
+                                    starts)
         ledger_problems = checks.ledger_problems(ledger, read_ledger(self.run_dir / "reference-ledger"), last)
         n_ckpt, ckpt_problems = checks.checkpoint_problems(self.ckpt_dir)
         self.close()

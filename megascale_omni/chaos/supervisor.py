@@ -133,6 +133,8 @@ class Supervisor:
         self._counts: dict[int, int] = {}
         #: Monotonic start time of each lighthouse incarnation: epoch i began at lighthouse_starts[i].
         self.lighthouse_starts: list[float] = []
+        #: The same in wall time (time.time()), which ledger lines and step records carry (``quorum_t``).
+        self.lighthouse_wall_starts: list[float] = []
 
     # ----------------------------------------------------------- processes
     def spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
@@ -150,6 +152,7 @@ class Supervisor:
              "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
             self.run_dir / "lighthouse.log")
         self.lighthouse_starts.append(time.monotonic())
+        self.lighthouse_wall_starts.append(time.time())
         self.actions.append({"t": time.monotonic(), "action": "start lighthouse", "port": self.port})
 
     def start_group(self, slot: int, extra: tuple[str, ...] = (), name: str = "") -> Incarnation:

@@ -23,10 +23,10 @@ LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
 HEARTBEAT_TIMEOUT_MS = 10000
 
 
-def start_lighthouse(timeout: float, min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
-    """A lighthouse on a free port that forms quorums of ``min_replicas``
-    groups or more; returns (process, address)."""
-    port = free_port()
+def start_lighthouse(timeout: float, min_replicas: int = 1, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A lighthouse on ``port`` (a free one if 0) that forms quorums of
+    ``min_replicas`` groups or more; returns (process, address)."""
+    port = port or free_port()
     proc = spawn(
         # join_timeout far above a step time and above any pause in the tests:
         # a quorum forms only once every heartbeating replica asks for it, so
