@@ -74,10 +74,10 @@ class ChaosConfig:
     #: 10 s an overloaded host (load average 45 on 2 cores) failed healthy
     #: groups with "Timed out waiting 10000ms for recv".
     elastic_timeout_s: float = 20.0
-    #: elastic.quorum_timeout_s: a quorum request sent to a lighthouse that
-    #: was killed hangs this long, then fails and its group exits (torchft
-    #: 0.2.0, measured); the supervisor replaces the groups, which resume from
-    #: the checkpoint: this bounds recovery from a lighthouse kill.
+    #: elastic.quorum_timeout_s: how long a group's quorum request waits for a
+    #: killed lighthouse to be back (its manager server asks again about every
+    #: second, membership.quorum_retries); longer, its group exits and the
+    #: replacement resumes from the checkpoint.
     quorum_timeout_s: float = 30.0
     heartbeat_timeout_ms: int = 3000
     checkpoint_interval: int = 25
