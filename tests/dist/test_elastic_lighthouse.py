@@ -53,4 +53,8 @@ def test_groups_ride_out_a_lighthouse_restart_without_a_fall_back(tmp_path):
         assert checks.rolled_back_steps(records) == 0
         # The step in flight at the kill waited for the restarted lighthouse's quorum and went on.
         after = [r for r in records if r["quorum_t"] >= restart]
-        assert after and after[0]["step"] == records[len(records) - len(after) - 1]["step"] + 1
+        last_before = records[len(records) - len(after) - 1]
+        assert after and after[0]["step"] == last_before["step"] + 1
+        print(f"{rid}: step {after[0]['step']} answered {after[0]['quorum_t'] - last_before['quorum_t']:.1f} s after "
+              f"step {last_before['step']}'s quorum (lighthouse down 2 s; quorum ids {last_before['quorum']} -> "
+              f"{after[0]['quorum']})")
