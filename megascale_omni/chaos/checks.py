@@ -13,11 +13,15 @@ left on disk, so each can be tested with a planted failure).
 * :func:`intervention_problems`: the run's action log holds nothing but the
   planned faults and the supervisor's restarts.
 
-Records and ledger lines may carry an ``epoch`` (default 0): the lighthouse
-incarnation their group trained under; quorum ids start over with each, so
-quorums are compared as ``(epoch, quorum)``. When every group is lost at
-once (a lighthouse kill ends every group's quorum request on torchft 0.2.0;
-survivors torn down while a peer hangs), the job falls back to its newest
+Quorum ids start over with each lighthouse incarnation (epoch), so quorums
+are compared as ``(epoch, quorum)``. A line's or record's epoch is the
+lighthouse incarnation that answered its quorum: :func:`with_epochs` finds
+it from its ``quorum_t`` (wall time of the answer) and the lighthouse start
+times; lines of ledgers written before ``quorum_t`` existed keep the
+``epoch`` their reader gave them (default 0). Groups ride a lighthouse
+restart out and train on (docs/operations.md). When every group is lost at
+once (survivors torn down while a peer hangs, or a lighthouse down longer
+than ``elastic.quorum_timeout_s``), the job falls back to its newest
 checkpoint and trains the steps after it again, under the same lighthouse
 or the next: the ledger's replay rule
 (:func:`megascale_omni.elastic.ledger.superseded`) drops the lost
@@ -28,6 +32,7 @@ Leftover processes: :func:`megascale_omni.chaos.supervisor.processes_of_run`.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from pathlib import Path
@@ -38,6 +43,23 @@ from megascale_omni.elastic.ledger import consumed_samples, superseded
 #: Actions a run may log without anyone intervening: the supervisor's and the fault plan's.
 ALLOWED_ACTIONS = frozenset({"start lighthouse", "lighthouse exited", "start group", "group exited",
                              "join standby", "fault", "fault over", "stop"})
+
+
+def epoch_at(t: float, lighthouse_starts: list[float]) -> int:
+    """The lighthouse incarnation (0, 1, ...) running at wall time ``t``,
+    given each incarnation's start (``time.time()``, ascending)."""
+    return max(bisect.bisect_right(lighthouse_starts, t) - 1, 0)
+
+
+def with_epochs(records: Iterable[dict], lighthouse_starts: list[float]) -> list[dict]:
+    """``records`` (ledger lines or step records), each with ``epoch`` set
+    from its own ``quorum_t`` (:func:`epoch_at`); one without ``quorum_t``
+    (a fixed group's, or written before it existed) keeps its ``epoch``.
+    Per line, not per group: one group process trains on across a lighthouse
+    restart, and a group started before a restart gets its quorums from the
+    restarted lighthouse."""
+    return [{**r, "epoch": epoch_at(r["quorum_t"], lighthouse_starts)} if r.get("quorum_t") is not None else r
+            for r in records]
 
 
 def _quorum(r: dict) -> tuple[int, int]:

@@ -74,10 +74,10 @@ class ChaosConfig:
     #: 10 s an overloaded host (load average 45 on 2 cores) failed healthy
     #: groups with "Timed out waiting 10000ms for recv".
     elastic_timeout_s: float = 20.0
-    #: elastic.quorum_timeout_s: a quorum request sent to a lighthouse that
-    #: was killed hangs this long, then fails and its group exits (torchft
-    #: 0.2.0, measured); the supervisor replaces the groups, which resume from
-    #: the checkpoint: this bounds recovery from a lighthouse kill.
+    #: elastic.quorum_timeout_s: how long a group's quorum request waits for a
+    #: killed lighthouse to be back (its manager server asks again about every
+    #: second, membership.quorum_retries); longer, its group exits and the
+    #: replacement resumes from the checkpoint.
     quorum_timeout_s: float = 30.0
     heartbeat_timeout_ms: int = 3000
     checkpoint_interval: int = 25
@@ -258,12 +258,15 @@ class ChaosRun:
         self.sup.stop()
         self.progress.scan(self.sup.history)
         epoch = self._epochs()
-        records = [[{**r, "epoch": epoch.get(rid, 0)} for r in recs] for rid, recs in self.progress.records.items()]
+        starts = self.sup.lighthouse_wall_starts  # per line where it carries quorum_t, else per group
+        records = [checks.with_epochs([{**r, "epoch": epoch.get(rid, 0)} for r in recs], starts)
+                   for rid, recs in self.progress.records.items()]
         merged, record_problems = checks.merge_step_records(records)
         last = max(merged, default=0)
         reference = self._stop_reference(last)
         loss_problems = checks.loss_mismatches(merged, reference, self.cfg.rtol)
-        ledger = [{**r, "epoch": epoch.get(r["replica"], 0)} for r in read_ledger(self.ledger)]
+        ledger = checks.with_epochs([{**r, "epoch": epoch.get(r["replica"], 0)} for r in read_ledger(self.ledger)],
+                                    starts)
         ledger_problems = checks.ledger_problems(ledger, read_ledger(self.run_dir / "reference-ledger"), last)
         n_ckpt, ckpt_problems = checks.checkpoint_problems(self.ckpt_dir)
         self.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megascale_omni.elastic.lighthouse_main import lighthouse_argv
 from megascale_omni.utils.processes import kill_process_tree
 
 #: Environment variable naming the chaos run a process belongs to.
@@ -133,6 +134,8 @@ class Supervisor:
         self._counts: dict[int, int] = {}
         #: Monotonic start time of each lighthouse incarnation: epoch i began at lighthouse_starts[i].
         self.lighthouse_starts: list[float] = []
+        #: The same in wall time (time.time()), which ledger lines and step records carry (``quorum_t``).
+        self.lighthouse_wall_starts: list[float] = []
 
     # ----------------------------------------------------------- processes
     def spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
@@ -143,13 +146,15 @@ class Supervisor:
                                     start_new_session=True)
 
     def start_lighthouse(self) -> None:
-        binary = str(Path(self.command.python).parent / "torchft_lighthouse")
         # join_timeout: a quorum waits this long for heartbeating groups that have not asked yet.
-        self.lighthouse = self.spawn(
-            [binary, "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms", "60000",
-             "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms), "--quorum_tick_ms", "50"],
+        # lighthouse_main: up in about a second (torchft's script imports torch first: tens of seconds
+        # on a loaded host, during which no group gets a quorum).
+        self.lighthouse = self.spawn(lighthouse_argv(self.command.python, [
+            "--min_replicas", "1", "--bind", f"[::]:{self.port}", "--join_timeout_ms", "60000",
+            "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms), "--quorum_tick_ms", "50"]),
             self.run_dir / "lighthouse.log")
         self.lighthouse_starts.append(time.monotonic())
+        self.lighthouse_wall_starts.append(time.time())
         self.actions.append({"t": time.monotonic(), "action": "start lighthouse", "port": self.port})
 
     def start_group(self, slot: int, extra: tuple[str, ...] = (), name: str = "") -> Incarnation:

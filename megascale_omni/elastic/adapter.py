@@ -14,7 +14,11 @@ The elastic package leans on behaviour neither library promises:
   fetched peer state only in ``_pending_state_dict`` (until
   ``should_commit`` applies it); a committed vote advances exactly
   ``step`` by 1 and ``batches_committed`` by the participant count (the
-  lone commit reproduces that through ``load_state_dict``).
+  lone commit reproduces that through ``load_state_dict``); the quorum is
+  asked through ``_client._quorum`` (on the quorum thread; its answer holds
+  ``max_step``) and the cross-replica process group is reconfigured through
+  ``_pg.configure(store_addr, ...)`` with ``store_addr`` ending in
+  ``/torchft/<quorum id>/<group rank>`` (:func:`watch_quorum_answers`).
 
 Nothing else in the package reads those names. This module checks at import
 that the installed releases are the ones these assumptions were read from
@@ -32,6 +36,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -132,6 +137,54 @@ def lighthouse_server(min_replicas: int = 1):
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas)
+
+
+class QuorumAnswers:
+    """The manager's client, seen through: the wall time (``time.time()``)
+    and ``max_step`` of the last quorum answer (set on torchft's quorum
+    thread before the manager acts on the answer, so they are current once
+    the quorum has been awaited)."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        #: time.time() when the lighthouse's last quorum answer arrived (None before the first).
+        self.wall_time: Optional[float] = None
+        #: The step the last quorum formed at (the participants' highest step).
+        self.max_step: Optional[int] = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        answer = self._client._quorum(*args, **kwargs)
+        self.max_step, self.wall_time = int(answer.max_step), time.time()
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def watch_quorum_answers(manager: Any) -> QuorumAnswers:
+    """Time-stamp the manager's quorum answers, and make the store prefix of
+    every process-group configuration unique across lighthouse restarts
+    (every rank, right after the manager is created).
+
+    torchft prefixes the gloo/NCCL rendezvous keys of a quorum with
+    ``/torchft/<quorum id>/<group rank>`` on the primary group's store and
+    requires that prefix to be new at every ``configure``. A restarted
+    lighthouse numbers its quorums from 1 again, so a quorum id can recur
+    on the same store with stale keys of the old quorum under it. The
+    prefix gets ``/step<max_step>`` appended: every member of a quorum
+    sees the same ``max_step``, and a restarted lighthouse's first quorum
+    forms at a step at or past every step of the old lighthouse's quorums,
+    so (quorum id, step) recurs only if the old lighthouse never saw a step
+    committed after its quorum of that id formed."""
+    answers = QuorumAnswers(manager._client)
+    manager._client = answers
+    configure = manager._pg.configure
+
+    def configure_uniquely(store_addr: str, *args: Any, **kwargs: Any) -> None:
+        configure(f"{store_addr}/step{answers.max_step}", *args, **kwargs)
+
+    manager._pg.configure = configure_uniquely
+    return answers
 
 
 def quorum_id(manager: Any) -> int:

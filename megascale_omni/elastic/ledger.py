@@ -5,11 +5,16 @@ first-stage process of TP rank 0 and CP rank 0. Two kinds of line::
 
     {"event": "attempt", "step": s, "quorum": q, "replica": "r1",
      "participant": p, "participants": P, "dp_rank": d, "dp_size": D,
-     "samples": [ids...]}
-    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "dp_rank": i, "committed": true|false}
+     "samples": [ids...], "t": T, "quorum_t": Tq}
+    {"event": "commit", "step": s, "quorum": q, "replica": "r1", "dp_rank": i, "committed": true|false,
+     "t": T, "quorum_t": Tq}
 
 (``dp_rank`` of a commit line is the writer's inner DP rank, which names its
-file; that of an attempt is its DP rank over all participants.)
+file; that of an attempt is its DP rank over all participants. ``t`` is the
+wall time the line was written, ``quorum_t`` the wall time the lighthouse's
+answer with quorum ``q`` arrived, both ``time.time()`` seconds; a fixed
+group's lines have no ``quorum_t``, ledgers written before 2026-12-02 have
+neither: readers default them.)
 
 Order and durability (elastic groups, :mod:`.service`): the attempt line of
 step ``s`` is written as soon as the step's quorum ``q`` is known, before the
@@ -56,19 +61,27 @@ later steps under quorums ``>= q``); a step retried after a failed attempt
 supersedes that attempt, which did not commit. The rule assumes torchft's
 quorum is never split (two live timelines, e.g. a group cut off from the
 lighthouse that keeps stepping alone, are not told apart).
-Quorum ids start over when the lighthouse restarts; torchft 0.2.0 shows a
+Quorum ids start over when the lighthouse restarts (the groups ride the
+restart out and train on, :mod:`.membership`); torchft 0.2.0 shows a
 manager no incarnation of its lighthouse (``QuorumResult`` has none), so a
-reader that spans lighthouse restarts qualifies ``quorum`` itself, e.g.
-with ``(epoch, quorum)`` tuples (:mod:`megascale_omni.chaos.checks`).
+reader that spans lighthouse restarts qualifies ``quorum`` itself with the
+lighthouse epoch each line's ``quorum_t`` falls in, as ``(epoch, quorum)``
+tuples (:func:`megascale_omni.chaos.checks.with_epochs`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
+
+
+def _times(quorum_t: Optional[float]) -> dict:
+    """A line's wall times: now, and when its quorum was answered (if it has one)."""
+    return {"t": time.time()} if quorum_t is None else {"t": time.time(), "quorum_t": quorum_t}
 
 
 class SampleLedger:
@@ -85,7 +98,7 @@ class SampleLedger:
 
     def attempt(
         self, step: int, quorum: int, participant: Optional[int], participants: int,
-        dp_rank: Optional[int], dp_size: int, samples: Sequence[int],
+        dp_rank: Optional[int], dp_size: int, samples: Sequence[int], quorum_t: Optional[float] = None,
     ) -> None:
         """Record an attempt; returns once the line is on disk (fsync).
 
@@ -96,14 +109,14 @@ class SampleLedger:
         self._write({
             "event": "attempt", "step": step, "quorum": quorum, "replica": self.replica_id,
             "participant": participant, "participants": participants, "dp_rank": dp_rank, "dp_size": dp_size,
-            "samples": [int(s) for s in samples],
+            "samples": [int(s) for s in samples], **_times(quorum_t),
         })
         os.fsync(self._file.fileno())
 
-    def commit(self, step: int, quorum: int, committed: bool) -> None:
+    def commit(self, step: int, quorum: int, committed: bool, quorum_t: Optional[float] = None) -> None:
         """Record the outcome of ``(step, quorum)`` (flushed; a lost one is inferred)."""
         self._write({"event": "commit", "step": step, "quorum": quorum, "replica": self.replica_id,
-                     "dp_rank": self.dp_rank, "committed": committed})
+                     "dp_rank": self.dp_rank, "committed": committed, **_times(quorum_t)})
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -35,6 +35,21 @@ from megascale_omni.elastic import adapter
 from megascale_omni.elastic.heal import checkpoint_transport
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between a replica group's quorum requests to a lighthouse that
+#: does not answer (torchft's manager server retries; :func:`quorum_retries`).
+LIGHTHOUSE_RETRY_S = 1.0
+
+
+def quorum_retries(quorum_timeout_s: float) -> int:
+    """torchft's ``quorum_retries`` that makes a group's manager server ask
+    an unreachable lighthouse again about every :data:`LIGHTHOUSE_RETRY_S`
+    until ``quorum_timeout_s`` has passed (torchft 0.2.0 sleeps ``quorum
+    timeout / (retries + 1)`` after a failed request and reconnects). With
+    none (torchft's default) one failed request leaves every rank waiting out
+    the whole quorum timeout, then the step raises and the group exits: a
+    restarted lighthouse is only found by the groups' replacements."""
+    return max(1, int(quorum_timeout_s / LIGHTHOUSE_RETRY_S))
 
 
 class MembershipChanged(Exception):
@@ -61,6 +76,9 @@ class Participation:
     rank: Optional[int]
     size: int
     quorum_id: int
+    #: time.time() when the lighthouse's answer with this quorum arrived: which
+    #: lighthouse incarnation numbered it (quorum ids start over when it restarts).
+    quorum_t: Optional[float] = field(default=None, compare=False)
 
     @property
     def participating(self) -> bool:
@@ -110,6 +128,8 @@ class ReplicaQuorum:
             state_dict=state_dict,
             min_replica_size=cfg.min_replicas,
             use_async_quorum=True,
+            # Ride out a lighthouse restart: the step waits, the model stays in memory.
+            quorum_retries=quorum_retries(cfg.quorum_timeout_s),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
             connect_timeout=timeout,
@@ -122,6 +142,8 @@ class ReplicaQuorum:
             # (layout-invariant init), so step 0 needs no weight sync.
             init_sync=False,
         )
+        #: Wall time and step of each quorum answer; unique store prefixes across lighthouse restarts.
+        self.answers = adapter.watch_quorum_answers(self.manager)
         self._participation: Optional[Participation] = None
         # Quorum id of the last committed step (None after an uncommitted one).
         self._committed_quorum: Optional[int] = None
@@ -205,6 +227,7 @@ class ReplicaQuorum:
             size=size,
             # The ledger keys attempts by it.
             quorum_id=adapter.quorum_id(self.manager),
+            quorum_t=self.answers.wall_time,
         )
         # None when the fetch failed (then the step does not commit and is retried).
         pending = adapter.pending_peer_state(self.manager)

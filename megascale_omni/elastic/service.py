@@ -273,7 +273,7 @@ class ElasticMembership:
         samples = ([] if share.dp_rank is None
                    else self.state.task.sample_ids(share.step, share.dp_rank, share.dp_size))
         self.ledger.attempt(share.step, part.quorum_id, part.rank, part.size, share.dp_rank, share.dp_size,
-                            samples)
+                            samples, part.quorum_t)
         self._recorded = key
 
     def microbatches(self, share: StepShare) -> list[dict]:
@@ -303,7 +303,7 @@ class ElasticMembership:
                 self.account.abandon()
         self.retries += 0 if committed else 1
         if self.ledger is not None:
-            self.ledger.commit(share.step, p.quorum_id, committed)
+            self.ledger.commit(share.step, p.quorum_id, committed, p.quorum_t)
         if not committed:
             logger.warning(
                 "elastic: step %d not committed (quorum %d, %d participants); retrying it with the same samples",
@@ -312,11 +312,12 @@ class ElasticMembership:
 
     def annotate(self, record: dict, share: StepShare) -> None:
         """Replica fields of the step record: participants, the quorum id
-        it committed under (the ledger's replay rule reads it), quorum wait, healed, the payload bytes this rank sent to cross-replica
+        it committed under and the wall time its lighthouse answered it (the
+        ledger's replay rule reads them), quorum wait, healed, the payload bytes this rank sent to cross-replica
         all-reduces in the step (gradients, token count, loss report), and
         how many gradient bucket groups' sums started during backward."""
         p = self.quorum.participation
-        record.update(participants=p.size, quorum=p.quorum_id, quorum_s=self.quorum.quorum_wait_s,
+        record.update(participants=p.size, quorum=p.quorum_id, quorum_t=p.quorum_t, quorum_s=self.quorum.quorum_wait_s,
                       healed=not p.participating,
                       cross_replica_bytes=self.sums.bytes_sent,
                       cross_replica_early_buckets=self.sums.early_buckets)

@@ -103,6 +103,8 @@ STEP_FIELDS: dict[str, tuple[str, str]] = {
     # elastic
     "participants": ("", "replica groups in the quorum"),
     "quorum": ("", "torchft quorum id of the step (increases within one lighthouse's life)"),
+    "quorum_t": ("s", "wall time (time.time()) the lighthouse answered the step's quorum: which lighthouse "
+                      "incarnation numbered it"),
     "healed": ("bool", "this group received state from a peer this step"),
     "cross_replica_bytes": ("bytes", "payload this rank handed to cross-replica all-reduces this step "
                                      "(gradients or their shard, token count, loss report)"),

@@ -13,26 +13,28 @@ from typing import Callable, Iterable, Sequence
 
 import pytest
 
+from megascale_omni.elastic.lighthouse_main import lighthouse_argv
 from tests.launcher import finish, free_port, spawn, torchrun_cmd
 
 CONFIG = "examples/elastic/gpt_pp2.yaml"
-LIGHTHOUSE_BIN = str(Path(sys.executable).parent / "torchft_lighthouse")
+#: The same lighthouse, started without importing torch (megascale_omni/elastic/lighthouse_main.py).
+LIGHTHOUSE_FAST = lighthouse_argv(sys.executable, [])
 #: The lighthouse drops a replica this long after its last heartbeat (drain,
 #: SIGKILL); long enough for a test to resume a paused replica before a
 #: just-killed peer is dropped (see test_elastic_membership.Job.kill_in_flight).
 HEARTBEAT_TIMEOUT_MS = 10000
 
 
-def start_lighthouse(timeout: float, min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
-    """A lighthouse on a free port that forms quorums of ``min_replicas``
-    groups or more; returns (process, address)."""
-    port = free_port()
+def start_lighthouse(timeout: float, min_replicas: int = 1, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A lighthouse on ``port`` (a free one if 0) that forms quorums of
+    ``min_replicas`` groups or more; returns (process, address)."""
+    port = port or free_port()
     proc = spawn(
         # join_timeout far above a step time and above any pause in the tests:
         # a quorum forms only once every heartbeating replica asks for it, so
         # joiners never form a quorum of their own while a replica is mid-step
         # or paused.
-        [LIGHTHOUSE_BIN, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
+        [*LIGHTHOUSE_FAST, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "900000",
          "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", "50"],
         timeout=timeout,
     )

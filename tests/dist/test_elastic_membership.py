@@ -47,6 +47,7 @@ import pytest
 from megascale_omni.data.balance import microbatch_shares
 from megascale_omni.data.sample_plan import SamplePlan
 from megascale_omni.data.tokens_module import NUM_SAMPLES
+from megascale_omni.chaos.checks import qualified_lines, with_epochs
 from megascale_omni.elastic.ledger import consumed_samples, read_ledger
 from megascale_omni.control import ControlClient
 from megascale_omni.control.client import endpoint_of_run
@@ -106,6 +107,8 @@ class Job:
         # Replicas wait in their quorum while a paused peer holds it (see join).
         self.args = [f"elastic.ledger_dir={self.ledger}", "elastic.quorum_timeout_s=1200", *COMMON, *layout]
         self.lighthouse, self.addr = start_lighthouse(timeout)
+        #: Wall time of each lighthouse start: its quorum ids start over (checks.with_epochs).
+        self.lighthouse_starts = [time.time()]
         self.procs = {}
         self.results = {}
         self.reference = None
@@ -216,6 +219,15 @@ class Job:
         self.wait(f"{hold} to continue without {rid}",
                   lambda: len(self.records(hold)) > held and self.participants(hold) == len(self.live()))
 
+    def restart_lighthouse(self, down_s: float) -> None:
+        """SIGKILL the lighthouse and start a new one on its port ``down_s`` later."""
+        kill_group(self.lighthouse)
+        self.lighthouse.wait()
+        time.sleep(down_s)
+        self.lighthouse, addr = start_lighthouse(self.timeout, port=int(self.addr.rsplit(":", 1)[1]))
+        assert addr == self.addr
+        self.lighthouse_starts.append(time.time())
+
     def finish(self) -> int:
         """Drain every live replica, then the reference (started now if it
         was not) once past the last step; returns that step."""
@@ -255,7 +267,8 @@ class Job:
             expected = {shares[p * self.inner_dp] // 2 for p in range(r["participants"])}
             assert r["healed"] or r["microbatches"] in expected, r
         plan = SamplePlan(NUM_SAMPLES, GLOBAL_BATCH, seed=SEED)
-        lines = read_ledger(self.ledger)
+        # Quorums as (lighthouse epoch, quorum id): ids start over when the lighthouse restarts.
+        lines = qualified_lines(with_epochs(read_ledger(self.ledger), self.lighthouse_starts))
         consumed = consumed_samples(lines)
         assert sorted(consumed) == list(range(last))
         for step, ids in consumed.items():

@@ -233,3 +233,59 @@ def test_step_records_of_a_rolled_back_timeline_give_way_to_the_replay():
     # A healing group's record proves nothing about the job's step; two records of one timeline must agree.
     _, problems = checks.merge_step_records([lost, [{**lost[2], "loss": 1.5}]])
     assert problems == ["step 3: groups report losses 2.0 and 1.5"]
+
+
+#: Wall times (time.time()) at which the supervisor started lighthouse epochs 0, 1 and 2.
+LIGHTHOUSE_STARTS = [100.0, 200.0, 300.0]
+
+
+def _at(lines: list[dict], quorum_t: float, epoch: int = 0) -> list[dict]:
+    """``lines`` answered by the lighthouse at wall time ``quorum_t``, labelled ``epoch`` as a per-group reader would."""
+    return [{**r, "quorum_t": quorum_t, "epoch": epoch} for r in lines]
+
+
+def test_epoch_at_counts_the_lighthouse_starts_before_a_wall_time():
+    assert [checks.epoch_at(t, LIGHTHOUSE_STARTS) for t in (50.0, 100.0, 199.9, 200.0, 1e9)] == [0, 0, 0, 1, 2]
+    # A line without quorum_t (a fixed group's, an old ledger's) keeps the epoch its reader gave it.
+    old = {"event": "commit", "step": 0, "quorum": 3, "epoch": 1}
+    assert checks.with_epochs([old], LIGHTHOUSE_STARTS) == [old]
+    assert checks.with_epochs([{**old, "quorum_t": 250.0}], LIGHTHOUSE_STARTS)[0]["epoch"] == 1
+
+
+def test_the_soak_s_replay_after_a_lighthouse_restart_is_no_second_commit_with_per_line_epochs():
+    """The soak of 2026-12-02 ("step 1093 committed under quorums (3, 8) and
+    (3, 1)"): the job committed ledger steps 0-3 under the first lighthouse's
+    quorum 8, a replacement group started before the lighthouse's restart
+    resumed from the checkpoint of step 2 and replayed steps 2-4 under the
+    restarted lighthouse's quorum 1. Labelled per group, its lines carry the
+    old epoch and the proof fails; per line (quorum_t) the replay supersedes
+    the lost timeline, and a lost sample in the replay is still caught."""
+    reference = _ledger({s: [[4 * s + k for k in range(1, 5)]] for s in range(5)})
+    lost = _at(_timeline({s: (8, [[4 * s + 1, 4 * s + 2], [4 * s + 3, 4 * s + 4]]) for s in range(4)}), 150.0)
+    replay = _at(_timeline({s: (1, [[4 * s + k for k in range(1, 5)]]) for s in (2, 3, 4)}), 210.0)
+    assert checks.ledger_problems(lost + replay, reference, last_step=5) != []  # the per-group label: epoch 0
+    fixed = checks.with_epochs(lost + replay, LIGHTHOUSE_STARTS)
+    assert checks.ledger_problems(fixed, reference, last_step=5) == []
+    short = _at(_timeline({2: (1, [[9, 10, 11]]), 3: (1, [[13, 14, 15, 16]]), 4: (1, [[17, 18, 19, 20]])}), 210.0)
+    assert checks.ledger_problems(checks.with_epochs(lost + short, LIGHTHOUSE_STARTS), reference, 5) == [
+        "ledger step 2: samples lost [12]"]
+
+
+def test_a_group_that_rides_out_a_lighthouse_restart_needs_per_line_epochs():
+    """One group process trains on across a lighthouse restart (no fall-back):
+    ledger steps 0-1 under the first lighthouse's quorum 5, steps 2-3 under
+    the restarted one's quorum 1, and its step records likewise. Per line
+    nothing is superseded and nothing rolled back; labelled by the group's
+    first step (epoch 0 throughout), quorum 1 < 5 reads as a replay of an
+    older timeline and the proof fails."""
+    reference = _ledger({s: [[2 * s + 1, 2 * s + 2]] for s in range(4)})
+    before = _at(_timeline({0: (5, [[1, 2]]), 1: (5, [[3, 4]])}), 150.0)
+    after = _at(_timeline({2: (1, [[5, 6]]), 3: (1, [[7, 8]])}), 250.0)
+    assert checks.ledger_problems(before + after, reference, last_step=4) != []
+    assert checks.ledger_problems(checks.with_epochs(before + after, LIGHTHOUSE_STARTS), reference, 4) == []
+    records = [{"step": s + 1, "loss": 4.0 - s, "quorum": q, "quorum_t": t, "participants": 1, "epoch": 0}
+               for s, q, t in ((0, 5, 150.0), (1, 5, 150.0), (2, 1, 250.0), (3, 1, 250.0))]
+    merged, problems = checks.merge_step_records([checks.with_epochs(records, LIGHTHOUSE_STARTS)])
+    assert problems == [] and sorted(merged) == [1, 2, 3, 4]
+    assert checks.rolled_back_steps(checks.with_epochs(records, LIGHTHOUSE_STARTS)) == 0
+    assert checks.rolled_back_steps(records) == 2

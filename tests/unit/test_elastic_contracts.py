@@ -297,3 +297,16 @@ def test_a_fetched_peer_state_waits_in_pending_state_dict_under_user_default(man
         assert adapter.pending_peer_state(manager) == {"w": 7}
     finally:
         manager._pending_state_dict = None
+
+
+def test_quorum_answers_are_asked_through_the_client_and_configure_the_group_under_a_quorum_prefix(manager):
+    # adapter.watch_quorum_answers wraps exactly these two calls of the quorum thread.
+    source = inspect.getsource(type(manager)._async_quorum)
+    assert "quorum = self._client._quorum(" in source and "max_step = quorum.max_step" in source
+    assert 'f"{store_address}/torchft/{quorum_id}/{self._group_rank}"' in source
+    assert "self._pg.configure(\n                        store_prefixed_addr," in source
+    assert isinstance(manager._client, adapter.QuorumAnswers)
+    manager.start_quorum()
+    manager.wait_quorum()
+    assert manager._client.max_step == manager.current_step() and manager._client.wall_time is not None
+

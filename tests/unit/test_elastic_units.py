@@ -4,6 +4,8 @@ joiner runs on a peer's state, and the membership's step retry."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from megascale_omni.config import ConfigError, JobConfig, from_dict, validate_job
@@ -301,6 +303,9 @@ class _Manager:
     def __init__(self, ledger_dir, rank: int):
         self.ledger_dir, self.rank = ledger_dir, rank
         self.ledger_at_sum: list[list[dict]] = []
+        # What adapter.watch_quorum_answers wraps (no quorum is asked here: its answers stay unknown).
+        self._client = types.SimpleNamespace()
+        self._pg = types.SimpleNamespace(configure=lambda *args, **kwargs: None)
 
     def start_quorum(self) -> None:
         pass
@@ -339,7 +344,6 @@ def test_attempt_is_on_record_before_the_cross_replica_sum(tmp_path, monkeypatch
     when the sum started, and with survivor r0's commit the step consumed
     its global batch exactly once. With elastic.overlap_quorum the quorum
     is awaited at the sum itself, and the line still precedes it."""
-    import types
 
     import torch
 
@@ -379,7 +383,8 @@ def test_attempt_is_on_record_before_the_cross_replica_sum(tmp_path, monkeypatch
     # What the ledger held when the sum started: r1's attempt in quorum 7, once.
     mine = {"event": "attempt", "step": 3, "quorum": 7, "replica": "r1", "participant": 1, "participants": 2,
             "dp_rank": 1, "dp_size": 2, "samples": [101, 103, 105, 107]}
-    assert manager.ledger_at_sum == [[mine]]
+    assert [[{k: v for k, v in r.items() if k != "t"} for r in lines] for lines in manager.ledger_at_sum] == [[mine]]
+    assert isinstance(manager.ledger_at_sum[0][0]["t"], float)  # when written; no quorum_t without an answer
     survivor = SampleLedger(str(tmp_path), "r0", 0)
     survivor.attempt(3, 7, 0, 2, 0, 2, batch[0::2])
     survivor.commit(3, 7, True)
