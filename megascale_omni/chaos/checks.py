@@ -37,7 +37,7 @@ from megascale_omni.elastic.ledger import consumed_samples, superseded
 
 #: Actions a run may log without anyone intervening: the supervisor's and the fault plan's.
 ALLOWED_ACTIONS = frozenset({"start lighthouse", "lighthouse exited", "start group", "group exited",
-                             "join standby", "fault", "fault over", "stop"})
+                             "join standby", "fault", "fault over", "stop", "start scheduler", "scheduler exited"})
 
 
 def _quorum(r: dict) -> tuple[int, int]:
