@@ -191,6 +191,7 @@ class ReferenceRuns:
         each step from the one segment that covers it. Failures go to :attr:`problems`."""
         self.anchors = [a for a in self.anchors if a < last]
         deadline = time.monotonic() + deadline_s
+        self.started_at = time.monotonic()  # a segment's own time limit counts from now at the earliest
         while time.monotonic() < deadline:
             self._advance(last)
             if self.running is None and all(any(d.start == s.start for d in self.done)

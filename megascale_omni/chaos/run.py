@@ -230,24 +230,33 @@ class ChaosRun:
         t_end = time.monotonic()
         return self._finish(plan, results, startup_s, t_end - t0)
 
-    def _ready_for(self, fault: Fault) -> bool:
-        """Every slot trains (a step committed with all of them since the
-        target's group started) and the target's ranks are up."""
+    def _not_ready(self, fault: Fault) -> str:
+        """Why the job is not ready for ``fault`` ("" when it is): every slot trains (a step committed with all
+        of them since the target's group started), the target's ranks are up, and no active background fault
+        conflicts with it."""
         inc = self.sup.current.get(fault.slot)
-        return (inc is not None and inc.exit_code is None and len(self.sup.ranks(fault.slot)) == self.cfg.nproc
-                and any(c.participants == self.cfg.slots for c in self.progress.commits_after(inc.started)))
+        if inc is None or inc.exit_code is not None:
+            return f"slot {fault.slot} has no running group"
+        if len(self.sup.ranks(fault.slot)) != self.cfg.nproc:
+            return f"{inc.replica_id}: not all {self.cfg.nproc} ranks up"
+        if not any(c.participants == self.cfg.slots for c in self.progress.commits_after(inc.started)):
+            return f"no step with all {self.cfg.slots} groups since {inc.replica_id} started"
+        busy = [inj.fault.kind for inj, _ in self.active if inj.conflicts(fault.kind)]
+        return f"{busy[0]} still active" if busy else ""
 
     def _run_fault(self, ctx: Context, fault: Fault, t0: float) -> dict:
         """Fire ``fault`` once the job is ready for it (and no background fault it conflicts with is active);
         wait for its recovery unless it is a background fault. Returns its row (completed when it settles)."""
         self._wait(t0 + fault.at_s)
         deadline = time.monotonic() + self.cfg.fault_deadline_s
-        while time.monotonic() < deadline and not (
-                self._ready_for(fault) and not any(inj.conflicts(fault.kind) for inj, _ in self.active)):
+        waited, why = time.monotonic(), ""
+        while time.monotonic() < deadline and (reason := self._not_ready(fault)):
+            why = reason
             self._wait(time.monotonic() + 0.5)
         inj: Injector = INJECTORS[fault.kind](fault)
         row = {**fault.to_json(), "fired_s": None, "detected_s": None, "recovered_s": None, "target": "",
-               "note": "", "step_fired": self.progress.last_step(), "step_recovered": None}
+               "note": "", "step_fired": self.progress.last_step(), "step_recovered": None,
+               "waited_s": round(time.monotonic() - waited, 1), "waited_for": why}
         try:
             inj.fire(ctx)
         except Exception as exc:  # reported in the result; the run goes on with the next fault
