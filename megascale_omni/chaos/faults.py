@@ -509,7 +509,9 @@ class PreflightFail(ProbeGroup):
     background = True
 
     def conflicts(self, kind: str) -> bool:
-        return kind == "shard_corrupt"  # its probe would refuse a shard only after its pre-flight
+        """A lighthouse kill takes every group down (its recovery, a step with every group, would wait for
+        the whole job's); a corrupt shard or a second probe would blur which group was refused for what."""
+        return kind in ("kill_lighthouse", "shard_corrupt", "preflight_fail")
 
     def fire(self, ctx: Context) -> None:
         from megascale_omni.chaos.capabilities import EXIT_PREFLIGHT_FAILED, preflight_failing_overrides

@@ -159,7 +159,8 @@ class ReferenceRuns:
                 r.open_end = False
             if r.open_end and last is not None:
                 r.seg, r.open_end = Segment(r.seg.start, last), False
-            reached = not r.open_end and self._last_step() >= r.seg.end
+            # One step past its end: the ledger's commit line of step ``end`` is written before that record.
+            reached = not r.open_end and self._last_step() > r.seg.end
             exited = r.proc.poll() is not None
             overdue = time.monotonic() - self.started_at > self.segment_timeout_s and last is not None
             if reached or exited or overdue:
