@@ -200,6 +200,10 @@ class ChaosRun:
         cfg = self.cfg
         t_launch = time.monotonic()
         self.sup.start()
+        # Imported here, while the groups start, not at the first fault that needs them: the checkpoint
+        # package imports torch and megatron (seconds; 18-30 s at load average 30-100), which delayed the
+        # first data-worker hang's firing by that long.
+        from megascale_omni.checkpoint import layout, write_workers  # noqa: F401
         if self.scheduler is not None:
             self.scheduler.start()
         deadline = t_launch + cfg.startup_timeout_s
