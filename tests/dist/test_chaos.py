@@ -10,7 +10,8 @@ committed step's loss within RTOL of the (re-anchored) reference, the
 sample ledger exactly-once, every checkpoint left behind intact, no process
 of the run left over.
 
-``make test`` runs it once (about 3 minutes on an idle 2-core machine);
+``make test`` runs it once (395-482 s measured at load average 3-45 on the
+shared 2-core host, about 3.5 minutes estimated on an idle one; BENCHMARKS.md);
 ``make test-all`` adds the 30-minute soak of >= 50 faults of >= 8 classes.
 """
 
