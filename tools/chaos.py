@@ -3,12 +3,15 @@ was lost (docs/operations.md).
 
     python tools/chaos.py --duration 120 [--seed 0] [--groups 2] [--faults N]
         [--classes kill_rank,hang_rank,...] [--run-dir runs/chaos] [--data DIR]
-        [--set section.field=value ...] [--json result.json]
+        [--set section.field=value ...] [--anchor-every 500] [--json result.json]
 
 Starts a torchft lighthouse and ``--groups`` replica groups (PP2, the
 distributed optimizer, async checkpoints on a size-limited tmpfs when run
-as root) and a fault-free reference run of the same seed; fires the plan
-(one fault at a time, each waited out until the job has every group again);
+as root; one of them kept by the live scheduler, ``omni-sched run``, when
+``kill_scheduler`` is planned) and a fault-free reference of the same seed,
+re-anchored on the job's checkpoints every ``--anchor-every`` steps; fires
+the plan (each fault once the job has every group again after the previous
+one; a fault that only starts a group that must be refused runs beside the next);
 then checks every committed step's loss against the reference, the sample
 ledger (exactly once), every checkpoint left behind, that no process is
 left over and that nothing but the plan and the supervisor acted. Prints the
@@ -49,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--spares", type=int, default=1, help="warm standby groups kept ready (default 1)")
     p.add_argument("--cut-off", action="store_true",
                    help="stop firing at --duration even if planned faults are left (default: fire them all)")
+    p.add_argument("--anchor-every", type=int, default=500, metavar="STEPS",
+                   help="re-anchor the reference on the job's checkpoint every STEPS steps (default 500)")
     p.add_argument("--json", default="", help="also write the result here")
     args = p.parse_args(argv)
     kinds = [k for k in args.classes.split(",") if k] or None
@@ -59,6 +64,8 @@ def main(argv=None) -> int:
         raise ConfigError("--groups", args.groups, "use 2 or 3 replica groups (2 cores run 3 at most)")
     if args.spares < 0:
         raise ConfigError("--spares", args.spares, "must be >= 0 (0: replace lost groups by cold starts)")
+    if args.anchor_every < 1:
+        raise ConfigError("--anchor-every", args.anchor_every, "must be >= 1 step")
     if not args.duration > 0:
         raise ConfigError("--duration", args.duration, "must be > 0 seconds")
     if any("=" not in s for s in args.set):
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = ChaosConfig(run_dir=run_dir, data_dir=data, duration_s=args.duration, seed=args.seed,
                       slots=args.groups, faults=args.faults, kinds=kinds, overrides=list(args.set),
-                      cut_off=args.cut_off, spares=args.spares)
+                      cut_off=args.cut_off, spares=args.spares, anchor_every=args.anchor_every)
     result = run_chaos(cfg)
     print(summary(result))
     if args.json:

@@ -13,16 +13,9 @@ where the harness depends on work that is not merged yet.
 * ``ckpt_enospc`` needs a size-limited tmpfs for the checkpoint directory
   (root, ``mount``); ``hang_data_worker`` a data-loader worker
   (``ChaosConfig.data_workers``, 1 by default).
-* ``kill_scheduler`` needs the live scheduler (``omni-sched run``) as the
-  job's supervisor: it launches the groups, its standbys and the
-  lighthouse, so killing it means nobody restarts anything until it is
-  back. In this harness :class:`~megascale_omni.chaos.supervisor.Supervisor`
-  plays that part; putting the scheduler in its place is a rewrite of the
-  supervisor (its local launcher, lighthouse and standby policy), not a
-  fault class, and is not done. What the class would prove, a scheduler
-  SIGKILLed and restarted adopts the running groups from ``decisions.log``
-  and grows or drains nothing twice, is tested without training in
-  tests/unit/test_scheduler_live_robust.py (docs/operations.md).
+* ``kill_scheduler`` needs the live scheduler in the run: ``omni-sched
+  run`` keeps one of the job's groups (:mod:`megascale_omni.chaos.scheduled`)
+  whenever the class is planned; it is always available.
 """
 
 from __future__ import annotations
@@ -41,8 +34,6 @@ EXIT_PREFLIGHT_FAILED = getattr(errors, "EXIT_PREFLIGHT_FAILED", 44)
 NEEDS_PREFLIGHT = "needs omni-preflight (branch preflight)"
 NEEDS_WATCHDOG = "needs the hang watchdog (branch watchdog)"
 NEEDS_ROOT_MOUNT = "needs root and mount(8) for a size-limited tmpfs checkpoint directory"
-NEEDS_SCHEDULER = ("needs the live scheduler as the job's supervisor (this harness supervises; a restarted "
-                   "scheduler's recovery is tested in tests/unit/test_scheduler_live_robust.py)")
 NEEDS_DATA_WORKERS = "needs data.num_workers > 0 (there is no data worker to stop)"
 
 
@@ -70,7 +61,7 @@ def can_mount_tmpfs() -> bool:
 
 def unavailable(data_workers: int) -> dict[str, str]:
     """Fault class -> why it cannot run here (classes not named can)."""
-    out = {"kill_scheduler": NEEDS_SCHEDULER}
+    out = {}
     if not has_preflight():
         out["preflight_fail"] = NEEDS_PREFLIGHT
     if not can_mount_tmpfs():

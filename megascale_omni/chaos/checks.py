@@ -42,7 +42,7 @@ from megascale_omni.elastic.ledger import consumed_samples, superseded
 
 #: Actions a run may log without anyone intervening: the supervisor's and the fault plan's.
 ALLOWED_ACTIONS = frozenset({"start lighthouse", "lighthouse exited", "start group", "group exited",
-                             "join standby", "fault", "fault over", "stop"})
+                             "join standby", "fault", "fault over", "stop", "start scheduler", "scheduler exited"})
 
 
 def epoch_at(t: float, lighthouse_starts: list[float]) -> int:

@@ -25,6 +25,7 @@ from typing import Optional
 
 from megascale_omni.chaos.observe import LogTail, Progress
 from megascale_omni.chaos.plan import Fault
+from megascale_omni.chaos.scheduled import SchedulerProcess, recovery
 from megascale_omni.chaos.supervisor import Supervisor
 
 
@@ -40,7 +41,11 @@ class Context:
     slots: int
     rng: random.Random
     #: Seconds a stall-type fault (straggler, flood) lasts.
-    stall_s: float = 10.0
+    stall_s: float = 5.0
+    #: checkpoint.interval of the job (steps between saves).
+    checkpoint_interval: int = 25
+    #: The live scheduler keeping some of the job's groups (None: the run has none).
+    scheduler: Optional["SchedulerProcess"] = None
 
 
 @dataclass
@@ -73,6 +78,13 @@ class Injector(abc.ABC):
 
     def cleanup(self, ctx: Context) -> None:
         """Undo whatever is still in effect (called once, always)."""
+
+    #: Runs beside the next faults (it only starts a group that must be refused) instead of being waited out.
+    background = False
+
+    def conflicts(self, kind: str) -> bool:
+        """Whether a fault of class ``kind`` must wait until this active background fault is over."""
+        return False
 
     # Shared predicates.
     def full_membership_since(self, ctx: Context, t: float) -> bool:
@@ -181,6 +193,50 @@ class KillLighthouse(Injector):
 
     def recovered(self, ctx: Context) -> bool:
         return self.quorum is not None and self.full_membership_since(ctx, self.quorum)
+
+
+class KillScheduler(Injector):
+    """SIGKILL the live scheduler (``omni-sched run``); its groups keep
+    training. Detected when the harness, as the scheduler's supervisor,
+    sees it gone and restarts it on the same ``out`` directory; recovered
+    once the restarted scheduler adopted every group the killed one had,
+    started none of them again, completed a tick listing them
+    (:func:`~megascale_omni.chaos.scheduled.recovery`), and a step committed
+    with every group after that."""
+
+    def fire(self, ctx: Context) -> None:
+        sched = ctx.scheduler
+        if sched is None:
+            raise RuntimeError("this run has no live scheduler")
+        state = sched.state() or {}
+        self.before = set(state.get("groups", {}))
+        self.mark = sched.decisions.stat().st_size if sched.decisions.exists() else 0
+        self.restarts = len(sched.starts)
+        self.fired, self.fired_wall = time.monotonic(), time.time()
+        self.target = f"omni-sched (pid {sched.kill()}) with groups {sorted(self.before)}"
+        self.ticked: Optional[float] = None
+
+    def detected(self, ctx: Context) -> Optional[float]:
+        sched = ctx.scheduler
+        if self._detected is None and sched is not None and len(sched.starts) > self.restarts:
+            self._detected = sched.starts[self.restarts]
+        return self._detected
+
+    def tick(self, ctx: Context) -> None:
+        if self.ticked is not None or self.detected(ctx) is None:
+            return
+        with open(ctx.scheduler.decisions, "rb") as f:
+            f.seek(self.mark)
+            lines = f.read().decode(errors="replace").splitlines()
+        state = ctx.scheduler.state()
+        if state is not None and (ctx.scheduler.out / "state.json").stat().st_mtime <= self.fired_wall:
+            state = None  # the killed process's last state, not the successor's
+        ok, self.note = recovery(self.before, lines, state)
+        if ok:
+            self.ticked = time.monotonic()
+
+    def recovered(self, ctx: Context) -> bool:
+        return self.ticked is not None and self.full_membership_since(ctx, self.ticked)
 
 
 class Straggler(Injector):
@@ -297,12 +353,15 @@ class ControlFlood(Injector):
 
 class CheckpointOutOfSpace(Injector):
     """Fill the (size-limited) checkpoint file system with a ballast file
-    until a group reports a failed save for lack of space (detection), then
-    free it; recovered when a newer checkpoint is complete and every slot
-    participates again."""
+    until a group reports a failed save for lack of space (detection), or
+    the job is a few steps past the next save's step without one (its
+    failure would have shown), or ``max_full_s``; then free it; recovered
+    when a newer checkpoint is complete and every slot participates again."""
 
     needle = "No space left on device"
     max_full_s = 60.0
+    #: Steps past the next save's step after which the disk is freed although no failure was seen.
+    grace_steps = 5
 
     def fire(self, ctx: Context) -> None:
         self.fired = time.monotonic()
@@ -322,6 +381,8 @@ class CheckpointOutOfSpace(Injector):
         self.tail = LogTail()
         self.tail.mark(self.logs)
         self.newest_before = self._newest(ctx)
+        last = ctx.progress.last_step()
+        self.next_save = (last // ctx.checkpoint_interval + 1) * ctx.checkpoint_interval
         self.freed: Optional[float] = None
         self.target = f"{ctx.ckpt_dir} full ({self.ballast.stat().st_size >> 20} MiB ballast)"
 
@@ -336,7 +397,9 @@ class CheckpointOutOfSpace(Injector):
         logs = [ctx.sup.run_dir / f"{i.replica_id}.log" for i in ctx.sup.history]
         if self._detected is None and self.tail.grep(logs, self.needle):
             self._detected = time.monotonic()
-        if self.freed is None and (self._detected is not None or time.monotonic() - self.fired > self.max_full_s):
+        past = ctx.progress.last_step() >= self.next_save + self.grace_steps
+        if self.freed is None and (self._detected is not None or past
+                                   or time.monotonic() - self.fired > self.max_full_s):
             self.ballast.unlink(missing_ok=True)
             self.freed = time.monotonic()
 
@@ -394,6 +457,12 @@ class ShardCorrupt(ProbeGroup):
     restarted by the supervisor, see supervisor.NO_RESTART)."""
 
     expected_code = 3
+    background = True
+
+    def conflicts(self, kind: str) -> bool:
+        """A group started while the shard is bad refuses it too: no fault that makes the job start one (a
+        lost group, a lighthouse kill), and no second probe, until the shard is restored."""
+        return kind in GROUP_LOSS or kind in ("shard_corrupt", "preflight_fail")
 
     def fire(self, ctx: Context) -> None:
         shards = sorted((ctx.data_dir / "train").glob("*.tar"))
@@ -437,6 +506,13 @@ class PreflightFail(ProbeGroup):
     it must exit :data:`~megascale_omni.chaos.capabilities.EXIT_PREFLIGHT_FAILED`
     before joining (no step record of it) while the job trains on."""
 
+    background = True
+
+    def conflicts(self, kind: str) -> bool:
+        """A lighthouse kill takes every group down (its recovery, a step with every group, would wait for
+        the whole job's); a corrupt shard or a second probe would blur which group was refused for what."""
+        return kind in ("kill_lighthouse", "shard_corrupt", "preflight_fail")
+
     def fire(self, ctx: Context) -> None:
         from megascale_omni.chaos.capabilities import EXIT_PREFLIGHT_FAILED, preflight_failing_overrides
 
@@ -452,8 +528,12 @@ class PreflightFail(ProbeGroup):
                 and self.full_membership_since(ctx, self._detected))
 
 
+#: Classes that take a group out of the job (or all of them): the job then starts replacements.
+GROUP_LOSS = frozenset({"kill_rank", "kill_group", "kill_lighthouse", "hang_rank", "hang_data_worker"})
+
 INJECTORS: dict[str, type[Injector]] = {
-    "kill_rank": KillRank, "kill_group": KillGroup, "kill_lighthouse": KillLighthouse, "hang_rank": HangRank,
+    "kill_rank": KillRank, "kill_group": KillGroup, "kill_lighthouse": KillLighthouse,
+    "kill_scheduler": KillScheduler, "hang_rank": HangRank,
     "hang_data_worker": HangDataWorker, "straggler": Straggler, "ckpt_enospc": CheckpointOutOfSpace,
     "shard_corrupt": ShardCorrupt, "control_flood": ControlFlood, "preflight_fail": PreflightFail,
 }

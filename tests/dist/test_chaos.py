@@ -3,13 +3,16 @@ an elastic tiny-LLaVA job of two PP2 replica groups (distributed optimizer,
 async checkpoints on a size-limited tmpfs) plus a warm standby, a fault-free
 reference run beside it, and a seeded plan with at least one fault of every
 class this checkout can run and detect (megascale_omni/chaos/capabilities.py
-says which and why not). Asserted at the end: every fault recovered from
-without anyone acting, every committed step's loss within RTOL of the
-reference, the sample ledger exactly-once, every checkpoint left behind
-intact, no process of the run left over.
+says which and why not); one of the two groups is kept by the live
+scheduler (``omni-sched run``), which ``kill_scheduler`` SIGKILLs. Asserted
+at the end: every fault recovered from without anyone acting, every
+committed step's loss within RTOL of the (re-anchored) reference, the
+sample ledger exactly-once, every checkpoint left behind intact, no process
+of the run left over.
 
-``make test-all`` runs it once (about 4 minutes on an idle 2-core machine)
-and the 30-minute soak of >= 50 faults of >= 8 classes.
+``make test`` runs it once (395-482 s measured at load average 3-45 on the
+shared 2-core host, about 3.5 minutes estimated on an idle one; BENCHMARKS.md);
+``make test-all`` adds the 30-minute soak of >= 50 faults of >= 8 classes.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ def _assert_proofs(result: dict) -> None:
 
 #: Classes a run may skip, and why (megascale_omni/chaos/capabilities.py).
 MAY_SKIP = {
-    "kill_scheduler": {capabilities.NEEDS_SCHEDULER},
     "hang_rank": {capabilities.NEEDS_WATCHDOG},
     "hang_data_worker": {capabilities.NEEDS_WATCHDOG},
     "preflight_fail": {capabilities.NEEDS_PREFLIGHT},
@@ -69,15 +71,15 @@ def _check_coverage(result: dict) -> set[str]:
     return fired
 
 
-# Slow (make test-all), for time, not for the leftover bug (fixed: docs/operations.md, known gaps). One fault of
-# each of 10 classes, each waited out, cannot fit make test's 200 s budget: 227 s on main at load average 8; on
-# 2026-12-02 at load average 80-170 (other helpers' runs) its faults took 50-220 s each and the run met its
-# 900 s timeout at fault 7 of 10, every fault before it recovered.
-@pytest.mark.slow
+# In make test: one fault of each of the 11 classes, fired as soon as the previous one recovered (the pre-flight
+# and corrupt-shard probes beside the next faults). The timeout is a hard stop for a wedged run, not a budget:
+# on a host loaded by other runs each fault takes several times longer (docs/testing.md).
 @pytest.mark.timeout(900)
 def test_chaos_run_every_available_fault_class_nothing_lost(tmp_path):
-    result = _run(tmp_path, duration_s=90.0, seed=3)
-    _check_coverage(result)
+    result = _run(tmp_path, duration_s=20.0, seed=3)
+    fired = _check_coverage(result)
+    if capabilities.can_mount_tmpfs() and capabilities.has_watchdog() and capabilities.has_preflight():
+        assert fired == set(FAULT_CLASSES)
     _assert_proofs(result)
     assert result["checkpoints_verified"] >= 1 and result["last_step"] > 0
 

@@ -1,7 +1,9 @@
 """The chaos harness's fault plan and its end-of-run proofs, each shown to
 catch a planted failure: a lost sample, a repeated sample, a step committed
 twice, a loss mismatch, a broken checkpoint, a leftover process, an
-unplanned action (tools/chaos.py; docs/operations.md)."""
+unplanned action; the kill_scheduler fault's firing, detection and
+recovery (a duplicate start caught); the reference's anchored segments
+(tools/chaos.py; docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def test_plan_refuses_bad_arguments(kwargs, message):
 def test_every_fault_class_has_an_injector():
     from megascale_omni.chaos.faults import INJECTORS
 
-    assert set(FAULT_CLASSES) - set(INJECTORS) == {"kill_scheduler"}  # needs the live scheduler (capabilities)
+    assert set(FAULT_CLASSES) == set(INJECTORS)
 
 
 def _ledger(steps: dict[int, list[list[int]]], uncommitted: tuple = ()) -> list[dict]:
@@ -289,3 +291,125 @@ def test_a_group_that_rides_out_a_lighthouse_restart_needs_per_line_epochs():
     assert problems == [] and sorted(merged) == [1, 2, 3, 4]
     assert checks.rolled_back_steps(checks.with_epochs(records, LIGHTHOUSE_STARTS)) == 0
     assert checks.rolled_back_steps(records) == 2
+
+
+# ----------------------------------------------------------------- kill_scheduler
+def test_scheduler_recovery_needs_every_group_adopted_no_duplicate_and_a_tick():
+    from megascale_omni.chaos.scheduled import recovery
+
+    before = {"chaos-r0"}
+    adopt = ["t=0.010 chaos adopt chaos-r0 on bare-metal (running): started by an earlier scheduler process"]
+    ticked = {"tick": 1, "stopped": False, "groups": {"chaos-r0": {"state": "running"}}}
+    assert recovery(before, [], None) == (False, "not adopted yet: ['chaos-r0']")
+    assert recovery(before, adopt, None)[0] is False  # adopted, no tick of the successor yet
+    assert recovery(before, adopt, {**ticked, "tick": 0})[0] is False
+    assert recovery(before, adopt, ticked) == (True, "adopted ['chaos-r0'], started none again")
+    duplicate = [*adopt, "t=0.020 chaos start chaos-r1 on bare-metal (cold start): admit: core of 1 group(s)"]
+    ok, note = recovery(before, duplicate, {**ticked, "groups": {"chaos-r0": {}, "chaos-r1": {}}})
+    assert not ok and "duplicate" in note and "chaos-r1" in note
+    # A group that died while the scheduler was down is not adopted, and its replacement is no duplicate.
+    assert recovery({"chaos-r0"}, duplicate[1:], ticked)[0] is False
+
+
+def test_the_live_config_of_a_chaos_run_is_valid_and_keeps_a_fixed_core():
+    from megascale_omni.chaos.scheduled import live_config
+    from megascale_omni.scheduler.live_config import parse_live_config
+
+    cfg = parse_live_config(json.loads(json.dumps(live_config(
+        "/tmp/out", "examples/llava/tiny_cpu.yaml", ["train.lr=1e-5", "elastic.ledger_dir=/tmp/l"],
+        "http://localhost:29510", groups=1, nproc=2))))
+    job = cfg.jobs[0]
+    assert (job.min_replicas, job.max_replicas, job.standby, job.ledger) == (1, 1, {}, False)
+    assert job.lighthouse == "http://localhost:29510" and job.entry == "pretrain_llava.py"
+    assert job.overrides == ("train.lr=1e-5", "elastic.ledger_dir=/tmp/l") and cfg.launcher == "local"
+    assert [(p.kind, p.nodes) for p in cfg.pools] == [("bare_metal", 1)]
+
+
+def test_kill_scheduler_fires_detects_the_restart_and_recovers_on_adoption(tmp_path):
+    """A stand-in process for omni-sched (sleep): SIGKILLed by the fault, restarted by the harness's poll
+    (detection), recovered once the successor's decisions.log and state.json show the adoption and a step
+    commits with every group after it."""
+    import random
+    import signal
+
+    from megascale_omni.chaos.faults import Context, KillScheduler
+    from megascale_omni.chaos.observe import Commit, Progress
+    from megascale_omni.chaos.plan import Fault
+    from megascale_omni.chaos.scheduled import SchedulerProcess, live_config
+
+    procs = []
+
+    def spawn(argv, log):
+        assert argv[1:4] == ["-m", "megascale_omni.scheduler.cli", "-v"]
+        procs.append(subprocess.Popen(["sleep", "60"]))
+        return procs[-1]
+
+    out = tmp_path / "scheduler"
+    sched = SchedulerProcess(out, live_config(out, "x.yaml", [], "http://localhost:1", 1, 2), spawn, [], sys.executable)
+    try:
+        sched.start()
+        (out / "state.json").write_text(json.dumps({"tick": 40, "groups": {"chaos-r0": {"state": "running"}}}))
+        sched.decisions.write_text("t=0.000 chaos start chaos-r0 on bare-metal (cold start): admit\n")
+        progress = Progress()
+        ctx = Context(None, progress, tmp_path, tmp_path, 2, random.Random(0), scheduler=sched)
+        inj = KillScheduler(Fault(0, 1.0, "kill_scheduler", 0))
+        inj.fire(ctx)
+        assert inj.before == {"chaos-r0"} and f"pid {procs[0].pid}" in inj.target
+        assert procs[0].wait(10) == -signal.SIGKILL
+        assert inj.detected(ctx) is None
+        sched.poll()  # the harness, as supervisor, restarts it
+        assert len(procs) == 2 and inj.detected(ctx) == sched.starts[1]
+        assert [a["action"] for a in sched.actions] == ["start scheduler", "scheduler exited", "start scheduler"]
+        inj.tick(ctx)
+        assert not inj.recovered(ctx) and "not adopted" in inj.note  # the old state.json does not count
+        time.sleep(0.05)
+        with open(sched.decisions, "a") as f:
+            f.write("t=0.001 chaos adopt chaos-r0 on bare-metal (running): started by an earlier scheduler process\n")
+        (out / "state.json").write_text(json.dumps({"tick": 1, "stopped": False, "groups": {"chaos-r0": {}}}))
+        inj.tick(ctx)
+        assert inj.ticked is not None and not inj.recovered(ctx)  # no full step since
+        progress.seen.append(Commit(time.monotonic() + 1, 9, 2, "chaos-r0"))
+        assert inj.recovered(ctx)
+        progress.seen.clear()
+        progress.seen.append(Commit(time.monotonic() + 1, 9, 1, "chaos-r0"))  # one group short: not recovered
+        assert not inj.recovered(ctx)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# ------------------------------------------------------------- anchored reference
+def test_reference_segments_chain_the_anchors_and_cover_each_step_once():
+    from megascale_omni.chaos.reference import Segment, anchor_due, segments
+
+    assert segments([], 300) == [Segment(0, 300)]
+    chain = segments([1000, 500, 500, 0, 1600, 2000], 1600)
+    assert chain == [Segment(0, 500), Segment(500, 1000), Segment(1000, 1600)]
+    for step in range(1, 1601):
+        assert sum(s.covers(step) for s in chain) == 1
+    assert not any(s.covers(0) or s.covers(1601) for s in chain)
+    assert segments([500], 0) == []
+    assert [anchor_due(s, [], 500) for s in (475, 500)] == [False, True]
+    assert [anchor_due(s, [500], 500) for s in (975, 1000, 1025)] == [False, True, True]
+    assert not anchor_due(10_000, [500], 0)
+
+
+def test_reference_losses_and_ledger_come_from_the_covering_segment_only(tmp_path):
+    """Segments run past their end (stopped, not told where to stop); only the covered steps count, so a
+    step the next segment re-runs from its anchor is compared with that one."""
+    from megascale_omni.chaos.reference import ReferenceRuns, Segment
+
+    runs = ReferenceRuns(tmp_path, lambda seg, out, anchor: [], lambda argv, log: None)
+    for seg, losses in ((Segment(0, 3), [1.0, 2.0, 3.0, 4.0, 5.0]), (Segment(3, 5), [0, 0, 30.0, 40.0, 50.0, 60.0])):
+        out = tmp_path / f"seg-{seg.start}"
+        (out / "ledger").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "loss": x}) + "\n" for i, x in enumerate(losses) if i >= seg.start))
+        runs.done[seg] = out
+    runs.anchors = [3]
+    losses, ledger = runs.finish(5, deadline_s=1)
+    assert losses == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0} and ledger == [] and runs.problems == []
+    runs.done.pop(Segment(3, 5))
+    runs.finish(5, deadline_s=0)
+    assert runs.problems == ["reference segment 3-5 did not run"]
