@@ -242,6 +242,12 @@ class BlendStage:
     weights: list[float] = field(default_factory=list)
 
 
+#: Frames of each clip of the embedded shapes dataset (``data.default_video_fraction``):
+#: enough for a motion, a colour change half way and two events in order. The demo
+#: generator and the pipeline planner both read it here.
+DEFAULT_CLIP_FRAMES = 4
+
+
 @dataclass
 class DataConfig:
     """Where training data comes from."""

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from megascale_omni.config.schema import DEFAULT_CLIP_FRAMES
 from megascale_omni.data.llava.batches import LlavaEncoder
 from megascale_omni.data.sample import KIND_VIDEO, SAMPLE_KINDS, Sample
 from megascale_omni.data.shard_writer import write_shards
@@ -48,8 +49,8 @@ DATASET_FORMAT_VERSION = 1
 SPLIT_STREAMS = {"train": 0, "val": 1}
 
 
-#: Frames of a demo clip: enough for a motion, a colour change half way and two events in order.
-CLIP_FRAMES = 4
+#: Frames of a demo clip (the planner reads the same constant).
+CLIP_FRAMES = DEFAULT_CLIP_FRAMES
 #: Shape side in a clip against the frame's: 12 px at 32, the size of the image samples' shapes
 #: (``ShapesConfig.min_extent``..``max_extent``), so the tower sees one scale of shapes.
 CLIP_EXTENT = 0.375

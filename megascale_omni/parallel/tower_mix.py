@@ -36,7 +36,7 @@ Where the samples come from (:attr:`TowerMix.source` says which):
   partition is fixed for the run; memory must hold in every stage);
 - otherwise the config: single-image samples at ``vision.images_per_sequence``
   per row, of which ``data.default_video_fraction`` (the embedded shapes set,
-  ``data.path: null``) are clips of ``CLIP_FRAMES`` frames in place of the image.
+  ``data.path: null``) are clips of ``DEFAULT_CLIP_FRAMES`` frames in place of the image.
 
 The embedded set is always planned from the config (it is built at start,
 so the same config plans the same before and after it exists). Pure Python
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megascale_omni.config.schema import JobConfig
+from megascale_omni.config.schema import DEFAULT_CLIP_FRAMES, JobConfig
 from megascale_omni.config.validate import sequence_multiple
 
 logger = logging.getLogger(__name__)
@@ -121,16 +121,14 @@ def mix_of(cfg: JobConfig, m: SampleMoments, source: str) -> TowerMix:
 def config_moments(cfg: JobConfig) -> SampleMoments:
     """Single-image samples at ``vision.images_per_sequence`` per row, a
     ``data.default_video_fraction`` of them clips of the embedded set's
-    ``CLIP_FRAMES`` frames (at most ``data.video_frames``) instead."""
-    from megascale_omni.demo.llava_shapes import CLIP_FRAMES
-
+    ``DEFAULT_CLIP_FRAMES`` frames (at most ``data.video_frames``) instead."""
     v, d = cfg.vision, cfg.data
     ips = v.images_per_sequence
     if ips <= 0:
         return SampleMoments(0.0, 0.0, float(cfg.model.seq_length), 0.0, 0.0, 0.0)
     image_lm = cfg.model.seq_length / ips
     f = d.default_video_fraction if cfg.data.path is None and not cfg.data.blend else 0.0
-    frames = min(CLIP_FRAMES, d.video_frames) if d.video_frames else CLIP_FRAMES
+    frames = min(DEFAULT_CLIP_FRAMES, d.video_frames) if d.video_frames else DEFAULT_CLIP_FRAMES
     clip_lm = max(image_lm - v.image_tokens + v.video_tokens(frames), 1.0)
     image = SampleMoments(1.0, 1.0, image_lm, 0.0, 0.0, 1.0 / image_lm)
     clip = SampleMoments(float(frames), float(frames**2), clip_lm, 1.0, float(frames), frames / clip_lm)
