@@ -53,7 +53,7 @@ from megascale_omni.checkpoint.state import DIST_OPT_FORMAT, describe_layout, in
 from megascale_omni.checkpoint.train_state import TrainState
 from megascale_omni.checkpoint.triggers import Triggers
 from megascale_omni.checkpoint.write_workers import WriteWorkers
-from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request
+from megascale_omni.checkpoint.writer import AsyncWriter, InflightSave, prepare_request, storage_error
 from megascale_omni.config import CheckpointConfig, ConfigError
 from megascale_omni.metrics.writers import JsonlWriter
 
@@ -360,7 +360,7 @@ class Checkpointer:
     def _finalize(self) -> None:
         """Finalise the in-flight save if every rank wrote its files, else
         abandon it (every rank; collective)."""
-        failures = self._agree_failures(self.writer.local_error())
+        failures = self._agree_failures(storage_error(self.writer.local_error(), self.save_root))
         if failures:
             self._abandon(self.writer.abandon().step, failures)
             return

@@ -29,9 +29,13 @@ every bucket's writer has reported.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -138,3 +142,37 @@ def prepare_request(request: AsyncRequest) -> AsyncRequest:
     args = list(request.async_fn_args)
     args[1] = request.preload_fn()
     return request._replace(async_fn_args=tuple(args), preload_fn=None)
+
+
+#: How torch's zip writer (``torch.save``) reports a write of its stream that
+#: failed: a RuntimeError (``[enforce fail at inline_container.cc:...]
+#: unexpected pos ...`` or ``PytorchStreamWriter failed writing ...``), no errno.
+_ZIP_WRITER_FAILURE = ("inline_container.cc", "PytorchStreamWriter")
+#: Bytes the probe of :func:`storage_error` writes and syncs.
+_PROBE_BYTES = 1 << 16
+
+
+def storage_error(err: Optional[BaseException], directory: Path) -> Optional[BaseException]:
+    """The ``OSError`` behind ``err`` if it is torch's zip writer failing to
+    write a file under ``directory``; ``err`` itself otherwise.
+
+    A full disk reaches a rank as an ``OSError`` (ENOSPC) from Python's file
+    writes, except inside ``torch.save``: its zip writer turns the failed
+    write into a RuntimeError without errno, which the ranks would take for
+    a bug (the job fails instead of abandoning the save, see
+    ``Checkpointer._agree_failures``). So ask the file system: a probe
+    file of 64 KiB written and synced in ``directory`` (then removed) fails
+    with the real ``OSError`` when the disk is full; if it succeeds, the
+    failure was an I/O error that has passed, reported as ``EIO``."""
+    if not isinstance(err, RuntimeError) or not any(mark in str(err) for mark in _ZIP_WRITER_FAILURE):
+        return err
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".space-probe-") as probe:
+            probe.write(bytes(_PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as cause:
+        cause.filename = cause.filename or str(directory)
+        return cause
+    return OSError(errno.EIO, f"torch's zip writer failed ({err}); a probe write there then succeeded",
+                   str(directory))
