@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - create .venv if missing, install the exact versions of constraints.txt, run the demo job
-#   make test   - same set-up, then the test suite without the slow cases (about 25 min on 2 CPU cores)
+#   make test   - same set-up, then the test suite without the slow cases (18-56 min on 2 CPU cores, docs/testing.md)
 #   make slurm-up / slurm-down - a single-host Slurm for the Slurm tests and demos (installs
 #                   slurmctld, slurmd, slurm-client, munge with apt when missing; root); then
 #                   export SLURM_CONF=$(SLURM_DIR)/slurm.conf (docs/scheduler.md, "A real Slurm")
