@@ -84,9 +84,11 @@ def undetected() -> dict[str, str]:
     return {"hang_rank": NEEDS_WATCHDOG, "hang_data_worker": NEEDS_WATCHDOG}
 
 
-def watchdog_overrides(data_timeout_s: float, collective_timeout_s: float, elastic_timeout_s: float) -> list[str]:
+def watchdog_overrides(data_timeout_s: float, collective_timeout_s: float, elastic_timeout_s: float,
+                       heartbeat_timeout_s: float) -> list[str]:
     """``watchdog.*`` overrides that make the watchdog detect the hang
-    classes: ``enabled``, a 1 s poll, ``collective_timeout_s`` (a group
+    classes: ``enabled``, a 1 s poll, ``heartbeat_timeout_s`` (a stopped
+    rank is named by its peers within it), ``collective_timeout_s`` (a group
     names its own stuck rank within it; above ``elastic.timeout_s``, as an
     elastic job requires), a step deadline above ``collective_timeout_s +
     elastic.timeout_s`` (a survivor outwaits the stuck group's own watchdog
@@ -97,8 +99,9 @@ def watchdog_overrides(data_timeout_s: float, collective_timeout_s: float, elast
     if fields is None:
         return []
     step_timeout_s = collective_timeout_s + elastic_timeout_s + 15
-    limits = {f: {"collective_timeout_s": collective_timeout_s, "step_timeout_s": step_timeout_s}.get(f, data_timeout_s)
-              for f in fields if f.endswith("_timeout_s")}
+    named = {"collective_timeout_s": collective_timeout_s, "step_timeout_s": step_timeout_s,
+             "heartbeat_timeout_s": heartbeat_timeout_s}
+    limits = {f: named.get(f, data_timeout_s) for f in fields if f.endswith("_timeout_s")}
     poll = ["watchdog.poll_s=1"] if "poll_s" in fields else []
     return ["watchdog.enabled=true", *poll, *(f"watchdog.{f}={v:g}" for f, v in limits.items())]
 

@@ -1,6 +1,7 @@
 """The chaos run's numbers: per fault class count, detection and recovery
-times and steps lost; the run's effective-training-time ratio (ETTR); the
-printed table and the JSON result."""
+times, steps lost and seconds stalled; the run's effective-training-time
+ratio (ETTR) and where the rest of the wall time went; the printed table and
+the JSON result."""
 
 from __future__ import annotations
 
@@ -54,6 +55,30 @@ def ettr(step_times: list[float], span_s: float) -> tuple[float, float]:
     return min(len(step_times) * typical / (span_s + typical), 1.0), typical
 
 
+def stalls(commit_times: list[float], typical: float, windows: list[tuple[int, float, float]],
+           min_stall_s: float = 2.0) -> tuple[dict[int, float], float]:
+    """Where the wall time without commits went. ``commit_times``: when
+    each committed step was first seen (monotonic s, ascending);
+    ``windows``: ``(fault index, fired, settled)`` on the same clock. A gap
+    between two commits longer than ``max(min_stall_s, 5 x typical)`` is a
+    stall: the gap less one typical step is lost, split evenly among the
+    faults whose window overlaps it. Returns (fault index -> seconds
+    stalled, seconds stalled with no fault active)."""
+    by_fault: dict[int, float] = {}
+    unclaimed = 0.0
+    threshold = max(min_stall_s, 5 * typical)
+    for a, b in zip(commit_times, commit_times[1:]):
+        if b - a <= threshold:
+            continue
+        lost = b - a - typical
+        active = [i for i, fired, settled in windows if fired < b and settled > a]
+        if not active:
+            unclaimed += lost
+        for i in active:
+            by_fault[i] = by_fault.get(i, 0.0) + lost / len(active)
+    return by_fault, unclaimed
+
+
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -76,19 +101,21 @@ def class_table(faults: list[dict], skipped: dict[str, str]) -> list[dict]:
             "detect_mean_s": statistics.mean(det) if det else None, "detect_max_s": max(det, default=None),
             "recover_mean_s": statistics.mean(rec) if rec else None, "recover_max_s": max(rec, default=None),
             "steps_lost": sum(f["steps_lost"] for f in mine),
+            "stalled_s": sum(f.get("stalled_s", 0.0) for f in mine),
         })
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     """The per-class table as Markdown (printed, and pasted into BENCHMARKS.md)."""
-    lines = ["| fault class | count | recovered | detection s (mean / max) | recovery s (mean / max) | steps lost |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| fault class | count | recovered | detection s (mean / max) | recovery s (mean / max) | steps lost "
+             "| stalled s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["count"] == 0:
-            lines.append(f"| {r['class']} | 0 | skipped: {r['skipped']} | | | |")
+            lines.append(f"| {r['class']} | 0 | skipped: {r['skipped']} | | | | |")
             continue
         lines.append(f"| {r['class']} | {r['count']} | {r['recovered']} | {_fmt(r['detect_mean_s'])} / "
                      f"{_fmt(r['detect_max_s'])} | {_fmt(r['recover_mean_s'])} / {_fmt(r['recover_max_s'])} | "
-                     f"{r['steps_lost']} |")
+                     f"{r['steps_lost']} | {r.get('stalled_s', 0.0):.1f} |")
     return "\n".join(lines)

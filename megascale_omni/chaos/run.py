@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -89,6 +90,16 @@ class ChaosConfig:
     #: replacement resumes from the checkpoint.
     quorum_timeout_s: float = 30.0
     heartbeat_timeout_ms: int = 3000
+    #: watchdog.heartbeat_timeout_s: a SIGSTOPped rank is named by its peers
+    #: this long after its last heartbeat (the watchdog polls every second),
+    #: instead of after the collective limit; the other group waits on the
+    #: stuck one about this long.
+    watchdog_heartbeat_s: float = 5.0
+    #: watchdog.data_wait_timeout_s: a rank whose data-loader worker is
+    #: stopped names it after this long (a micro-batch of this job takes
+    #: milliseconds; its first ones, with the workers' start-up, are judged
+    #: by the step limit instead).
+    watchdog_data_wait_s: float = 8.0
     checkpoint_interval: int = 25
     #: Size of the checkpoint tmpfs (MiB): room for keep_last checkpoints and a save in flight.
     checkpoint_fs_mb: int = 64
@@ -122,7 +133,8 @@ def job_overrides(cfg: ChaosConfig, ckpt_dir: Path, ledger: Path) -> list[str]:
             f"checkpoint.dir={ckpt_dir}", f"checkpoint.interval={cfg.checkpoint_interval}",
             "checkpoint.async_save=true", "checkpoint.save_at_end=false", "checkpoint.resume=auto",
             f"data.num_workers={cfg.data_workers}",
-            *capabilities.watchdog_overrides(cfg.dist_timeout_s / 2, cfg.elastic_timeout_s + 5, cfg.elastic_timeout_s),
+            *capabilities.watchdog_overrides(cfg.watchdog_data_wait_s, cfg.elastic_timeout_s + 5, cfg.elastic_timeout_s,
+                                             cfg.watchdog_heartbeat_s),
             *cfg.overrides]
 
 
@@ -164,7 +176,14 @@ class ChaosRun:
                                scheduled, cfg.nproc)
             self.scheduler = SchedulerProcess(self.run_dir / "scheduler", live, self.sup.spawn, self.sup.actions,
                                               cfg.python)
-        self.reference_overrides = [o for o in overrides if not o.startswith(("checkpoint.", "elastic."))]
+        # The reference is fault-free: it reads a copy of the data set taken before any fault, so a segment
+        # started while a shard_corrupt fault holds a shard bad does not refuse it (the 2026-12-03 soak lost
+        # two segments so). Same bytes, so the same data digests as the job's checkpoints.
+        reference_data = self.run_dir / "reference-data"
+        shutil.rmtree(reference_data, ignore_errors=True)
+        shutil.copytree(cfg.data_dir, reference_data)
+        self.reference_overrides = [o for o in overrides if not o.startswith(("checkpoint.", "elastic.", "data.path="))]
+        self.reference_overrides.append(f"data.path={reference_data}")
         self.progress = Progress()
         self.references = ReferenceRuns(self.run_dir, self._reference_argv, self.sup.spawn, cfg.anchor_every)
 
@@ -212,14 +231,12 @@ class ChaosRun:
                 raise RuntimeError(f"no step with all {cfg.slots} groups within {cfg.startup_timeout_s:g}s; "
                                    f"see {self.sup.run_dir}")
             self._wait(time.monotonic() + 0.5)
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         startup_s = t0 - t_launch
         plan = make_plan(cfg.seed, cfg.duration_s, self.kinds, self.sup.slots, cfg.faults,
                          first_s=min(5.0, cfg.duration_s / 10)) if self.kinds else []
         ctx = Context(self.sup, self.progress, cfg.data_dir, self.ckpt_dir, cfg.slots, random.Random(cfg.seed),
                       stall_s=cfg.stall_s, checkpoint_interval=cfg.checkpoint_interval, scheduler=self.scheduler)
-        # Faults are fired one at a time, each once the job has recovered from
-        # the previous one; with cut_off, those still due when duration_s is up are not fired.
         # Faults are fired one at a time, each once the job has recovered from the previous one, except
         # that a background fault (one that only starts a group that must be refused) runs beside the next
         # ones; with cut_off, those still due when duration_s is up are not fired.
@@ -341,6 +358,14 @@ class ChaosRun:
         wall = max(c.t for c in self.progress.commits.values()) - first if merged else 0.0
         times = [merged[s]["step_s"] for s in merged if self.progress.commits[s].t >= first]
         ratio, typical = report.ettr(times, wall)
+        stalled, unclaimed = report.stalls(
+            sorted(c.t for c in self.progress.commits.values() if c.t >= first), typical,
+            [(r["index"], self.t0 + r["fired_s"],
+              self.t0 + r["fired_s"] + (r["recovered_s"] if r["recovered_s"] is not None else self.cfg.fault_deadline_s))
+             for r in results if r["fired_s"] is not None])
+        for row in results:
+            row["stalled_s"] = round(stalled.get(row["index"], 0.0), 2)
+        stalled_s = sum(stalled.values()) + unclaimed
         rows = report.class_table(results, self.skipped)
         unrecovered = [f"fault {r['index']} {r['kind']}: not recovered within {self.cfg.fault_deadline_s:g}s "
                        f"({r['note']})" for r in results if r["recovered_s"] is None]
@@ -348,6 +373,10 @@ class ChaosRun:
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.cfg).items()},
             "startup_s": round(startup_s, 1), "chaos_s": round(chaos_s, 1), "last_step": last,
             "committed_steps_in_window": len(times), "typical_step_s": typical, "ettr": ratio,
+            # The window's wall time = committed steps at the typical pace (ETTR) + stalls + the rest, steps
+            # slower than typical (on this shared host mostly CPU taken by processes starting beside them).
+            "stalled_s": round(stalled_s, 1), "stalled_no_fault_s": round(unclaimed, 1),
+            "slower_steps_s": round(max(wall + typical - len(times) * typical - stalled_s, 0.0), 1),
             "rtol": self.cfg.rtol, "worst_loss_rel_diff": checks.worst_loss_difference(merged, reference),
             "anchors": sorted(self.references.anchors),
             "loss_rel_diff_profile": checks.loss_difference_profile(merged, reference),
@@ -406,7 +435,9 @@ def summary(result: dict) -> str:
              f"{result['chaos_s']:.0f} s fault window; start-up {result['startup_s']:.0f} s); "
              f"faults fired {len(result['faults'])} of {result['faults_planned']} planned; "
              f"steps redone after a fall-back to a checkpoint {result['rolled_back_steps']}; "
-             f"ETTR {result['ettr']:.3f} (typical step {result['typical_step_s']:.3f} s)",
+             f"ETTR {result['ettr']:.3f} (typical step {result['typical_step_s']:.3f} s); the rest of the window: "
+             f"stalls {result['stalled_s']:.0f} s ({result['stalled_no_fault_s']:.0f} s with no fault active), "
+             f"steps slower than typical {result['slower_steps_s']:.0f} s",
              f"loss vs fault-free reference ({len(result['anchors'])} anchors): worst relative difference {result['worst_loss_rel_diff']:.1e} "
              f"(tolerance {result['rtol']:.0e}): {loss}",
              "worst relative loss difference per 250 steps: " + ", ".join(

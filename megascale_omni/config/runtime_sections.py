@@ -260,13 +260,19 @@ class WatchdogConfig:
     collective_timeout_s: float = checked(240.0, gt=0)
     #: A rank waiting this long for its micro-batches (a wedged data read or loader worker).
     data_wait_timeout_s: float = checked(600.0, gt=0)
+    #: A peer whose heartbeat stopped for this long (its watchdog thread has
+    #: not published: SIGSTOP, a frozen machine, a call holding the
+    #: interpreter) does not run and is named by the others, whatever its
+    #: phase; its collective limit is not waited for. At least three polls (a
+    #: healthy peer is seen up to two polls late).
+    heartbeat_timeout_s: float = checked(60.0, gt=0)
     #: Seconds between two checks (and heartbeat publications) of the watchdog
     #: thread; a hang is reported at most about two of these after its limit.
     poll_s: float = checked(5.0, gt=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "watchdog")
-        for name in ("step_timeout_s", "collective_timeout_s", "data_wait_timeout_s", "poll_s"):
+        for name in ("step_timeout_s", "collective_timeout_s", "data_wait_timeout_s", "heartbeat_timeout_s", "poll_s"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ConfigError(f"watchdog.{name}", value, "must be a finite number of seconds > 0, e.g. 600")
@@ -274,3 +280,7 @@ class WatchdogConfig:
         if self.poll_s >= limits:
             raise ConfigError("watchdog.poll_s", self.poll_s,
                               f"must be below every watchdog limit (the smallest is {limits:g} s), e.g. a tenth of it")
+        if self.heartbeat_timeout_s < 3 * self.poll_s:
+            raise ConfigError("watchdog.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                              f"must be at least 3 x watchdog.poll_s = {3 * self.poll_s:g} s (a healthy peer's "
+                              "heartbeat is seen up to two polls late); raise it or lower poll_s")

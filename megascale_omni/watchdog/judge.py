@@ -6,9 +6,11 @@ each peer has been silent (its ``seq`` unchanged, timed on the judge's own
 clock by :class:`PeerTracker`). The rules, first match wins:
 
 1. **A silent peer** (its watchdog thread has not published for longer
-   than its phase's limit, at most ``collective_timeout_s``) does not run:
-   SIGSTOP, a machine that froze, a C call holding the GIL. Every other rank
-   waits for it at its next collective, so it is named by the peers.
+   than its phase's limit, at most ``collective_timeout_s`` and at most
+   ``heartbeat_timeout_s``) does not run: SIGSTOP, a machine that froze, a
+   C call holding the GIL. Every other rank waits for it at its next
+   collective, so it is named by the peers, without waiting out the
+   collective limit.
 2. **This rank over its phase's limit** (``data_wait_timeout_s`` in
    ``data-wait``, ``collective_timeout_s`` in a collective) or over
    ``step_timeout_s`` since a step last ended. A rank waiting in a
@@ -112,9 +114,8 @@ def judge(me: Beat, peers: Sequence[tuple[Beat, float]], cfg: WatchdogConfig,
     for beat, silent_s in peers:
         if beat.phase == "exited":
             continue
-        limit, setting = limit_of(beat.phase, cfg)
-        if limit > cfg.collective_timeout_s:
-            limit, setting = cfg.collective_timeout_s, "watchdog.collective_timeout_s"
+        limit, setting = min(limit_of(beat.phase, cfg), (cfg.collective_timeout_s, "watchdog.collective_timeout_s"),
+                             (cfg.heartbeat_timeout_s, "watchdog.heartbeat_timeout_s"))
         if silent_s > limit:
             return Verdict(beat, silent_s, limit, setting, silent=True, reporter=me.rank,
                            detail=f"its heartbeat stopped {silent_s:.1f} s ago: the process does not run "

@@ -181,9 +181,9 @@ class Watchdog:
         self.heartbeat.step_ended(self.heartbeat.read()[0])  # the clocks start now, not at build time
         self._thread = threading.Thread(target=self._run, name="omni-watchdog", daemon=True)
         self._thread.start()
-        logger.info("watchdog: watching ranks %s every %g s (limits: step %g s, collective %g s, data %g s)",
-                    self.peers, self.cfg.poll_s, self.cfg.step_timeout_s, self.cfg.collective_timeout_s,
-                    self.cfg.data_wait_timeout_s)
+        logger.info("watchdog: watching ranks %s every %g s (limits: step %g s, collective %g s, data %g s, "
+                    "heartbeat %g s)", self.peers, self.cfg.poll_s, self.cfg.step_timeout_s,
+                    self.cfg.collective_timeout_s, self.cfg.data_wait_timeout_s, self.cfg.heartbeat_timeout_s)
         if self.dist_timeout_s is not None and self.cfg.collective_timeout_s >= self.dist_timeout_s:
             logger.warning("watchdog: watchdog.collective_timeout_s=%g is not below the process groups' timeout "
                            "(%g s, MEGASCALE_DIST_TIMEOUT_S): a blocked collective raises before a stuck rank is "

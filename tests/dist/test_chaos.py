@@ -10,8 +10,8 @@ committed step's loss within RTOL of the (re-anchored) reference, the
 sample ledger exactly-once, every checkpoint left behind intact, no process
 of the run left over.
 
-``make test`` runs it once (386 s alone on a quiet host, 445 s inside a
-fresh-clone ``make test``, 2026-12-03; 395-482 s at load average 3-45; BENCHMARKS.md);
+``make test`` runs it once (214-445 s inside fresh-clone ``make test`` runs
+and 335 s alone, 2026-12-03; 395-482 s at load average 3-45; BENCHMARKS.md);
 ``make test-all`` adds the 30-minute soak of >= 50 faults of >= 8 classes.
 """
 

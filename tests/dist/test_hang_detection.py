@@ -23,9 +23,10 @@ from tests.launcher import finish, free_port, kill_group, read_metrics, spawn, w
 POLL_S = 0.25
 
 
-def watchdog_args(collective_s: int) -> list[str]:
+def watchdog_args(collective_s: int, heartbeat_s: int = 60) -> list[str]:
     return [f"watchdog.poll_s={POLL_S}", f"watchdog.collective_timeout_s={collective_s}",
-            "watchdog.step_timeout_s=120", "watchdog.data_wait_timeout_s=120"]
+            f"watchdog.heartbeat_timeout_s={heartbeat_s}", "watchdog.step_timeout_s=120",
+            "watchdog.data_wait_timeout_s=120"]
 
 
 def deadline_s(collective_s: int) -> float:
@@ -62,21 +63,23 @@ def _omni_run(out, *args: str, inject: tuple[str, ...] = (), launcher: tuple[str
             "logging.progress_bar=false", *args]
 
 
-def _check_named(stderr: str, group: str, collective_s: int) -> None:
+def _check_named(stderr: str, group: str, limit_s: int, setting: str = "collective_timeout_s") -> None:
     match = re.search(rf"watchdog: rank 1 \(replica group {group}, host \S+\) stuck in phase \S+ at step \d+ "
-                      rf"for ([\d.]+) s \(limit {collective_s} s; watchdog\.collective_timeout_s\)", stderr)
+                      rf"for ([\d.]+) s \(limit {limit_s} s; watchdog\.{setting}\)", stderr)
     assert match, f"no watchdog verdict naming rank 1 of {group}:\n{stderr[-4000:]}"
     # Counted from its last heartbeat or the peer's wait: over the limit, by at most about two polls.
-    assert collective_s <= float(match.group(1)) <= collective_s + 2 * POLL_S + 5.0, match.group(0)
+    assert limit_s <= float(match.group(1)) <= limit_s + 2 * POLL_S + 5.0, match.group(0)
     assert "killed rank 1" in stderr and f"exits with code {EXIT_HUNG}" in stderr
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
+    # The stopped rank's heartbeat stops: named at heartbeat_timeout_s (2 s), long before its peer's
+    # collective limit (60 s) would name it.
     out = tmp_path / "run"
     started = time.monotonic()
-    proc = spawn(_omni_run(out, *watchdog_args(2)), timeout=230)
+    proc = spawn(_omni_run(out, *watchdog_args(60, heartbeat_s=2)), timeout=230)
     try:
         wait_for_record(out, 1, proc, timeout=180)
         worker, stopped_at = _stop(proc.pid, 1)
@@ -86,7 +89,7 @@ def test_sigstopped_rank_is_named_and_the_job_exits_hung(tmp_path):
         kill_group(proc)
     print(f"\nstart to step 1: {stopped_at - started:.1f} s; SIGSTOP to exit {res.returncode}: {ended_s:.1f} s")
     assert res.returncode == EXIT_HUNG, res.stderr[-4000:]
-    _check_named(res.stderr, "job", 2)
+    _check_named(res.stderr, "job", 2, "heartbeat_timeout_s")
     assert "no checkpoint saved" in res.stderr
     assert ended_s <= deadline_s(2), ended_s
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE

@@ -171,6 +171,18 @@ def test_steps_lost_and_ettr():
     assert json.dumps(report.class_table([], {"kill_scheduler": "why"}))
 
 
+def test_stalls_are_split_among_the_faults_active_during_them():
+    # Commits every 0.1 s, then gaps of 10 s (faults 0 and 1 both active), 1 s (not a stall) and 4 s (none active).
+    times = [0.1 * i for i in range(11)] + [11.0, 11.1, 12.1, 16.1]
+    windows = [(0, 0.5, 12.0), (1, 5.0, 6.0), (2, 20.0, 30.0)]
+    stalled, unclaimed = report.stalls(times, typical=0.1, windows=windows)
+    assert stalled == pytest.approx({0: 9.9 / 2, 1: 9.9 / 2})
+    assert unclaimed == pytest.approx(3.9)
+    rows = report.class_table([{"kind": "kill_rank", "detected_s": 1.0, "recovered_s": 2.0, "steps_lost": 1,
+                                "stalled_s": 4.3}], {})
+    assert rows[0]["stalled_s"] == 4.3 and report.format_table(rows).endswith("| 1 | 4.3 |")
+
+
 def test_a_fall_back_to_a_checkpoint_counts_only_the_latest_epoch():
     """Epoch 0 committed ledger steps 0-1; every group was lost and epoch 1
     redid step 1 from the checkpoint (quorum ids start over): exactly-once
@@ -413,3 +425,25 @@ def test_reference_losses_and_ledger_come_from_the_covering_segment_only(tmp_pat
     runs.done.pop(Segment(3, 5))
     runs.finish(5, deadline_s=0)
     assert runs.problems == ["reference segment 3-5 did not run"]
+
+
+def test_the_reference_reads_a_copy_of_the_data_taken_before_any_fault(tmp_path):
+    """A reference segment started while ``shard_corrupt`` holds a shard bad would refuse it (two segments of the
+    2026-12-03 soak did): the fault-free reference reads a copy made when the run is set up."""
+    from megascale_omni.chaos.reference import Segment
+    from megascale_omni.chaos.run import ChaosConfig, ChaosRun
+
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    shard = data / "train" / "shard-000000.tar"
+    shard.write_bytes(b"good shard")
+    run = ChaosRun(ChaosConfig(run_dir=tmp_path / "run", data_dir=data, kinds=["kill_group"]))
+    try:
+        shard.write_bytes(b"corrupt")  # what shard_corrupt does to the job's data
+        argv = run._reference_argv(Segment(0, 500), tmp_path / "seg", None)
+    finally:
+        run.close()
+        run.unmount()
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("data.path=")]
+    assert paths == [str(tmp_path / "run" / "reference-data")]
+    assert (tmp_path / "run" / "reference-data" / "train" / "shard-000000.tar").read_bytes() == b"good shard"

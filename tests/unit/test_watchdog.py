@@ -136,6 +136,20 @@ def test_a_silent_peer_is_named_by_a_healthy_one():
     assert judge(me, [(beat(3, "exited"), 1e6)], CFG) is None
 
 
+def test_a_silent_peer_is_named_at_the_heartbeat_limit_without_waiting_out_the_collective_limit():
+    cfg = WatchdogConfig(step_timeout_s=100.0, collective_timeout_s=10.0, data_wait_timeout_s=20.0, poll_s=1.0,
+                         heartbeat_timeout_s=3.0)
+    me = beat(0, "grad-sync", in_phase_s=3.5)  # far below its own collective limit
+    peer = beat(1, "forward-backward", in_phase_s=0.2)
+    assert judge(me, [(peer, 2.9)], cfg) is None
+    verdict = judge(me, [(peer, 3.1)], cfg)
+    assert verdict.culprit.rank == 1 and verdict.silent and verdict.reporter == 0
+    assert (verdict.limit_s, verdict.setting) == (3.0, "watchdog.heartbeat_timeout_s")
+    # A live peer long in a phase is judged by that phase's limit, not by the heartbeat limit.
+    assert judge(beat(0, "forward-backward", in_phase_s=1.0), [(beat(1, "forward-backward", in_phase_s=50.0), 0.5)],
+                 cfg) is None
+
+
 def test_a_waiting_rank_names_the_peer_that_holds_it_up():
     me = beat(0, "grad-sync", in_phase_s=10.5)
     computing = beat(1, "forward-backward", in_phase_s=11.0, step=17)
@@ -265,7 +279,8 @@ def test_disabled_or_alone():
 
 
 # ----------------------------------------------------------------- settings
-@pytest.mark.parametrize("field", ["step_timeout_s", "collective_timeout_s", "data_wait_timeout_s", "poll_s"])
+@pytest.mark.parametrize("field", ["step_timeout_s", "collective_timeout_s", "data_wait_timeout_s",
+                                   "heartbeat_timeout_s", "poll_s"])
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
 def test_bad_settings_are_refused_with_one_line(field, value):
     with pytest.raises(ConfigError) as err:
@@ -277,6 +292,9 @@ def test_bad_settings_are_refused_with_one_line(field, value):
 def test_poll_must_be_below_every_limit_and_overrides_parse():
     with pytest.raises(ConfigError, match=r"watchdog.poll_s=5.0: must be below every watchdog limit"):
         WatchdogConfig(data_wait_timeout_s=5.0)
+    with pytest.raises(ConfigError, match=r"watchdog.heartbeat_timeout_s=2.0: must be at least 3 x "
+                                          r"watchdog.poll_s = 3 s"):
+        WatchdogConfig(poll_s=1.0, heartbeat_timeout_s=2.0)
     cfg = load_job_config(["watchdog.poll_s=0.5", "watchdog.collective_timeout_s=4"])
     assert (cfg.watchdog.poll_s, cfg.watchdog.collective_timeout_s) == (0.5, 4.0)
     with pytest.raises(ConfigError, match="watchdog.step_timeout_s"):
