@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import subprocess
@@ -178,10 +179,16 @@ class ChaosRun:
                                               cfg.python)
         # The reference is fault-free: it reads a copy of the data set taken before any fault, so a segment
         # started while a shard_corrupt fault holds a shard bad does not refuse it (the 2026-12-03 soak lost
-        # two segments so). Same bytes, so the same data digests as the job's checkpoints.
+        # two segments so). Same bytes, so the same data digests as the job's checkpoints. Hard links where
+        # the file system allows (no disk for a large --data set): shard_corrupt puts a new file at the
+        # shard's path (os.replace), so the link keeps the original bytes.
         reference_data = self.run_dir / "reference-data"
         shutil.rmtree(reference_data, ignore_errors=True)
-        shutil.copytree(cfg.data_dir, reference_data)
+        try:
+            shutil.copytree(cfg.data_dir, reference_data, copy_function=os.link)
+        except OSError:  # another file system (EXDEV) or no links there: a real copy
+            shutil.rmtree(reference_data, ignore_errors=True)
+            shutil.copytree(cfg.data_dir, reference_data)
         self.reference_overrides = [o for o in overrides if not o.startswith(("checkpoint.", "elastic.", "data.path="))]
         self.reference_overrides.append(f"data.path={reference_data}")
         self.progress = Progress()

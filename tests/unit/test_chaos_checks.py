@@ -439,7 +439,9 @@ def test_the_reference_reads_a_copy_of_the_data_taken_before_any_fault(tmp_path)
     shard.write_bytes(b"good shard")
     run = ChaosRun(ChaosConfig(run_dir=tmp_path / "run", data_dir=data, kinds=["kill_group"]))
     try:
-        shard.write_bytes(b"corrupt")  # what shard_corrupt does to the job's data
+        bad = shard.with_suffix(".bad")
+        bad.write_bytes(b"corrupt")
+        os.replace(bad, shard)  # what shard_corrupt does to the job's data: a new file at the shard's path
         argv = run._reference_argv(Segment(0, 500), tmp_path / "seg", None)
     finally:
         run.close()
